@@ -1,0 +1,29 @@
+"""dsched: spread one large batch of independent model evaluations over CPUs and GPUs, on Dask.
+
+Examples
+--------
+>>> import numpy as np, dsched
+>>> s = dsched.StaticHybridScheduler(["cpu"], batch_sizes=4)
+>>> dsched.dispatch(np.sqrt, np.arange(10.0), scheduler=s, mode="sync").shape
+(10,)
+"""
+
+from .cluster import LocalHybridCluster
+from .devices import Device, array_module, current_device, visible_gpus
+from .dispatch import ChunkRecord, RunReport, WorkDispatcher, dispatch
+from .errors import AggregateError, DispatchError, RecoverableError
+from .reduce import concat_reduce, derivative_reduce
+from .schedulers import DeviceStatus, SimpleScheduler, StaticHybridScheduler, WorkScheduler
+from .work import ArrayLoader, MappingLoader, SliceGenerator, WorkGenerator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Device", "current_device", "visible_gpus", "array_module",
+    "WorkScheduler", "DeviceStatus", "SimpleScheduler", "StaticHybridScheduler",
+    "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader",
+    "concat_reduce", "derivative_reduce",
+    "WorkDispatcher", "dispatch", "ChunkRecord", "RunReport",
+    "DispatchError", "RecoverableError", "AggregateError",
+    "LocalHybridCluster",
+]

@@ -1,0 +1,157 @@
+"""LocalHybridCluster: a Dask cluster on this machine with one worker per device."""
+
+from __future__ import annotations
+
+import logging
+
+from distributed import Nanny, Scheduler, SpecCluster, Worker
+
+from .devices import EMULATED_RESOURCE, Device, device_resource, parse_devices, visible_gpus
+
+__all__ = ["LocalHybridCluster"]
+
+
+def _rotated_visible_devices(ordinal: int, present: list[int]) -> str:
+    """dask-cuda's pinning: the worker's own GPU first, so it is CuPy's device 0 there."""
+    order = present[present.index(ordinal):] + present[: present.index(ordinal)]
+    return ",".join(map(str, order))
+
+
+class LocalHybridCluster(SpecCluster):
+    """One Dask worker per device: a CPU worker and one worker per GPU.
+
+    Each worker owns its device through the resource ``dsched-<device>`` (its
+    amount is the worker's thread count, so chunks never queue behind each
+    other on a thread they cannot have). GPU workers are pinned with
+    ``CUDA_VISIBLE_DEVICES`` as dask-cuda does, with dask-cuda's CPU-affinity
+    plugin when it is installed. Everything listens on loopback.
+
+    Parameters
+    ----------
+    devices : list of str or Device, optional
+        Defaults to the CPU plus every visible GPU.
+    emulate : bool
+        Allow CUDA devices that are not present: their workers compute with
+        NumPy on the CPU, claim the device, and advertise ``dsched-emulated``.
+        For testing placement and capacity only, never for measuring a GPU.
+    threads_per_worker : int
+        Chunks each device worker runs at once (2: one computes while the
+        other's data moves).
+    processes : bool, optional
+        Workers in their own processes (needed to pin real GPUs). Defaults
+        to True exactly when a real GPU is among the devices.
+    host : str
+        Address to listen on; loopback by default.
+    dashboard_address : str
+        The dashboard's address, ``None`` for no dashboard.
+
+    Examples
+    --------
+    >>> from distributed import Client
+    >>> with LocalHybridCluster(["cpu", "cuda:0"], emulate=True) as cluster:  # doctest: +SKIP
+    ...     client = Client(cluster)
+    """
+
+    def __init__(
+        self,
+        devices=None,
+        *,
+        emulate=False,
+        threads_per_worker=2,
+        processes=None,
+        host="127.0.0.1",
+        dashboard_address="127.0.0.1:8787",
+        memory_limit="auto",
+        scheduler_options=None,
+        worker_options=None,
+        silence_logs=logging.WARNING,
+        asynchronous=False,
+        **kwargs,
+    ):
+        present = [d.ordinal for d in visible_gpus()]
+        self.devices = parse_devices([Device("cpu")] + [Device(f"cuda:{i}") for i in present] if devices is None else devices)
+        if not self.devices:
+            raise ValueError("devices: at least one device is required, got none")
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"devices: duplicate device in {[str(d) for d in self.devices]}")
+        if isinstance(threads_per_worker, bool) or not isinstance(threads_per_worker, int) or threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker: expected an integer >= 1, got {threads_per_worker!r}")
+        self.emulated = {}
+        for device in self.devices:
+            missing = device.is_cuda and device.ordinal not in present
+            if missing and not emulate:
+                raise ValueError(
+                    f"devices: {device} is not present on this machine (visible GPUs: "
+                    f"{', '.join(f'cuda:{i}' for i in present) or 'none'}); pass emulate=True to emulate it"
+                )
+            self.emulated[device] = missing
+        if processes is None:
+            processes = any(d.is_cuda and not self.emulated[d] for d in self.devices)
+        if not processes and sum(d.is_cuda and not self.emulated[d] for d in self.devices) > 0:
+            logging.getLogger(__name__).info("real GPUs in one process: each chunk selects its GPU with CuPy")
+
+        scheduler = {
+            "cls": Scheduler,
+            "options": {
+                "host": host,
+                "dashboard_address": dashboard_address,
+                "dashboard": dashboard_address is not None,
+                **(scheduler_options or {}),
+            },
+        }
+        workers = {
+            str(device): self._worker_spec(
+                device, threads_per_worker, processes, host, memory_limit, present, worker_options or {}
+            )
+            for device in self.devices
+        }
+        super().__init__(
+            workers=workers,
+            scheduler=scheduler,
+            silence_logs=silence_logs,
+            asynchronous=asynchronous,
+            name="LocalHybridCluster",
+            **kwargs,
+        )
+
+    def _worker_spec(self, device, threads, processes, host, memory_limit, present, extra):
+        resources = {device_resource(device): threads}
+        if self.emulated[device]:
+            resources[EMULATED_RESOURCE] = 1
+        options = {
+            "nthreads": threads,
+            "resources": resources,
+            "name": str(device),
+            "host": host,
+            "memory_limit": memory_limit,
+            "dashboard": False,
+            **extra,
+        }
+        if not processes:
+            return {"cls": Worker, "options": options}
+        if device.is_cuda and not self.emulated[device]:
+            options["env"] = {"CUDA_VISIBLE_DEVICES": _rotated_visible_devices(device.ordinal, present)}
+            options.setdefault("plugins", set()).update(_cuda_worker_plugins(device.ordinal))
+        else:
+            options["env"] = {"CUDA_VISIBLE_DEVICES": ""}  # CPU and emulated workers must not grab a GPU
+        return {"cls": Nanny, "options": options}
+
+    @property
+    def device_workers(self) -> dict:
+        """``{Device: worker name}``; workers are named after their device."""
+        return {d: str(d) for d in self.devices}
+
+    def __repr__(self):
+        parts = ", ".join(f"{d}{' (emulated)' if self.emulated[d] else ''}" for d in self.devices)
+        return f"LocalHybridCluster({parts}, scheduler={self.scheduler_address!r})"
+
+
+def _cuda_worker_plugins(ordinal: int) -> set:
+    """dask-cuda's CPU-affinity plugin for a GPU worker, when dask-cuda is installed."""
+    try:
+        from dask_cuda.plugins import CPUAffinity
+        from dask_cuda.utils import get_cpu_affinity
+
+        return {CPUAffinity(get_cpu_affinity(ordinal))}
+    except Exception:  # not installed, or no NVML: affinity is an optimisation, not a need
+        return set()

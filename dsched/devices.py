@@ -1,0 +1,264 @@
+"""Devices: naming, discovery, and the array module that computes on each.
+
+A :class:`Device` is ``cpu``, ``cuda`` (the current CUDA device) or ``cuda:N``.
+A Dask worker *owns* a device when it advertises the resource
+``device_resource(device)`` (``"dsched-cuda:0"`` and so on); emulated CUDA
+workers also advertise ``EMULATED_RESOURCE``. Chunks request their device's
+resource, so they run on an owning worker and nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import re
+
+import numpy as np
+
+__all__ = [
+    "Device",
+    "current_device",
+    "visible_gpus",
+    "array_module",
+    "to_device",
+    "to_host",
+    "device_resource",
+    "EMULATED_RESOURCE",
+]
+
+_PATTERN = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+RESOURCE_PREFIX = "dsched-"
+EMULATED_RESOURCE = "dsched-emulated"
+
+
+class Device:
+    """A compute device: ``Device("cpu")``, ``Device("cuda")`` or ``Device("cuda:1")``.
+
+    Examples
+    --------
+    >>> d = Device("cuda:1")
+    >>> d.type, d.index, str(d)
+    ('cuda', 1, 'cuda:1')
+    >>> Device(d) == Device("cuda:1")
+    True
+    """
+
+    __slots__ = ("type", "index")
+
+    def __init__(self, spec):
+        if isinstance(spec, Device):
+            self.type, self.index = spec.type, spec.index
+            return
+        if not isinstance(spec, str):
+            raise ValueError(f"device: expected a string like 'cpu' or 'cuda:0', got {spec!r}")
+        match = _PATTERN.match(spec.strip())
+        if match is None or (match.group(1) == "cpu" and match.group(2) is not None):
+            raise ValueError(
+                f"device: {spec!r} is not a device; expected 'cpu', 'cuda' or 'cuda:N' with N >= 0"
+            )
+        self.type = match.group(1)
+        self.index = int(match.group(2)) if match.group(2) is not None else None
+
+    def __str__(self):
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+    def __repr__(self):
+        return f"Device({str(self)!r})"
+
+    def __eq__(self, other):
+        if isinstance(other, str):
+            try:
+                other = Device(other)
+            except ValueError:
+                return NotImplemented
+        if not isinstance(other, Device):
+            return NotImplemented
+        return (self.type, self.index) == (other.type, other.index)
+
+    def __hash__(self):
+        return hash((self.type, self.index))
+
+    def __reduce__(self):
+        return (Device, (str(self),))
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.type == "cuda"
+
+    @property
+    def ordinal(self) -> int:
+        """The CUDA index, a bare ``cuda`` meaning device 0 (as CuPy and PyTorch do)."""
+        return 0 if self.index is None else self.index
+
+
+def parse_devices(devices, field="devices") -> list[Device]:
+    """Turn a list of device specs into Devices, rejecting a bare ``cuda`` next to ``cuda:N``."""
+    if isinstance(devices, (str, Device)):
+        devices = [devices]
+    try:
+        parsed = [Device(d) for d in devices]
+    except ValueError as err:
+        raise ValueError(f"{field}: {err}") from None
+    bare = any(d.is_cuda and d.index is None for d in parsed)
+    indexed = [str(d) for d in parsed if d.is_cuda and d.index is not None]
+    if bare and indexed:
+        raise ValueError(
+            f"{field}: a bare 'cuda' next to {', '.join(indexed)} is ambiguous (it could alias one of them)"
+        )
+    return parsed
+
+
+def placement_device(device) -> Device:
+    """The device a chunk is placed on: a bare ``cuda`` means ``cuda:0``."""
+    device = Device(device)
+    return Device(f"cuda:{device.ordinal}") if device.is_cuda else device
+
+
+def device_resource(device) -> str:
+    """The Dask resource a worker advertises to own ``device``.
+
+    Examples
+    --------
+    >>> device_resource("cuda")
+    'dsched-cuda:0'
+    """
+    return f"{RESOURCE_PREFIX}{placement_device(device)}"
+
+
+def device_of_resources(resources) -> Device | None:
+    """The device a worker owns, read from its resources (``None`` if it owns none)."""
+    for name in resources or ():
+        if name.startswith(RESOURCE_PREFIX) and name != EMULATED_RESOURCE:
+            return Device(name[len(RESOURCE_PREFIX):])
+    return None
+
+
+# --- where code is running -------------------------------------------------
+
+_chunk_device: contextvars.ContextVar[Device | None] = contextvars.ContextVar(
+    "dsched_chunk_device", default=None
+)
+
+
+@contextlib.contextmanager
+def running_on(device):
+    """Mark the code inside as a chunk placed on ``device`` (read by :func:`current_device`)."""
+    token = _chunk_device.set(None if device is None else Device(device))
+    try:
+        yield
+    finally:
+        _chunk_device.reset(token)
+
+
+def current_device() -> Device | None:
+    """The device the running chunk was placed on.
+
+    In any other task on a worker that owns a device, that worker's device;
+    elsewhere ``None``.
+    """
+    device = _chunk_device.get()
+    if device is not None:
+        return device
+    worker = _current_worker()
+    return None if worker is None else worker_device(worker)
+
+
+def _current_worker():
+    try:
+        from distributed import get_worker
+
+        return get_worker()
+    except (ImportError, ValueError):
+        return None
+
+
+def worker_device(worker) -> Device | None:
+    """The device a Dask worker owns, or ``None``."""
+    return device_of_resources(worker.state.total_resources)
+
+
+def worker_is_emulated(worker) -> bool:
+    return EMULATED_RESOURCE in (worker.state.total_resources or {})
+
+
+def is_emulated_here() -> bool:
+    """Whether the code runs on an emulated CUDA worker (which computes with NumPy)."""
+    worker = _current_worker()
+    return worker is not None and worker_is_emulated(worker)
+
+
+# --- discovery and array modules -------------------------------------------
+
+def visible_gpus() -> list[Device]:
+    """The CUDA devices this process can see, through CuPy or NVML; none if neither is installed."""
+    count = 0
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no CuPy, no driver, or no device: all mean "none visible"
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if visible is not None:
+                count = min(count, len([v for v in visible.split(",") if v.strip()]))
+        except Exception:
+            count = 0
+    return [Device(f"cuda:{i}") for i in range(count)]
+
+
+def cuda_local_ordinal(device) -> int:
+    """The CuPy device number of ``device`` in this process.
+
+    Workers pinned through ``CUDA_VISIBLE_DEVICES`` see their GPU under
+    another number (dask-cuda rotates the list so it is 0).
+    """
+    device = Device(device)
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if str(device.ordinal) in visible:
+        return visible.index(str(device.ordinal))
+    return device.ordinal
+
+
+def array_module(device=None):
+    """NumPy for the CPU and emulated devices, CuPy for a real CUDA device.
+
+    Examples
+    --------
+    >>> array_module("cpu").__name__
+    'numpy'
+    """
+    device = current_device() if device is None else Device(device)
+    if device is None or device.type == "cpu" or is_emulated_here():
+        return np
+    import cupy  # a real CUDA device without CuPy is a setup error worth seeing
+
+    return cupy
+
+
+def to_device(x, device=None):
+    """Copy an array, or a tuple/list/dict of them, to ``device``'s memory."""
+    xp = array_module(device)
+    if xp is np:
+        return _map_arrays(lambda a: a, x)
+    with xp.cuda.Device(cuda_local_ordinal(device or current_device())):
+        return _map_arrays(xp.asarray, x)
+
+
+def to_host(x):
+    """Copy a CuPy array (or a container of them) back to a NumPy array."""
+    return _map_arrays(lambda a: a.get() if hasattr(a, "__cuda_array_interface__") else a, x)
+
+
+def _map_arrays(fn, x):
+    if isinstance(x, dict):
+        return {k: _map_arrays(fn, v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map_arrays(fn, v) for v in x)
+    if hasattr(x, "__array__") or hasattr(x, "__cuda_array_interface__"):
+        return fn(x)
+    return x

@@ -1,0 +1,526 @@
+"""WorkDispatcher and ``dispatch()``: drive a scheduling policy over a batch.
+
+The protocol is NEML2's: ask the scheduler for ``(device, n)``, take ``n``
+items from the generator, send the chunk, record it with
+``dispatched_work``, and ``completed_work`` when it is done. In async mode
+the chunks run on the Dask workers that own their devices; the client keeps
+the load accounting, because Dask resources only limit execution on a
+worker, not assignment to it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import queue
+import threading
+import time
+import uuid
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .devices import Device, device_of_resources, placement_device, running_on, to_device, to_host, device_resource
+from .errors import AggregateError
+from .reduce import concat_reduce
+from .work import MappingLoader
+
+__all__ = ["WorkDispatcher", "dispatch", "ChunkRecord", "RunReport"]
+
+MODES = ("sync", "async")
+
+
+@dataclass
+class ChunkRecord:
+    """What happened to one chunk: where it ran, how big it was, and when (epoch seconds)."""
+
+    index: int
+    device: Device
+    size: int
+    worker: str | None = None
+    start: float = 0.0
+    stop: float = 0.0
+    error: BaseException | None = None
+
+    @property
+    def duration(self) -> float:
+        return self.stop - self.start
+
+
+@dataclass
+class RunReport:
+    """The last run of a dispatcher: per-chunk records and results in dispatch order.
+
+    After a failed run, ``results`` still holds every finished chunk's result
+    (``None`` where the chunk failed), so no finished work is lost.
+    """
+
+    mode: str
+    records: list = field(default_factory=list)
+    results: list = field(default_factory=list)
+    wall_start: float = 0.0
+    wall_stop: float = 0.0
+
+    @property
+    def wall_time(self) -> float:
+        return self.wall_stop - self.wall_start
+
+    @property
+    def items(self) -> int:
+        return sum(r.size for r in self.records if r.error is None)
+
+    def by_device(self) -> dict:
+        """Per device: chunks, items, busy seconds and items per busy second."""
+        table = {}
+        for r in self.records:
+            row = table.setdefault(r.device, {"chunks": 0, "items": 0, "busy": 0.0, "worker": r.worker})
+            row["chunks"] += 1
+            row["items"] += r.size
+            row["busy"] += r.duration
+        for row in table.values():
+            row["items_per_s"] = row["items"] / row["busy"] if row["busy"] > 0 else float("nan")
+        return table
+
+
+@dataclass(frozen=True)
+class _ChunkProgram:
+    """Everything a worker needs to run a chunk; shipped with each chunk."""
+
+    dispatcher_id: str
+    do_work: object
+    preprocess: object = None
+    postprocess: object = None
+    thread_init: object = None
+
+    def run(self, device, work):
+        with running_on(device):
+            if self.preprocess is not None:
+                work = self.preprocess(work, device)
+            result = self.do_work(work, device)
+            if self.postprocess is not None:
+                result = self.postprocess(result)
+        return result
+
+
+_init_registry_lock = threading.Lock()
+
+
+class _InitOnce:
+    """Runs a dispatcher's ``thread_init`` once per device on one worker."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.done = False
+
+    def __call__(self, fn, device):
+        with self.lock:  # a second chunk waits until the first has initialised the device
+            if not self.done:
+                with running_on(device):
+                    fn(device)  # on failure ``done`` stays False, so the next chunk tries again
+                self.done = True
+
+
+def _run_chunk(program: _ChunkProgram, device: Device, work):
+    """The task that runs on a device worker: initialise once, then compute one chunk."""
+    from distributed import get_worker
+
+    worker = get_worker()
+    if program.thread_init is not None:
+        with _init_registry_lock:
+            registry = worker.__dict__.setdefault("_dsched_thread_init", {})
+            once = registry.setdefault((program.dispatcher_id, device), _InitOnce())
+        once(program.thread_init, device)
+    start = time.time()
+    result = program.run(device, work)
+    return result, worker.address, start, time.time()
+
+
+class WorkDispatcher:
+    """Run ``do_work`` over a batch, chunk by chunk, on the scheduler's devices.
+
+    Parameters
+    ----------
+    scheduler : WorkScheduler
+        The policy choosing each chunk's device and size.
+    do_work : callable
+        ``do_work(work, device) -> result``.
+    reduce : callable, optional
+        ``reduce(list_of_results)``; without it ``run`` returns the list in dispatch order.
+    preprocess, postprocess : callable, optional
+        ``preprocess(work, device) -> work`` and ``postprocess(result) -> result``; they run
+        where the chunk runs (copy to the GPU and back, say).
+    thread_init : callable, optional
+        ``thread_init(device)``, run once per device before its first chunk.
+    mode : {"async", "sync"}
+        ``"sync"`` runs every chunk on the calling thread without load accounting (as NEML2);
+        ``"async"`` keeps each device at its capacity on a Dask cluster.
+    client : distributed.Client, optional
+        Defaults to the current client; with none, a :class:`LocalHybridCluster` over the
+        scheduler's devices starts on the first async run and closes with the dispatcher.
+    cluster_options : dict, optional
+        Keyword arguments for that cluster (``emulate=True``, say).
+    on_chunk_done : callable, optional
+        Called on the calling thread with each finished :class:`ChunkRecord` (progress bars).
+
+    Examples
+    --------
+    >>> from dsched import SimpleScheduler, SliceGenerator
+    >>> d = WorkDispatcher(SimpleScheduler("cpu", 4), lambda w, dev: w.stop - w.start, mode="sync")
+    >>> d.run(SliceGenerator(0, 10))
+    [4, 4, 2]
+    """
+
+    def __init__(
+        self,
+        scheduler,
+        do_work,
+        *,
+        reduce=None,
+        preprocess=None,
+        postprocess=None,
+        thread_init=None,
+        mode="async",
+        client=None,
+        cluster_options=None,
+        on_chunk_done=None,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode: expected 'sync' or 'async', got {mode!r}")
+        for name, fn in [("do_work", do_work), ("reduce", reduce), ("preprocess", preprocess),
+                         ("postprocess", postprocess), ("thread_init", thread_init), ("on_chunk_done", on_chunk_done)]:
+            if fn is not None and not callable(fn):
+                raise ValueError(f"{name}: expected a callable, got {fn!r}")
+        if do_work is None:
+            raise ValueError("do_work: the do-work function is not set")
+        self.scheduler = scheduler
+        self.reduce = reduce
+        self.mode = mode
+        self.on_chunk_done = on_chunk_done
+        self._program = _ChunkProgram(uuid.uuid4().hex, do_work, preprocess, postprocess, thread_init)
+        self._client = client
+        self._cluster_options = dict(cluster_options or {})
+        self._own_cluster = None
+        self._own_client = None
+        self._runs = itertools.count()
+        self._initialised_sync = set()
+        self.last_run: RunReport | None = None
+
+    # --- lifecycle -----------------------------------------------------------
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Close the cluster this dispatcher started, if any."""
+        client, cluster = self._own_client, self._own_cluster
+        self._own_client = self._own_cluster = None
+        if client is not None:
+            client.close()
+        if cluster is not None:
+            cluster.close()
+
+    @property
+    def client(self):
+        """The Dask client async runs use (started on first use if there is none)."""
+        if self._client is not None:
+            return self._client
+        if self._own_client is not None:
+            return self._own_client
+        try:
+            from distributed import default_client
+
+            return default_client()
+        except ValueError:
+            pass
+        from distributed import Client
+
+        from .cluster import LocalHybridCluster
+
+        self._own_cluster = LocalHybridCluster(self.scheduler.devices, **self._cluster_options)
+        self._own_client = Client(self._own_cluster)
+        _close_at_exit(self)
+        return self._own_client
+
+    # --- running -------------------------------------------------------------
+
+    def run(self, generator):
+        """Dispatch every item of ``generator``; the results in dispatch order, or ``reduce`` of them."""
+        self.last_run = report = RunReport(self.mode, wall_start=time.time())
+        try:
+            if self.mode == "sync":
+                self._run_sync(generator, report)
+            else:
+                self._run_async(generator, report)
+        finally:
+            report.wall_stop = time.time()
+        errors = [r.error for r in report.records if r.error is not None]
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise AggregateError(errors)
+        return report.results if self.reduce is None else self.reduce(report.results)
+
+    def _next_chunk(self, generator):
+        choice = self.scheduler.schedule_work()
+        if choice is None:
+            return None
+        device, n = choice
+        if n < 1:
+            raise RuntimeError(f"Scheduler returned a batch size of {n} for {device}")
+        m, work = generator.next(n)
+        return Device(device), m, work
+
+    def _run_sync(self, generator, report):
+        program, records, results = self._program, report.records, report.results
+        while generator.has_more():
+            chunk = self._next_chunk(generator)
+            if chunk is None:  # unreachable with validated schedulers: zero load always has room
+                raise RuntimeError(f"{self.scheduler!r} has no room at zero load")
+            device, m, work = chunk
+            if program.thread_init is not None and device not in self._initialised_sync:
+                with running_on(device):
+                    program.thread_init(device)
+                self._initialised_sync.add(device)
+            record = ChunkRecord(len(records), device, m, None, time.time())
+            records.append(record)
+            results.append(None)
+            try:
+                results[-1] = program.run(device, work)
+            except Exception as err:
+                record.error = err
+                break
+            finally:
+                record.stop = time.time()
+            if self.on_chunk_done is not None:
+                self.on_chunk_done(record)
+
+    def _run_async(self, generator, report):
+        client = self.client
+        check_devices_owned(client, self.scheduler.devices)
+        run_id = f"dsched-{self._program.dispatcher_id[:8]}-{next(self._runs)}"
+        done = queue.Queue()  # futures land here from Dask's callback thread
+        in_flight = {}  # future key -> (record, future)
+        futures = []
+        failed = False
+        try:
+            while True:
+                groups = defaultdict(list)
+                while not failed and generator.has_more():
+                    chunk = self._next_chunk(generator)
+                    if chunk is None:
+                        break
+                    device, m, work = chunk
+                    self.scheduler.dispatched_work(device, m)
+                    record = ChunkRecord(len(report.records), device, m)
+                    report.records.append(record)
+                    report.results.append(None)
+                    futures.append(None)
+                    groups[device].append((record, work))
+                for device, chunks in groups.items():
+                    self._submit(client, run_id, device, chunks, in_flight, futures, done)
+                if not in_flight:
+                    break
+                future = _wait_for_one(done, in_flight, client, self.scheduler.devices)
+                while future is not None:
+                    failed |= self._complete(future, in_flight)
+                    try:
+                        future = done.get_nowait()
+                    except queue.Empty:
+                        future = None
+        except BaseException:
+            # Interrupted: nothing more will be collected, so give the loads back.
+            for record, future in list(in_flight.values()):
+                future.cancel()
+                self.scheduler.completed_work(record.device, record.size)
+            in_flight.clear()
+            raise
+        self._gather(client, report, futures)
+
+    def _submit(self, client, run_id, device, chunks, in_flight, futures, done):
+        keys = [f"{run_id}-{record.index}" for record, _ in chunks]
+        batch = client.map(
+            _run_chunk,
+            [self._program] * len(chunks),
+            [device] * len(chunks),
+            [work for _, work in chunks],
+            key=keys,
+            resources={device_resource(device): 1},
+            pure=False,
+        )
+        for (record, _), future in zip(chunks, batch):
+            in_flight[future.key] = (record, future)
+            futures[record.index] = future
+            future.add_done_callback(done.put)
+
+    def _complete(self, future, in_flight) -> bool:
+        """Account for one finished future; whether it failed."""
+        entry = in_flight.pop(future.key, None)
+        if entry is None:
+            return False
+        record, _ = entry
+        self.scheduler.completed_work(record.device, record.size)
+        if future.status == "finished":
+            if self.on_chunk_done is not None:
+                self.on_chunk_done(record)
+            return False
+        try:
+            record.error = future.exception()
+        except BaseException as err:  # a cancelled future raises instead of returning
+            record.error = err
+        if record.error is None:
+            record.error = RuntimeError(f"chunk {record.index} on {record.device} ended as {future.status}")
+        return True
+
+    def _gather(self, client, report, futures):
+        good = [i for i, r in enumerate(report.records) if r.error is None]
+        outputs = client.gather([futures[i] for i in good]) if good else []
+        for i, (result, worker, start, stop) in zip(good, outputs):
+            record = report.records[i]
+            record.worker, record.start, record.stop = worker, start, stop
+            report.results[i] = result
+        for future in futures:
+            if future is not None:
+                future.release()
+
+
+def _wait_for_one(done, in_flight, client, devices, poll=1.0):
+    """The next finished future; raises if a device with chunks in flight lost every worker."""
+    lost_since = None
+    while True:
+        try:
+            return done.get(timeout=poll)
+        except queue.Empty:
+            pass
+        busy = {record.device for record, _ in in_flight.values()}
+        owned = owned_devices(client)
+        orphaned = sorted(str(d) for d in busy if placement_device(d) not in owned)
+        if not orphaned:
+            lost_since = None
+            continue
+        lost_since = lost_since or time.monotonic()
+        from dask import config
+
+        grace = config.get("dsched.lost-device-timeout", 30.0)
+        if time.monotonic() - lost_since > grace:
+            for record, future in in_flight.values():
+                if str(record.device) in orphaned:
+                    future.cancel()
+            raise RuntimeError(
+                f"no worker owns {', '.join(orphaned)} any more (lost for over {grace:g} s); "
+                "their chunks were cancelled"
+            )
+
+
+def owned_devices(client) -> dict:
+    """``{Device: [worker addresses]}`` for the devices the cluster's workers own."""
+    owners = defaultdict(list)
+    for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
+        device = device_of_resources(info.get("resources"))
+        if device is not None:
+            owners[device].append(address)
+    return dict(owners)
+
+
+def check_devices_owned(client, devices):
+    """A ValueError naming any device no worker of the cluster owns."""
+    owned = owned_devices(client)
+    missing = [str(d) for d in devices if placement_device(d) not in owned]
+    if missing:
+        have = ", ".join(sorted(map(str, owned))) or "none"
+        raise ValueError(
+            f"devices: no worker of the cluster owns {', '.join(missing)} (owned devices: {have}); "
+            "start one with LocalHybridCluster or `dask worker --resources dsched-<device>=2`"
+        )
+
+
+_to_close = weakref.WeakSet()
+
+
+def _close_at_exit(dispatcher):
+    _to_close.add(dispatcher)
+
+
+@atexit.register
+def _close_all():
+    for dispatcher in list(_to_close):
+        try:
+            dispatcher.close()
+        except Exception:
+            pass
+
+
+# --- the one-call form ------------------------------------------------------
+
+def _is_array(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+class _ArgsLayout:
+    """Flattens ``args`` into a mapping of batched entries and rebuilds them per chunk."""
+
+    def __init__(self, args):
+        self.args = args
+        self.mapping = {}
+        for i, arg in enumerate(args):
+            if _is_array(arg):
+                self.mapping[f"args[{i}]"] = arg
+            elif isinstance(arg, dict) and arg and all(_is_array(v) for v in arg.values()):
+                for k, v in arg.items():
+                    self.mapping[f"args[{i}][{k!r}]"] = v
+
+    def rebuild(self, chunk):
+        out = []
+        for i, arg in enumerate(self.args):
+            if _is_array(arg):
+                out.append(chunk[f"args[{i}]"])
+            elif isinstance(arg, dict) and arg and all(_is_array(v) for v in arg.values()):
+                out.append({k: chunk[f"args[{i}][{k!r}]"] for k in arg})
+            else:
+                out.append(arg)
+        return out
+
+
+class _CallOnChunk:
+    """``do_work`` for :func:`dispatch`: calls ``fn`` on the rebuilt, device-resident arguments."""
+
+    def __init__(self, fn, layout, kwargs):
+        self.fn, self.layout, self.kwargs = fn, layout, kwargs
+
+    def __call__(self, chunk, device):
+        args = self.layout.rebuild(to_device(chunk, device))
+        return to_host(self.fn(*args, **self.kwargs))
+
+
+def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, **kwargs):
+    """Evaluate ``fn`` over a batch split along ``axis`` by ``scheduler``; the joined result.
+
+    Arrays and dicts of arrays in ``args`` are split (entries of size 1 along
+    ``axis`` go whole into every chunk); other arguments and ``kwargs`` pass
+    unchanged. ``fn`` returns an array, a tuple or a dict of arrays, joined
+    along ``axis`` in order. On a CUDA device the chunk is moved there (CuPy)
+    before ``fn`` and the result back to host memory after.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from dsched import SimpleScheduler
+    >>> dispatch(np.square, np.arange(5.0), scheduler=SimpleScheduler("cpu", 2), mode="sync").tolist()
+    [0.0, 1.0, 4.0, 9.0, 16.0]
+    """
+    layout = _ArgsLayout(args)
+    if not layout.mapping:
+        raise ValueError("args: dispatch needs at least one array (or dict of arrays) to split")
+    loader = MappingLoader(layout.mapping, axis=axis)
+    dispatcher = WorkDispatcher(
+        scheduler,
+        _CallOnChunk(fn, layout, kwargs),
+        reduce=lambda results: concat_reduce(results, axis=axis),
+        mode=mode,
+        client=client,
+    )
+    with dispatcher:
+        return dispatcher.run(loader)
+

@@ -1,0 +1,52 @@
+"""Errors raised by dispatching.
+
+``DispatchError`` is the base of dsched's own errors. A failure a caller may
+retry (a Newton solve that did not converge, say) is a ``RecoverableError``;
+when several chunks fail at once they are collected in an ``AggregateError``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DispatchError", "RecoverableError", "AggregateError"]
+
+
+class DispatchError(Exception):
+    """Base class of dsched's errors; ``recoverable`` tells whether a retry may succeed."""
+
+    recoverable = False
+
+
+class RecoverableError(DispatchError):
+    """Raise (or subclass) this in user code for failures worth retrying.
+
+    Examples
+    --------
+    >>> def do_work(work, device):
+    ...     raise RecoverableError("Newton solve did not converge")
+    """
+
+    recoverable = True
+
+
+class AggregateError(DispatchError):
+    """Several chunks failed; ``errors`` lists them in dispatch order.
+
+    ``recoverable`` is true only if every one of them is.
+    """
+
+    def __init__(self, errors):
+        self.errors = list(errors)
+        lines = [f"{len(self.errors)} concurrent dispatches failed:"]
+        for i, err in enumerate(self.errors):
+            kind = "recoverable" if is_recoverable(err) else "fatal"
+            lines.append(f"[{i}] ({kind}) {type(err).__name__}: {err}")
+        super().__init__("\n".join(lines))
+
+    @property
+    def recoverable(self):
+        return all(is_recoverable(e) for e in self.errors)
+
+
+def is_recoverable(error: BaseException) -> bool:
+    """Whether ``error`` is one a caller may retry (foreign errors are fatal)."""
+    return bool(getattr(error, "recoverable", False)) if isinstance(error, DispatchError) else False

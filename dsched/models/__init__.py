@@ -1,0 +1,52 @@
+"""Material models that the example jobs run, by name.
+
+Each entry of :data:`MODELS` is a :class:`Model`: its ``chunk`` is a job's
+``do_work``, called as ``chunk(work_slice, device)``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from .j2 import J2Parameters, j2_chunk, j2_update, loading_strain
+
+__all__ = [
+    "J2Parameters",
+    "j2_update",
+    "j2_chunk",
+    "loading_strain",
+    "Model",
+    "MODELS",
+    "get_model",
+]
+
+
+class Model(NamedTuple):
+    """A registered model: its do_work, its parameter type and a one-line description."""
+
+    chunk: Callable
+    parameters_type: type
+    description: str
+
+
+MODELS = {
+    "j2": Model(
+        chunk=j2_chunk,
+        parameters_type=J2Parameters,
+        description="small-strain J2 plasticity, radial return with linear isotropic hardening",
+    ),
+}
+
+
+def get_model(name):
+    """The :class:`Model` registered as ``name``.
+
+    Raises
+    ------
+    ValueError
+        If no model has that name.
+    """
+    try:
+        return MODELS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"model: unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None

@@ -1,0 +1,7 @@
+"""Scheduling policies: which device takes the next chunk, and how big it is."""
+
+from .base import DeviceStatus, WorkScheduler
+from .hybrid import StaticHybridScheduler
+from .simple import SimpleScheduler
+
+__all__ = ["WorkScheduler", "DeviceStatus", "SimpleScheduler", "StaticHybridScheduler"]

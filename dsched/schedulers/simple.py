@@ -1,0 +1,54 @@
+"""SimpleScheduler: one device, fixed sub-batch size, a capacity of items in flight."""
+
+from __future__ import annotations
+
+from ..devices import Device
+from .base import DeviceStatus, WorkScheduler, check_positive_int
+
+__all__ = ["SimpleScheduler"]
+
+
+class SimpleScheduler(WorkScheduler):
+    """Dispatch work to a single device in chunks of ``batch_size``.
+
+    Parameters
+    ----------
+    device : str or Device
+    batch_size : int
+        Items per chunk (the last chunk may be shorter), at least 1.
+    capacity : int, optional
+        Items in flight on the device; defaults to ``batch_size`` (one chunk at a
+        time). ``capacity = 2 * batch_size`` overlaps one chunk's transfers with
+        another's compute.
+
+    Examples
+    --------
+    >>> s = SimpleScheduler("cpu", batch_size=8, capacity=16)
+    >>> s.schedule_work()
+    (Device('cpu'), 8)
+    """
+
+    def __init__(self, device, batch_size, capacity=None):
+        if isinstance(device, (list, tuple)):
+            raise ValueError(f"device: SimpleScheduler takes one device, got {[str(d) for d in device]}")
+        try:
+            device = Device(device)
+        except ValueError as err:
+            raise ValueError(f"device: {err}") from None
+        batch_size = check_positive_int(batch_size, "batch_size")
+        capacity = batch_size if capacity is None else check_positive_int(capacity, "capacity")
+        if capacity < batch_size:
+            raise ValueError(f"capacity: {capacity} is below batch_size {batch_size}")
+        super().__init__([DeviceStatus(device, batch_size, capacity)])
+
+    @property
+    def device(self) -> Device:
+        return self._status[0].device
+
+    @property
+    def batch_size(self) -> int:
+        return self._status[0].batch_size
+
+    @property
+    def capacity(self) -> int:
+        return self._status[0].capacity

@@ -1,0 +1,128 @@
+"""Work generators: cut a batch into chunks of the size the scheduler asks for.
+
+Each generator has ``total``, ``offset``, ``has_more()`` and ``next(n)``,
+which returns ``(m, work)`` with ``m <= n`` (the last chunk is short).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+__all__ = ["WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader"]
+
+
+class WorkGenerator(ABC):
+    """A batch of ``total`` items handed out front to back."""
+
+    def __init__(self, total: int):
+        self.total = int(total)
+        self.offset = 0
+
+    def has_more(self) -> bool:
+        return self.offset < self.total
+
+    def next(self, n: int):
+        """The next ``(m, work)`` of at most ``n`` items."""
+        if isinstance(n, bool) or int(n) != n or n < 1:
+            raise ValueError(f"n: a chunk needs at least one item, got {n!r}")
+        if not self.has_more():
+            raise RuntimeError(f"{type(self).__name__} is exhausted ({self.total} items handed out)")
+        m = min(int(n), self.total - self.offset)
+        work = self._take(self.offset, self.offset + m)
+        self.offset += m
+        return m, work
+
+    @abstractmethod
+    def _take(self, start: int, stop: int):
+        """The work for items ``start:stop`` of the batch."""
+
+    def __repr__(self):
+        return f"{type(self).__name__}(total={self.total}, offset={self.offset})"
+
+
+class SliceGenerator(WorkGenerator):
+    """Hands out ``slice`` objects over ``range(start, stop)``.
+
+    Examples
+    --------
+    >>> g = SliceGenerator(0, 10)
+    >>> [g.next(4) for _ in range(3)]
+    [(4, slice(0, 4, None)), (4, slice(4, 8, None)), (2, slice(8, 10, None))]
+    """
+
+    def __init__(self, start: int, stop: int):
+        if not start < stop:
+            raise ValueError(f"SliceGenerator: expected start < stop, got start={start}, stop={stop}")
+        super().__init__(stop - start)
+        self.start = int(start)
+
+    def _take(self, start, stop):
+        return slice(self.start + start, self.start + stop)
+
+
+def _index(axis: int, start: int, stop: int):
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+class ArrayLoader(WorkGenerator):
+    """Hands out slices of one array along ``axis`` (NumPy, CuPy, or anything sliceable)."""
+
+    def __init__(self, array, axis: int = 0):
+        ndim = len(getattr(array, "shape", ()))
+        if not 0 <= axis < ndim:
+            raise ValueError(f"axis: {axis} is out of range for an array of shape {getattr(array, 'shape', ())}")
+        if array.shape[axis] == 0:
+            raise ValueError(f"array: no items along axis {axis} (shape {array.shape})")
+        super().__init__(array.shape[axis])
+        self.array, self.axis = array, axis
+
+    def _take(self, start, stop):
+        return self.array[_index(self.axis, start, stop)]
+
+
+class MappingLoader(WorkGenerator):
+    """Hands out dicts of slices of a mapping of arrays along ``axis``.
+
+    An entry whose size along ``axis`` is 1, or that has no such axis (a
+    scalar, a parameter), is passed whole into every chunk; all other sizes
+    must agree.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> g = MappingLoader({"x": np.arange(5), "scale": np.array([2.0])})
+    >>> m, work = g.next(3)
+    >>> m, work["x"].tolist(), work["scale"].tolist()
+    (3, [0, 1, 2], [2.0])
+    """
+
+    def __init__(self, mapping, axis: int = 0):
+        sizes = {}
+        for key, value in mapping.items():
+            shape = getattr(value, "shape", ())
+            if len(shape) > axis and shape[axis] != 1:
+                sizes[key] = shape[axis]
+        distinct = set(sizes.values())
+        if len(distinct) > 1:
+            total = max(distinct)
+            key, size = next((k, s) for k, s in sizes.items() if s != total)
+            raise ValueError(
+                f"mapping[{key!r}]: size {size} along axis {axis} is not compatible; expected 1 or {total}"
+            )
+        if distinct:
+            total = distinct.pop()
+        elif any(len(getattr(v, "shape", ())) > axis for v in mapping.values()):
+            total = 1  # every batched entry has exactly one item
+        else:
+            raise ValueError(f"mapping: no entry has an axis {axis} to split along")
+        if total == 0:
+            raise ValueError(f"mapping: no items along axis {axis}")
+        super().__init__(total)
+        self.mapping, self.axis = dict(mapping), axis
+        self._batched = set(sizes) if sizes else {
+            k for k, v in mapping.items() if len(getattr(v, "shape", ())) > axis
+        }
+
+    def _take(self, start, stop):
+        index = _index(self.axis, start, stop)
+        return {k: (v[index] if k in self._batched else v) for k, v in self.mapping.items()}

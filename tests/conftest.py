@@ -1,0 +1,34 @@
+"""Shared fixtures: one emulated CPU + CUDA cluster per test module, and GPU detection."""
+
+import pytest
+
+
+def _have_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+HAVE_GPU = _have_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy")
+    for item in items:
+        if "gpu" in item.keywords and not HAVE_GPU:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def hybrid_client():
+    """A Client on an in-process LocalHybridCluster with a CPU and an emulated cuda:0."""
+    from distributed import Client
+
+    from dsched import LocalHybridCluster
+
+    with LocalHybridCluster(["cpu", "cuda:0"], emulate=True, dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            yield client
