@@ -6,7 +6,7 @@ import logging
 
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 
-from .devices import EMULATED_RESOURCE, Device, device_resource, parse_devices, visible_gpus
+from .devices import EMULATED_RESOURCE, UNLIMITED_CAPACITY, Device, device_resource, parse_devices, visible_gpus
 
 __all__ = ["LocalHybridCluster"]
 
@@ -20,9 +20,10 @@ def _rotated_visible_devices(ordinal: int, present: list[int]) -> str:
 class LocalHybridCluster(SpecCluster):
     """One Dask worker per device: a CPU worker and one worker per GPU.
 
-    Each worker owns its device through the resource ``dsched-<device>`` (its
-    amount is the worker's thread count, so chunks never queue behind each
-    other on a thread they cannot have). GPU workers are pinned with
+    Each worker owns its device through the resource ``dsched-<device>``,
+    whose amount is the device's capacity in items: every chunk requests its
+    size, so the items executing on a device never exceed it, however many
+    clients share the cluster. GPU workers are pinned with
     ``CUDA_VISIBLE_DEVICES`` as dask-cuda does, with dask-cuda's CPU-affinity
     plugin when it is installed. Everything listens on loopback.
 
@@ -37,6 +38,10 @@ class LocalHybridCluster(SpecCluster):
     threads_per_worker : int
         Chunks each device worker runs at once (2: one computes while the
         other's data moves).
+    capacities : dict, optional
+        ``{device: items}`` the device may execute at once, across all
+        clients; unlimited by default (the dispatchers' own capacities and
+        the threads then bound it).
     processes : bool, optional
         Workers in their own processes (needed to pin real GPUs). Defaults
         to True exactly when a real GPU is among the devices.
@@ -58,6 +63,7 @@ class LocalHybridCluster(SpecCluster):
         *,
         emulate=False,
         threads_per_worker=2,
+        capacities=None,
         processes=None,
         host="127.0.0.1",
         dashboard_address="127.0.0.1:8787",
@@ -76,6 +82,14 @@ class LocalHybridCluster(SpecCluster):
             raise ValueError(f"devices: duplicate device in {[str(d) for d in self.devices]}")
         if isinstance(threads_per_worker, bool) or not isinstance(threads_per_worker, int) or threads_per_worker < 1:
             raise ValueError(f"threads_per_worker: expected an integer >= 1, got {threads_per_worker!r}")
+        self.capacities = {d: UNLIMITED_CAPACITY for d in self.devices}
+        for key, value in (capacities or {}).items():
+            device = Device(key)
+            if device not in self.capacities:
+                raise ValueError(f"capacities: {device} is not one of the devices {[str(d) for d in self.devices]}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"capacities[{str(device)!r}]: expected an integer >= 1, got {value!r}")
+            self.capacities[device] = value
         self.emulated = {}
         for device in self.devices:
             missing = device.is_cuda and device.ordinal not in present
@@ -115,7 +129,7 @@ class LocalHybridCluster(SpecCluster):
         )
 
     def _worker_spec(self, device, threads, processes, host, memory_limit, present, extra):
-        resources = {device_resource(device): threads}
+        resources = {device_resource(device): self.capacities[device]}
         if self.emulated[device]:
             resources[EMULATED_RESOURCE] = 1
         options = {

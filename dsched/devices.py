@@ -2,9 +2,11 @@
 
 A :class:`Device` is ``cpu``, ``cuda`` (the current CUDA device) or ``cuda:N``.
 A Dask worker *owns* a device when it advertises the resource
-``device_resource(device)`` (``"dsched-cuda:0"`` and so on); emulated CUDA
-workers also advertise ``EMULATED_RESOURCE``. Chunks request their device's
-resource, so they run on an owning worker and nowhere else.
+``device_resource(device)`` (``"dsched-cuda:0"`` and so on); its amount is
+the device's capacity in items. Emulated CUDA workers also advertise
+``EMULATED_RESOURCE``. A chunk of ``m`` items requests ``m`` of its device's
+resource, so it runs on an owning worker and nowhere else, and the items
+executing on a device never exceed its capacity.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ __all__ = [
 _PATTERN = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 RESOURCE_PREFIX = "dsched-"
 EMULATED_RESOURCE = "dsched-emulated"
+# A worker's amount of its device resource is the device's capacity in items;
+# this stands for "no limit beyond the worker's threads".
+UNLIMITED_CAPACITY = 10**15
 
 
 class Device:

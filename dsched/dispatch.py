@@ -299,7 +299,7 @@ class WorkDispatcher:
 
     def _run_async(self, generator, report):
         client = self.client
-        check_devices_owned(client, self.scheduler.devices)
+        check_devices_owned(client, self.scheduler)
         run_id = f"dsched-{self._program.dispatcher_id[:8]}-{next(self._runs)}"
         done = queue.Queue()  # futures land here from Dask's callback thread
         in_flight = {}  # future key -> (record, future)
@@ -340,17 +340,25 @@ class WorkDispatcher:
         self._gather(client, report, futures)
 
     def _submit(self, client, run_id, device, chunks, in_flight, futures, done):
-        keys = [f"{run_id}-{record.index}" for record, _ in chunks]
-        batch = client.map(
-            _run_chunk,
-            [self._program] * len(chunks),
-            [device] * len(chunks),
-            [work for _, work in chunks],
-            key=keys,
-            resources={device_resource(device): 1},
-            pure=False,
-        )
-        for (record, _), future in zip(chunks, batch):
+        resource = device_resource(device)
+        # One client.map per chunk size: a chunk requests as much of its device's
+        # resource as it has items, which is how the worker bounds items in flight.
+        by_size = defaultdict(list)
+        for record, work in chunks:
+            by_size[record.size].append((record, work))
+        batch = []
+        for size, group in by_size.items():
+            futures_of_group = client.map(
+                _run_chunk,
+                [self._program] * len(group),
+                [device] * len(group),
+                [work for _, work in group],
+                key=[f"{run_id}-{record.index}" for record, _ in group],
+                resources={resource: size},
+                pure=False,
+            )
+            batch.extend(zip(group, futures_of_group))
+        for (record, _), future in batch:
             in_flight[future.key] = (record, future)
             futures[record.index] = future
             future.add_done_callback(done.put)
@@ -395,7 +403,7 @@ def _wait_for_one(done, in_flight, client, devices, poll=1.0):
         except queue.Empty:
             pass
         busy = {record.device for record, _ in in_flight.values()}
-        owned = owned_devices(client)
+        owned = device_capacities(client)
         orphaned = sorted(str(d) for d in busy if placement_device(d) not in owned)
         if not orphaned:
             lost_since = None
@@ -414,26 +422,34 @@ def _wait_for_one(done, in_flight, client, devices, poll=1.0):
             )
 
 
-def owned_devices(client) -> dict:
-    """``{Device: [worker addresses]}`` for the devices the cluster's workers own."""
-    owners = defaultdict(list)
-    for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
+def device_capacities(client) -> dict:
+    """``{Device: smallest capacity in items among the workers that own it}``."""
+    capacities = {}
+    for info in client.scheduler_info(n_workers=-1)["workers"].values():
         device = device_of_resources(info.get("resources"))
         if device is not None:
-            owners[device].append(address)
-    return dict(owners)
+            amount = info["resources"][device_resource(device)]
+            capacities[device] = min(amount, capacities.get(device, amount))
+    return capacities
 
 
-def check_devices_owned(client, devices):
-    """A ValueError naming any device no worker of the cluster owns."""
-    owned = owned_devices(client)
-    missing = [str(d) for d in devices if placement_device(d) not in owned]
+def check_devices_owned(client, scheduler):
+    """A ValueError, before any work, for a device no worker owns or whose capacity is below its batch size."""
+    capacities = device_capacities(client)
+    missing = [str(s.device) for s in scheduler.status() if placement_device(s.device) not in capacities]
     if missing:
-        have = ", ".join(sorted(map(str, owned))) or "none"
+        have = ", ".join(sorted(map(str, capacities))) or "none"
         raise ValueError(
             f"devices: no worker of the cluster owns {', '.join(missing)} (owned devices: {have}); "
-            "start one with LocalHybridCluster or `dask worker --resources dsched-<device>=2`"
+            f"start one with LocalHybridCluster or `dask worker --resources {device_resource(missing[0])}=<capacity>`"
         )
+    for s in scheduler.status():
+        held = capacities[placement_device(s.device)]
+        if held < s.batch_size:
+            raise ValueError(
+                f"batch_sizes: {s.batch_size} for {s.device} exceeds the {held:g} items its worker may run at once "
+                f"(the worker's {device_resource(s.device)} resource)"
+            )
 
 
 _to_close = weakref.WeakSet()

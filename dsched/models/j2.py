@@ -232,22 +232,23 @@ def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tang
     # f > 0 with a positive yield stress implies ||s|| > 0, so replacing the
     # norm by 1 on elastic points only avoids 0/0 there; those points then get
     # n = 0 and a zero increment, which leaves their state exactly unchanged.
-    safe_norm = xp.where(plastic, norm_s, 1.0)
+    # astype: CuPy may promote a Python scalar in where() where NumPy 2 does not.
+    safe_norm = xp.where(plastic, norm_s, 1.0).astype(dtype, copy=False)
     normal = deviator / safe_norm[:, None]
     normal *= plastic[:, None]
     increment = xp.where(plastic, f_trial, 0.0) / (three_g + hardening)
     increment = increment.astype(dtype, copy=False)
 
     step = (_SQRT3_2 * increment)[:, None] * normal
-    result = {"plastic_strain": plastic_strain + step, "alpha": alpha + increment}
+    new_plastic_strain = plastic_strain + step
     step *= two_g
     stress = deviator  # the deviator becomes the stress in place
     stress -= step
     stress[:, :3] += (bulk * volumetric)[:, None]
-    result["stress"] = stress
+    result = {"stress": stress, "plastic_strain": new_plastic_strain, "alpha": alpha + increment}
     del step, safe_norm, f_trial, norm_s, volumetric
     if tangent:
-        safe_q = xp.where(plastic, q_trial, 1.0)
+        safe_q = xp.where(plastic, q_trial, 1.0).astype(dtype, copy=False)
         theta = 1.0 - three_g * increment / safe_q
         theta_bar = three_g / (three_g + hardening) - (1.0 - theta)
         result["tangent"] = _assemble_tangent(
