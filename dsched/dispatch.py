@@ -70,16 +70,32 @@ class RunReport:
         return sum(r.size for r in self.records if r.error is None)
 
     def by_device(self) -> dict:
-        """Per device: chunks, items, busy seconds and items per busy second."""
+        """Per device: chunks, items, busy seconds and items per busy second.
+
+        Busy time is the union of the device's chunk intervals (time with at
+        least one chunk running), so overlapping chunks are not counted twice.
+        """
         table = {}
+        intervals = {}
         for r in self.records:
-            row = table.setdefault(r.device, {"chunks": 0, "items": 0, "busy": 0.0, "worker": r.worker})
+            row = table.setdefault(r.device, {"chunks": 0, "items": 0, "worker": r.worker})
             row["chunks"] += 1
             row["items"] += r.size
-            row["busy"] += r.duration
-        for row in table.values():
+            intervals.setdefault(r.device, []).append((r.start, r.stop))
+        for device, row in table.items():
+            row["busy"] = _union_length(intervals[device])
             row["items_per_s"] = row["items"] / row["busy"] if row["busy"] > 0 else float("nan")
         return table
+
+
+def _union_length(intervals) -> float:
+    """Total length covered by a set of ``(start, stop)`` intervals."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
 
 
 @dataclass(frozen=True)

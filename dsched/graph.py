@@ -1,0 +1,193 @@
+"""Workload graphs: TOML files naming a model, a batch, devices, a scheduler and options.
+
+They play the part of NEML2's input files with their ``[Schedulers]`` section::
+
+    [model]
+    name = "j2"                 # a model of dsched.models
+    tangent = true
+    [model.parameters]          # the model's parameters (J2Parameters fields)
+    yield_stress = 250.0
+    [batch]
+    size = 1_000_000
+    [scheduler]
+    type = "StaticHybridScheduler"   # or "SimpleScheduler", or "auto"
+    devices = ["cpu", "cuda:0"]      # or "all": the CPU and every visible GPU
+    batch_sizes = [32768, 262144]
+    capacities = [65536, 524288]
+    priorities = [1, 2]
+    [options]                   # capacities default to two chunks per device
+    mode = "async"              # or "sync"
+    emulate = false             # emulate CUDA devices that are not present
+    threads_per_worker = 2
+
+Every key is checked before anything starts: an unknown key or a value of
+the wrong type is a :class:`GraphError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from importlib import resources
+from pathlib import Path
+
+from .devices import Device, parse_devices, visible_gpus
+from .schedulers import SimpleScheduler, StaticHybridScheduler
+
+__all__ = ["Graph", "GraphError", "load_graph", "DEFAULT_GRAPH"]
+
+DEFAULT_GRAPH = "j2_default.toml"
+
+# Sub-batch sizes for "auto": NEML2's measurements put CPU saturation in the
+# hundreds to thousands of points and GPU saturation in the tens of thousands;
+# Dask's ~1 ms per task pushes both up so that a chunk costs well over 1 ms.
+AUTO_BATCH_SIZE = {"cpu": 32768, "cuda": 262144}
+AUTO_PRIORITY = {"cpu": 1.0, "cuda": 2.0}
+
+_INT, _FLOAT, _BOOL, _STR = int, (int, float), bool, str
+_SCHEMA = {
+    "model": {"name": _STR, "tangent": _BOOL, "parameters": dict},
+    "batch": {"size": _INT},
+    "scheduler": {
+        "type": _STR,
+        "device": _STR,
+        "devices": (str, list),
+        "batch_size": _INT,
+        "capacity": _INT,
+        "batch_sizes": (int, list),
+        "capacities": (int, list),
+        "priorities": (int, float, list),
+    },
+    "options": {
+        "mode": _STR,
+        "emulate": _BOOL,
+        "threads_per_worker": _INT,
+        "processes": _BOOL,
+        "trace_file": _STR,
+        "performance_report": _STR,
+    },
+}
+_REQUIRED = {("model", "name"), ("batch", "size")}
+SCHEDULER_TYPES = ("auto", "SimpleScheduler", "StaticHybridScheduler")
+
+
+class GraphError(ValueError):
+    """A malformed graph; the message names the offending key."""
+
+
+@dataclasses.dataclass
+class Graph:
+    """A validated workload graph."""
+
+    source: str
+    model: str
+    parameters: dict
+    tangent: bool
+    batch_size: int
+    scheduler: dict
+    options: dict
+
+    @property
+    def mode(self) -> str:
+        return self.options.get("mode", "async")
+
+    @property
+    def emulate(self) -> bool:
+        return self.options.get("emulate", False)
+
+    def devices(self, present=None) -> list[Device]:
+        """The devices the scheduler spreads over (``"all"`` resolved against ``present``)."""
+        spec = self.scheduler.get("devices", self.scheduler.get("device", "all"))
+        if spec == "all":
+            gpus = visible_gpus() if present is None else [d for d in present if d.is_cuda]
+            return [Device("cpu"), *gpus]
+        return parse_devices(spec, field="scheduler.devices")
+
+    def build_scheduler(self, present=None):
+        """The scheduler the graph describes; ``auto`` means Simple on one device, StaticHybrid on more."""
+        kind = self.scheduler.get("type", "auto")
+        devices = self.devices(present)
+        if kind == "SimpleScheduler" or (kind == "auto" and len(devices) == 1):
+            if len(devices) != 1:
+                raise ValueError(f"devices: SimpleScheduler takes one device, got {[str(d) for d in devices]}")
+            size = self.scheduler.get("batch_size", AUTO_BATCH_SIZE[devices[0].type])
+            return SimpleScheduler(devices[0], size, self.scheduler.get("capacity", 2 * size))
+        sizes = self.scheduler.get("batch_sizes", [AUTO_BATCH_SIZE[d.type] for d in devices])
+        return StaticHybridScheduler(
+            devices,
+            sizes,
+            self.scheduler.get("capacities", _doubled(sizes)),
+            self.scheduler.get("priorities", [AUTO_PRIORITY[d.type] for d in devices]),
+        )
+
+
+def _doubled(sizes):
+    """Graphs default capacities to two chunks per device, so copies overlap compute."""
+    return [2 * s for s in sizes] if isinstance(sizes, list) else 2 * sizes
+
+
+def load_graph(path=None) -> Graph:
+    """Read and validate a graph file; ``None`` gives the embedded default (the main job)."""
+    if path is None:
+        text = resources.files("dsched.graphs").joinpath(DEFAULT_GRAPH).read_text()
+        source = f"<embedded {DEFAULT_GRAPH}>"
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise GraphError(f"graph: cannot read {path}: {err.strerror}") from None
+        source = str(path)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise GraphError(f"graph: {source} is not valid TOML: {err}") from None
+    return parse_graph(data, source)
+
+
+def parse_graph(data: dict, source: str = "<graph>") -> Graph:
+    """Validate a graph already read into a dict."""
+    for section, value in data.items():
+        if section not in _SCHEMA:
+            raise GraphError(f"{section}: unknown section in {source} (known: {', '.join(_SCHEMA)})")
+        if not isinstance(value, dict):
+            raise GraphError(f"{section}: expected a table in {source}, got {value!r}")
+        for key, item in value.items():
+            expected = _SCHEMA[section].get(key)
+            if expected is None:
+                raise GraphError(
+                    f"{section}.{key}: unknown key in {source} (known in [{section}]: {', '.join(_SCHEMA[section])})"
+                )
+            if not isinstance(item, expected) or (expected is not _BOOL and isinstance(item, bool)):
+                raise GraphError(f"{section}.{key}: {item!r} has the wrong type in {source}")
+    for section, key in _REQUIRED:
+        if key not in data.get(section, {}):
+            raise GraphError(f"{section}.{key}: required in {source}")
+
+    from .models import get_model
+
+    model = data["model"]
+    parameters = model.get("parameters", {})
+    try:
+        entry = get_model(model["name"])
+    except ValueError as err:
+        raise GraphError(f"model.name: {err} in {source}") from None
+    try:
+        entry.parameters_type(**parameters)
+    except (TypeError, ValueError) as err:
+        raise GraphError(f"model.parameters: {err} in {source}") from None
+
+    size = data["batch"]["size"]
+    if size < 1:
+        raise GraphError(f"batch.size: must be >= 1, got {size} in {source}")
+    scheduler = dict(data.get("scheduler", {}))
+    if scheduler.get("type", "auto") not in SCHEDULER_TYPES:
+        raise GraphError(f"scheduler.type: {scheduler['type']!r} in {source}; expected one of {', '.join(SCHEDULER_TYPES)}")
+    options = dict(data.get("options", {}))
+    if options.get("mode", "async") not in ("sync", "async"):
+        raise GraphError(f"options.mode: {options['mode']!r} in {source}; expected 'sync' or 'async'")
+    graph = Graph(source, model["name"], dict(parameters), model.get("tangent", True), size, scheduler, options)
+    try:
+        graph.build_scheduler()  # every scheduler error surfaces now, before any cluster starts
+    except ValueError as err:
+        raise GraphError(f"scheduler.{err} in {source}") from None
+    return graph

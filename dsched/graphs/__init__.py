@@ -1,0 +1,1 @@
+"""Embedded workload graphs (the default main job)."""

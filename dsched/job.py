@@ -1,0 +1,114 @@
+"""Running a workload graph: cluster, dispatcher, progress bar, per-device table."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass
+
+from .devices import EMULATED_RESOURCE, Device, device_of_resources
+from .dispatch import RunReport, WorkDispatcher
+from .reduce import concat_reduce
+from .work import SliceGenerator
+
+__all__ = ["run_graph", "JobResult", "format_report"]
+
+
+@dataclass
+class JobResult:
+    """What ``dsched run`` produced: the joined outputs and the run's report."""
+
+    outputs: dict
+    report: RunReport
+    emulated: dict  # Device -> bool
+
+
+def _emulated_devices(client) -> dict:
+    """``{Device: emulated?}`` read from the workers' resources."""
+    table = {}
+    for info in client.scheduler_info(n_workers=-1)["workers"].values():
+        device = device_of_resources(info.get("resources"))
+        if device is not None:
+            table[device] = table.get(device, False) or EMULATED_RESOURCE in info["resources"]
+    return table
+
+
+def run_graph(graph, *, client=None, progress=True) -> JobResult:
+    """Run ``graph`` (a :class:`~dsched.graph.Graph`) and return its outputs and report.
+
+    Without ``client`` a :class:`LocalHybridCluster` over the graph's devices is
+    started (emulating missing CUDA devices if the graph says so) and closed.
+    """
+    from distributed import Client
+
+    from .cluster import LocalHybridCluster
+    from .models import get_model
+
+    model = get_model(graph.model)
+    parameters = model.parameters_type(**graph.parameters)
+    do_work = functools.partial(_model_chunk, model.chunk, parameters, graph.tangent)
+    scheduler = graph.build_scheduler()
+    with contextlib.ExitStack() as stack:
+        if client is None and graph.mode == "async":
+            cluster = stack.enter_context(
+                LocalHybridCluster(
+                    scheduler.devices,
+                    emulate=graph.emulate,
+                    threads_per_worker=graph.options.get("threads_per_worker", 2),
+                    processes=graph.options.get("processes"),
+                    dashboard_address=None,
+                )
+            )
+            client = stack.enter_context(Client(cluster))
+        emulated = _emulated_devices(client) if client is not None else {}
+        bar = stack.enter_context(_progress_bar(graph.batch_size, progress))
+        dispatcher = WorkDispatcher(
+            scheduler,
+            do_work,
+            reduce=concat_reduce,
+            mode=graph.mode,
+            client=client,
+            on_chunk_done=lambda record: bar.update(record.size),
+        )
+        outputs = dispatcher.run(SliceGenerator(0, graph.batch_size))
+    return JobResult(outputs, dispatcher.last_run, emulated)
+
+
+def _model_chunk(chunk, parameters, tangent, work, device):
+    return chunk(work, device, parameters, tangent=tangent)
+
+
+@contextlib.contextmanager
+def _progress_bar(total, enabled):
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="pt", unit_scale=True, disable=not enabled, desc="dispatch", leave=False) as bar:
+        yield bar
+
+
+def format_report(result: JobResult) -> str:
+    """The per-device table and the total throughput, as text.
+
+    Busy seconds are the device worker's time inside the chunks; items/s is
+    items over busy seconds, so it measures the device, not the transfers.
+    """
+    report = result.report
+    rows = report.by_device()
+    header = f"{'device':<10} {'emulated':<9} {'chunks':>7} {'items':>10} {'busy s':>8} {'items/s':>12}"
+    lines = [header, "-" * len(header)]
+    for device, row in rows.items():
+        emulated = "yes" if result.emulated.get(Device(device), False) else "no"
+        rate = row["items_per_s"]
+        lines.append(
+            f"{str(device):<10} {emulated:<9} {row['chunks']:>7} {row['items']:>10} "
+            f"{row['busy']:>8.3f} {'-' if math.isnan(rate) else f'{rate:,.0f}':>12}"
+        )
+    wall = report.wall_time
+    lines.append("-" * len(header))
+    lines.append(
+        f"total: {report.items:,} items in {wall:.3f} s = {report.items / wall:,.0f} items/s ({report.mode} mode)"
+    )
+    if any(result.emulated.values()):
+        lines.append("emulated devices computed with NumPy on the CPU: not a GPU measurement")
+    return "\n".join(lines)
