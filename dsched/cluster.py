@@ -47,6 +47,10 @@ class LocalHybridCluster(SpecCluster):
         to True exactly when a real GPU is among the devices.
     host : str
         Address to listen on; loopback by default.
+    protocol : str, optional
+        ``"inproc://"`` for in-process workers (results reach the client
+        without a copy), else ``"tcp://"``. Pass ``"tcp://"`` to let clients
+        in other processes share an in-process cluster.
     dashboard_address : str
         The dashboard's address, ``None`` for no dashboard.
 
@@ -66,6 +70,7 @@ class LocalHybridCluster(SpecCluster):
         capacities=None,
         processes=None,
         host="127.0.0.1",
+        protocol=None,
         dashboard_address="127.0.0.1:8787",
         memory_limit="auto",
         scheduler_options=None,
@@ -104,10 +109,14 @@ class LocalHybridCluster(SpecCluster):
         if not processes and sum(d.is_cuda and not self.emulated[d] for d in self.devices) > 0:
             logging.getLogger(__name__).info("real GPUs in one process: each chunk selects its GPU with CuPy")
 
+        if protocol is None:
+            protocol = "tcp://" if processes else "inproc://"
+        self.protocol = protocol
         scheduler = {
             "cls": Scheduler,
             "options": {
-                "host": host,
+                "protocol": protocol,
+                "host": None if protocol.startswith("inproc") else host,
                 "dashboard_address": dashboard_address,
                 "dashboard": dashboard_address is not None,
                 **(scheduler_options or {}),
@@ -136,7 +145,8 @@ class LocalHybridCluster(SpecCluster):
             "nthreads": threads,
             "resources": resources,
             "name": str(device),
-            "host": host,
+            "protocol": self.protocol,
+            "host": None if self.protocol.startswith("inproc") else host,
             "memory_limit": memory_limit,
             "dashboard": False,
             **extra,
