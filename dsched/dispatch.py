@@ -319,6 +319,7 @@ class WorkDispatcher:
         run_id = f"dsched-{self._program.dispatcher_id[:8]}-{next(self._runs)}"
         done = queue.Queue()  # futures land here from Dask's callback thread
         in_flight = {}  # future key -> (record, future)
+        outstanding = {}  # record index -> record dispatched and not yet completed
         futures = []
         failed = False
         try:
@@ -331,6 +332,7 @@ class WorkDispatcher:
                     device, m, work = chunk
                     self.scheduler.dispatched_work(device, m)
                     record = ChunkRecord(len(report.records), device, m)
+                    outstanding[record.index] = record
                     report.records.append(record)
                     report.results.append(None)
                     futures.append(None)
@@ -341,17 +343,18 @@ class WorkDispatcher:
                     break
                 future = _wait_for_one(done, in_flight, client, self.scheduler.devices)
                 while future is not None:
-                    failed |= self._complete(future, in_flight)
+                    failed |= self._complete(future, in_flight, outstanding)
                     try:
                         future = done.get_nowait()
                     except queue.Empty:
                         future = None
         except BaseException:
-            # Interrupted: nothing more will be collected, so give the loads back.
-            for record, future in list(in_flight.values()):
-                future.cancel()
+            # Interrupted (or the generator, scheduler or submission failed): nothing
+            # more will be collected, so cancel what was sent and give the loads back.
+            for record in outstanding.values():
+                if futures[record.index] is not None:
+                    futures[record.index].cancel()
                 self.scheduler.completed_work(record.device, record.size)
-            in_flight.clear()
             raise
         self._gather(client, report, futures)
 
@@ -379,12 +382,13 @@ class WorkDispatcher:
             futures[record.index] = future
             future.add_done_callback(done.put)
 
-    def _complete(self, future, in_flight) -> bool:
+    def _complete(self, future, in_flight, outstanding) -> bool:
         """Account for one finished future; whether it failed."""
         entry = in_flight.pop(future.key, None)
         if entry is None:
             return False
         record, _ = entry
+        del outstanding[record.index]
         self.scheduler.completed_work(record.device, record.size)
         if future.status == "finished":
             if self.on_chunk_done is not None:
