@@ -13,14 +13,14 @@ from .devices import Device, array_module, current_device, visible_gpus
 from .dispatch import ChunkRecord, RunReport, WorkDispatcher, dispatch
 from .errors import AggregateError, DispatchError, RecoverableError
 from .reduce import concat_reduce, derivative_reduce
-from .schedulers import DeviceStatus, SimpleScheduler, StaticHybridScheduler, WorkScheduler
+from .schedulers import DeviceStatus, SimpleMPIScheduler, SimpleScheduler, StaticHybridScheduler, WorkScheduler
 from .work import ArrayLoader, MappingLoader, SliceGenerator, WorkGenerator
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Device", "current_device", "visible_gpus", "array_module",
-    "WorkScheduler", "DeviceStatus", "SimpleScheduler", "StaticHybridScheduler",
+    "WorkScheduler", "DeviceStatus", "SimpleScheduler", "StaticHybridScheduler", "SimpleMPIScheduler",
     "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader",
     "concat_reduce", "derivative_reduce",
     "WorkDispatcher", "dispatch", "ChunkRecord", "RunReport",

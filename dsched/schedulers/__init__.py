@@ -2,6 +2,7 @@
 
 from .base import DeviceStatus, WorkScheduler
 from .hybrid import StaticHybridScheduler
+from .mpi import SimpleMPIScheduler
 from .simple import SimpleScheduler
 
-__all__ = ["WorkScheduler", "DeviceStatus", "SimpleScheduler", "StaticHybridScheduler"]
+__all__ = ["WorkScheduler", "DeviceStatus", "SimpleScheduler", "StaticHybridScheduler", "SimpleMPIScheduler"]

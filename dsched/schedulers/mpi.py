@@ -30,14 +30,11 @@ def node_name() -> str:
     name = os.environ.get(NODE_NAME_VARIABLE, "").strip()
     if name:
         return name
-    try:
-        from mpi4py import MPI
+    if "mpi4py.MPI" in sys.modules:  # never initialise MPI just to learn the host name
+        return sys.modules["mpi4py.MPI"].Get_processor_name()
+    import socket
 
-        return MPI.Get_processor_name()
-    except ImportError:
-        import socket
-
-        return socket.gethostname()
+    return socket.gethostname()
 
 
 def world_comm():
@@ -94,7 +91,12 @@ def place_on_nodes(comm, participate: bool = True) -> NodePlacement:
     return NodePlacement(host, rank, size, local_rank, len(mine), nodes)
 
 
-def check_ranks_fit(placement: NodePlacement, devices, what: str = "MPI ranks") -> None:
+def check_ranks_fit(
+    placement: NodePlacement,
+    devices,
+    what: str = "MPI ranks",
+    hint: str = "start at most {n} ranks per node, list more devices, or pass allow_shared=True to share devices round-robin",
+) -> None:
     """A ValueError naming the first node with more participating ranks than devices.
 
     Every rank sees every node, so all ranks raise the same error together
@@ -105,8 +107,7 @@ def check_ranks_fit(placement: NodePlacement, devices, what: str = "MPI ranks") 
             listed = ", ".join(str(d) for d in devices)
             raise ValueError(
                 f"devices: host {host!r} runs {len(ranks)} {what} but only {len(devices)} devices are listed "
-                f"({listed}); start at most {len(devices)} per node, list more devices, "
-                "or pass allow_shared=True to share devices round-robin"
+                f"({listed}); {hint.format(n=len(devices))}"
             )
 
 
