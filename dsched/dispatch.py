@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from .devices import Device, device_of_resources, placement_device, running_on, to_device, to_host, device_resource
 from .errors import AggregateError
 from .reduce import concat_reduce
+from .trace import DispatchTracer, check_trace_path
 from .work import MappingLoader
 
 __all__ = ["WorkDispatcher", "dispatch", "ChunkRecord", "RunReport"]
@@ -177,6 +178,9 @@ class WorkDispatcher:
         Keyword arguments for that cluster (``emulate=True``, say).
     on_chunk_done : callable, optional
         Called on the calling thread with each finished :class:`ChunkRecord` (progress bars).
+    trace_file : str or path, optional
+        Write a Chrome trace (NEML2's events; open it in Perfetto) of every run
+        to this file; see :mod:`dsched.trace`. Off by default, at no cost.
 
     Examples
     --------
@@ -199,6 +203,7 @@ class WorkDispatcher:
         client=None,
         cluster_options=None,
         on_chunk_done=None,
+        trace_file=None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode: expected 'sync' or 'async', got {mode!r}")
@@ -208,6 +213,8 @@ class WorkDispatcher:
                 raise ValueError(f"{name}: expected a callable, got {fn!r}")
         if do_work is None:
             raise ValueError("do_work: the do-work function is not set")
+        self.trace_file = None if trace_file is None else check_trace_path(trace_file)
+        self._tracer = None  # a DispatchTracer while a traced run is on
         self.scheduler = scheduler
         self.reduce = reduce
         self.mode = mode
@@ -265,6 +272,7 @@ class WorkDispatcher:
     def run(self, generator):
         """Dispatch every item of ``generator``; the results in dispatch order, or ``reduce`` of them."""
         self.last_run = report = RunReport(self.mode, wall_start=time.time())
+        self._tracer = None if self.trace_file is None else DispatchTracer(self.trace_file)
         try:
             if self.mode == "sync":
                 self._run_sync(generator, report)
@@ -272,6 +280,9 @@ class WorkDispatcher:
                 self._run_async(generator, report)
         finally:
             report.wall_stop = time.time()
+            if self._tracer is not None:  # even after a failure, so the file stays balanced
+                tracer, self._tracer = self._tracer, None
+                tracer.finish(report, self.scheduler)
         errors = [r.error for r in report.records if r.error is not None]
         if len(errors) == 1:
             raise errors[0]
@@ -280,7 +291,10 @@ class WorkDispatcher:
         return report.results if self.reduce is None else self.reduce(report.results)
 
     def _next_chunk(self, generator):
-        choice = self.scheduler.schedule_work()
+        if self._tracer is None:
+            choice = self.scheduler.schedule_work()
+        else:
+            choice = self._tracer.schedule(self.scheduler)
         if choice is None:
             return None
         device, n = choice
@@ -310,12 +324,16 @@ class WorkDispatcher:
                 break
             finally:
                 record.stop = time.time()
+                if self._tracer is not None:
+                    self._tracer.completed(device, m)
             if self.on_chunk_done is not None:
                 self.on_chunk_done(record)
 
     def _run_async(self, generator, report):
         client = self.client
         check_devices_owned(client, self.scheduler)
+        if self._tracer is not None:
+            self._tracer.note_cluster(client)
         run_id = f"dsched-{self._program.dispatcher_id[:8]}-{next(self._runs)}"
         done = queue.Queue()  # futures land here from Dask's callback thread
         in_flight = {}  # future key -> (record, future)
@@ -330,7 +348,10 @@ class WorkDispatcher:
                     if chunk is None:
                         break
                     device, m, work = chunk
-                    self.scheduler.dispatched_work(device, m)
+                    if self._tracer is None:
+                        self.scheduler.dispatched_work(device, m)
+                    else:
+                        self._tracer.dispatched(self.scheduler, device, m)
                     record = ChunkRecord(len(report.records), device, m)
                     outstanding[record.index] = record
                     report.records.append(record)
@@ -390,6 +411,8 @@ class WorkDispatcher:
         record, _ = entry
         del outstanding[record.index]
         self.scheduler.completed_work(record.device, record.size)
+        if self._tracer is not None:
+            self._tracer.completed(record.device, record.size)
         if future.status == "finished":
             if self.on_chunk_done is not None:
                 self.on_chunk_done(record)
@@ -530,14 +553,15 @@ class _CallOnChunk:
         return to_host(self.fn(*args, **self.kwargs))
 
 
-def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, **kwargs):
+def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file=None, **kwargs):
     """Evaluate ``fn`` over a batch split along ``axis`` by ``scheduler``; the joined result.
 
     Arrays and dicts of arrays in ``args`` are split (entries of size 1 along
     ``axis`` go whole into every chunk); other arguments and ``kwargs`` pass
     unchanged. ``fn`` returns an array, a tuple or a dict of arrays, joined
     along ``axis`` in order. On a CUDA device the chunk is moved there (CuPy)
-    before ``fn`` and the result back to host memory after.
+    before ``fn`` and the result back to host memory after. ``trace_file``
+    writes a Chrome trace of the run (see :mod:`dsched.trace`).
 
     Examples
     --------
@@ -556,6 +580,7 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, **kwargs):
         reduce=lambda results: concat_reduce(results, axis=axis),
         mode=mode,
         client=client,
+        trace_file=trace_file,
     )
     with dispatcher:
         return dispatcher.run(loader)
