@@ -1,0 +1,328 @@
+"""SimpleMPIScheduler and dsched.mpi under a real mpiexec (the mpich wheel), each run with a wall-clock timeout.
+
+Run as a script, this file is the rank program of the scheduler tests:
+``mpiexec -n 2 python tests/test_mpi.py OUT cpu,cuda:0 8,64`` writes one JSON
+file per rank into the folder OUT with the device it took, or the error it
+raised (files, since the ranks' standard outputs interleave).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+
+
+def _probe(argv) -> int:
+    """One rank: build a SimpleMPIScheduler and report what it chose."""
+    sys.path.insert(0, str(ROOT))
+    from mpi4py import MPI
+
+    from dsched import SimpleMPIScheduler
+
+    out, devices, sizes = Path(argv[0]), argv[1].split(","), [int(b) for b in argv[2].split(",")]
+    options = {"allow_shared": "--allow-shared" in argv}
+    if "--comm-self" in argv:
+        options["comm"] = MPI.COMM_SELF
+    rank = MPI.COMM_WORLD.Get_rank()
+    try:
+        s = SimpleMPIScheduler(devices, sizes, **options)
+    except ValueError as err:
+        report = {"rank": rank, "error": str(err)}
+    else:
+        device, n = s.schedule_work()
+        s.dispatched_work(device, n)
+        report = {
+            "rank": rank, "host": s.host, "local_rank": s.local_rank, "local_size": s.local_size,
+            "device": str(s.device), "next": [str(device), n], "room_after_one": s.schedule_work() is not None,
+        }
+    (out / f"{rank}.json").write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_probe(sys.argv[1:]))
+
+
+import numpy as np  # noqa: E402  (the rank program above needs none of this)
+import pytest  # noqa: E402
+
+from dsched import Device, SimpleMPIScheduler  # noqa: E402
+
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not installed (pip install mpich)")
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def _mpiexec(args, timeout=60) -> subprocess.CompletedProcess:
+    """``mpiexec ARGS`` with a wall-clock timeout (a dask-mpi rank can hang on exit)."""
+    return subprocess.run([MPIEXEC, *args], env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture
+def probe(tmp_path):
+    """Run the rank program under ``mpiexec ARGS`` (``{probe}`` stands for its command); the ranks' reports."""
+    def run(args, timeout=30) -> list[dict]:
+        command = []
+        for a in args:
+            command += [sys.executable, __file__, str(tmp_path)] if a == "{probe}" else [a]
+        done = _mpiexec(command, timeout)
+        assert done.returncode == 0, done.stdout + done.stderr
+        reports = [json.loads(f.read_text()) for f in tmp_path.glob("*.json")]
+        return sorted(reports, key=lambda r: r["rank"])
+
+    return run
+
+
+def _probe_args(n, devices, sizes, *extra):
+    return ["-n", str(n), "{probe}", devices, sizes, *extra]
+
+
+# --- SimpleMPIScheduler in this process (one rank) -----------------------------------
+
+def test_outside_mpiexec_one_rank_takes_the_first_device_without_initialising_mpi():
+    code = (
+        "import sys, dsched; s = dsched.SimpleMPIScheduler(['cuda:1', 'cpu'], [64, 8], [128]);"
+        "print(s.device, s.local_rank, s.local_size, s.schedule_work(), 'mpi4py.MPI' in sys.modules)"
+    )
+    env = {k: v for k, v in _env().items() if k not in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
+                                                         "MPI_LOCALNRANKS", "SLURM_PROCID")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["cuda:1", "0", "1", "(Device('cuda:1'),", "64)", "False"], done.stderr
+
+
+def test_schedules_like_simple_scheduler_on_its_device():
+    s = SimpleMPIScheduler(["cpu", "cuda:0"], batch_sizes=[4, 64], capacities=[8, 64])
+    assert (s.device, s.batch_size, s.capacity, s.local_rank, s.local_size) == (Device("cpu"), 4, 8, 0, 1)
+    assert s.devices == [Device("cpu")]
+    assert s.schedule_work() == (Device("cpu"), 4)
+    s.dispatched_work("cpu", 4)
+    assert s.schedule_work() == (Device("cpu"), 4)
+    s.dispatched_work("cpu", 3)  # a short last chunk
+    assert s.schedule_work() is None
+    with pytest.raises(RuntimeError, match="Device not found: cuda:0"):
+        s.dispatched_work("cuda:0", 1)  # listed, but not this rank's device
+    with pytest.raises(RuntimeError, match="Device oversubscribed"):
+        s.dispatched_work("cpu", 2)
+    s.completed_work("cpu", 7)
+    assert s.all_work_completed()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"devices": ["cpu", "cpu"], "batch_sizes": 4}, "devices: duplicate device cpu"),
+    ({"devices": ["cuda", "cuda:0"], "batch_sizes": 4}, "devices: a bare 'cuda' next to cuda:0"),
+    ({"devices": ["gpu"], "batch_sizes": 4}, "devices: device: 'gpu' is not a device"),
+    ({"devices": [], "batch_sizes": 4}, "devices: at least one device"),
+    ({"devices": ["cpu", "cuda:0"], "batch_sizes": [4, 8, 16]}, "batch_sizes: expected 1 or 2 values"),
+    ({"devices": ["cpu", "cuda:0"], "batch_sizes": [4, 0]}, r"batch_sizes\[1\]: must be >= 1, got 0"),
+    ({"devices": ["cpu"], "batch_sizes": 8, "capacities": 4}, r"capacities\[0\]: 4 is below the batch size 8"),
+    ({"devices": ["cpu"], "batch_sizes": 8, "allow_shared": "yes"}, "allow_shared: expected True or False"),
+    ({"devices": ["cpu"], "batch_sizes": 8, "comm": object()}, "comm: expected an mpi4py communicator"),
+])
+def test_bad_configuration_is_a_value_error_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SimpleMPIScheduler(**kwargs)
+
+
+# --- SimpleMPIScheduler under mpiexec ----------------------------------------------
+
+def test_two_ranks_take_two_devices_by_local_rank(probe):
+    ranks = probe(_probe_args(2, "cpu,cuda:0", "8,64"))
+    assert [(r["rank"], r["local_rank"], r["local_size"], r["device"], r["next"]) for r in ranks] == [
+        (0, 0, 2, "cpu", ["cpu", 8]),
+        (1, 1, 2, "cuda:0", ["cuda:0", 64]),
+    ]
+    assert not any(r["room_after_one"] for r in ranks)  # capacity defaults to the batch size
+
+
+def test_more_ranks_on_a_node_than_devices_is_a_value_error_on_every_rank(probe):
+    ranks = probe(_probe_args(3, "cpu,cuda:0", "8"))
+    host = ranks[0]["error"].split("'")[1]
+    assert [r["rank"] for r in ranks] == [0, 1, 2]
+    for r in ranks:
+        assert r["error"].startswith(f"devices: host '{host}' runs 3 MPI ranks but only 2 devices are listed (cpu, cuda:0)")
+        assert "allow_shared=True" in r["error"]
+
+
+def test_allow_shared_assigns_devices_round_robin(probe):
+    ranks = probe(_probe_args(3, "cpu,cuda:0", "8,64", "--allow-shared"))
+    assert [(r["local_rank"], r["device"], r["next"][1]) for r in ranks] == [(0, "cpu", 8), (1, "cuda:0", 64), (2, "cpu", 8)]
+
+
+def test_ranks_are_grouped_by_node_and_a_node_may_leave_devices_idle(probe):
+    # Two "nodes" on this machine (DSCHED_NODE_NAME), two ranks each, three devices listed.
+    args = ["-n", "2", "-env", "DSCHED_NODE_NAME", "node-a", "{probe}", "cuda:0,cuda:1,cpu", "16", ":",
+            "-n", "2", "-env", "DSCHED_NODE_NAME", "node-b", "{probe}", "cuda:0,cuda:1,cpu", "16"]
+    ranks = probe(args)
+    assert [(r["host"], r["local_rank"], r["local_size"], r["device"]) for r in ranks] == [
+        ("node-a", 0, 2, "cuda:0"), ("node-a", 1, 2, "cuda:1"),
+        ("node-b", 0, 2, "cuda:0"), ("node-b", 1, 2, "cuda:1"),
+    ]
+
+
+def test_comm_argument_replaces_comm_world(probe):
+    ranks = probe(_probe_args(2, "cpu,cuda:0", "8", "--comm-self"))
+    assert [(r["local_rank"], r["local_size"], r["device"]) for r in ranks] == [(0, 1, "cpu"), (0, 1, "cpu")]
+
+
+# --- MPI host application (examples/mpi_host_app.py) --------------------------------
+
+def test_host_app_example_each_rank_dispatches_its_share_and_rank_0_gathers():
+    done = _mpiexec(["-n", "2", sys.executable, "examples/mpi_host_app.py", "--devices", "cpu,cuda:0", "--emulate",
+                     "--points", "3001", "--batch-sizes", "250,500"], timeout=90)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "gathered 3001 points from 2 ranks: result matches the direct evaluation" in lines[-1]
+    rows = [line for line in lines if line.strip()[:1].isdigit()]
+    assert [row.split()[:4] for row in rows] == [["0", host_of(rows[0]), "0", "cpu"], ["1", host_of(rows[0]), "1", "cuda:0"]]
+    assert "[0, 1501)" in rows[0] and "(emulated)" not in rows[0]
+    assert "[1501, 3001)" in rows[1] and rows[1].endswith("(emulated)")
+
+
+def host_of(row):
+    return row.split()[1]
+
+
+# --- dask-mpi: dsched.mpi.initialize and python -m dsched.mpi ------------------------
+
+def test_dask_mpi_job_runs_a_hybrid_dispatch_end_to_end_and_shuts_down():
+    started = time.monotonic()
+    done = _mpiexec(["-n", "4", sys.executable, "examples/dask_mpi_job.py", "--devices", "cpu,cuda:0", "--emulate",
+                     "--no-dashboard", "--points", "6000", "--batch-sizes", "500,1000"], timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    # Rank 0 printed the layout: scheduler, client, and one device per worker rank.
+    layout = _layout_rows(out)
+    assert [row[1:4] for row in layout] == [["0", "scheduler", "-"], ["1", "client", "-"], ["2", "worker", "cpu"],
+                                            ["3", "worker", "cuda:0"]]
+    assert layout[3][-1] == "(emulated)"
+    if _have_module("dsched.placement"):
+        assert "plugins: dsched-placement" in out
+    assert "J2 over 6000 points: result matches the direct evaluation" in out
+    table = {line.split()[0]: line.split() for line in out.split("device    chunks")[1].splitlines()[1:]}
+    assert set(table) == {"cpu", "cuda:0"} and table["cuda:0"][-1] == "(emulated)"
+    assert int(table["cpu"][2]) + int(table["cuda:0"][2]) == 6000
+    assert time.monotonic() - started < 120
+
+
+def _layout_rows(out) -> list[list[str]]:
+    """The rows of the layout table dsched.mpi prints: host, rank, role, device, ..."""
+    rows = [line.split() for line in out.splitlines()]
+    return [r for r in rows if len(r) >= 4 and r[1].isdigit() and r[2] in ("scheduler", "client", "worker")]
+
+
+def _have_module(name) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def _serve(n, scheduler_file, *extra, node_env=None):
+    args = [sys.executable, "-m", "dsched.mpi", "--scheduler-file", str(scheduler_file), "--no-dashboard", *extra]
+    command = [MPIEXEC, "-n", str(n), *args]
+    if node_env:  # MPMD: one block of ranks per fake node
+        command = [MPIEXEC]
+        for i, (name, count) in enumerate(node_env):
+            command += ([":"] if i else []) + ["-n", str(count), "-env", "DSCHED_NODE_NAME", name, *args]
+    return subprocess.Popen(command, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_file(path, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not Path(path).exists():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"mpiexec ended with {proc.returncode} before writing {path}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no scheduler file after {timeout} s")
+        time.sleep(0.1)
+
+
+def _finish(proc, timeout=60):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, out + err
+    return out
+
+
+def test_command_line_cluster_serves_a_client_through_the_scheduler_file(tmp_path):
+    from distributed import Client
+
+    from dsched import StaticHybridScheduler, WorkDispatcher, concat_reduce
+    from dsched.models import j2_chunk
+    from dsched.mpi import cluster_layout
+    from dsched.work import SliceGenerator
+
+    sf = tmp_path / "sf.json"
+    proc = _serve(3, sf, "--devices", "cpu,cuda:0", "--emulate", "--capacities", "cuda:0=64,cpu=16")
+    _wait_for_file(sf, proc)
+    with Client(scheduler_file=str(sf), timeout=30) as client:
+        layout = {p.device: p for p in cluster_layout(client)}
+        assert {d: (p.capacity, p.emulated, p.name) for d, p in layout.items()} == {
+            "cpu": (16, False, "cpu"), "cuda:0": (64, True, "cuda:0")}
+        scheduler = StaticHybridScheduler(["cpu", "cuda:0"], [8, 32], [16, 64], [1, 2])
+        dispatcher = WorkDispatcher(scheduler, j2_chunk, reduce=concat_reduce, client=client)
+        result = dispatcher.run(SliceGenerator(0, 1000))
+        np.testing.assert_allclose(result["tangent"], j2_chunk(slice(0, 1000))["tangent"], rtol=1e-12, atol=0)
+        workers = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        assert all(workers[r.worker] == str(r.device) for r in dispatcher.last_run.records)
+        client.shutdown()
+    out = _finish(proc)
+    assert "dsched.mpi cluster ready at tcp://127.0.0.1:" in out  # loopback by default
+
+
+def test_command_line_cluster_over_two_nodes_names_workers_by_node(tmp_path):
+    from distributed import Client
+
+    from dsched import StaticHybridScheduler, dispatch
+    from dsched.mpi import cluster_layout
+
+    sf = tmp_path / "sf.json"
+    # node-a: the scheduler (rank 0) and workers on cpu, cuda:0; node-b: workers on cpu, cuda:0.
+    proc = _serve(None, sf, "--devices", "cpu,cuda:0", "--emulate", "--capacities", "cuda:0=8,cpu=4",
+                  node_env=[("node-a", 3), ("node-b", 2)])
+    _wait_for_file(sf, proc)
+    with Client(scheduler_file=str(sf), timeout=30) as client:
+        names = sorted(p.name for p in cluster_layout(client))
+        assert names == ["cpu@node-a", "cpu@node-b", "cuda:0@node-a", "cuda:0@node-b"]
+        # One scheduler device per name, its capacity covering both nodes' workers of that name.
+        scheduler = StaticHybridScheduler(["cpu", "cuda:0"], [4, 8], [8, 16])
+        x = np.linspace(0.0, 1.0, 500)
+        np.testing.assert_array_equal(dispatch(np.sqrt, x, scheduler=scheduler, client=client), np.sqrt(x))
+        client.shutdown()
+    out = _finish(proc)
+    assert [row[:4] for row in _layout_rows(out)] == [["node-a", "0", "scheduler", "-"], ["node-a", "1", "worker", "cpu"],
+                                           ["node-a", "2", "worker", "cuda:0"], ["node-b", "3", "worker", "cpu"],
+                                           ["node-b", "4", "worker", "cuda:0"]]
+
+
+def test_command_line_more_worker_ranks_than_devices_fails_before_starting(tmp_path):
+    sf = tmp_path / "sf.json"
+    done = _mpiexec(["-n", "4", sys.executable, "-m", "dsched.mpi", "--scheduler-file", str(sf),
+                     "--devices", "cpu,cuda:0", "--emulate", "--no-dashboard"], timeout=60)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("python -m dsched.mpi: error:")]
+    assert len(errors) == 1  # printed once, not once per rank
+    assert "runs 3 Dask worker ranks but only 2 devices are listed (cpu, cuda:0)" in errors[0]
+    assert not sf.exists()
+
+
+def test_command_line_missing_gpu_without_emulate_is_an_error(tmp_path):
+    done = _mpiexec(["-n", "3", sys.executable, "-m", "dsched.mpi", "--scheduler-file", str(tmp_path / "sf.json"),
+                     "--devices", "cpu,cuda:0", "--no-dashboard"], timeout=60)
+    assert done.returncode != 0
+    assert "devices: cuda:0 is not present on host" in done.stderr
+    assert "(rank 2; visible GPUs: none); pass emulate=True (--emulate) to emulate it" in done.stderr
