@@ -26,7 +26,8 @@ def parse_args(argv=None):
     parser.add_argument("--devices", default="cpu,cuda:0", help="devices of each node, in the order worker ranks take them")
     parser.add_argument("--emulate", action="store_true", help="emulate CUDA devices this machine lacks")
     parser.add_argument("--points", type=int, default=20_000, help="material points to evaluate")
-    parser.add_argument("--batch-sizes", default="500,2000", help="per-device batch sizes (one or one per device)")
+    parser.add_argument("--cpu-batch", type=int, default=500, help="batch size of the CPU")
+    parser.add_argument("--gpu-batch", type=int, default=2000, help="batch size of each GPU")
     parser.add_argument("--interface", default="lo", help="network interface (lo; ib0 across nodes)")
     parser.add_argument("--no-dashboard", action="store_true")
     return parser.parse_args(argv)
@@ -47,11 +48,11 @@ def run_client(args) -> int:
         # workers, and the capacity below is per name (see docs/mpi.md).
         devices = list(dict.fromkeys(p.device for p in layout))
         emulated = {p.device for p in layout if p.emulated}
-        sizes = [int(b) for b in args.batch_sizes.split(",")]
-        per_name = {d: sum(p.device == d for p in layout) for d in devices}
-        batch_sizes = sizes if len(sizes) in (1, len(devices)) else sizes[:1]
-        batch_sizes = batch_sizes * len(devices) if len(batch_sizes) == 1 else batch_sizes
-        capacities = [2 * b * per_name[d] for b, d in zip(batch_sizes, devices)]
+        batch_sizes = [args.gpu_batch if d.startswith("cuda") else args.cpu_batch for d in devices]
+        # Two chunks in flight per worker (one computes while the other's data moves),
+        # times the number of nodes whose worker owns that device name.
+        owners = {d: sum(p.device == d for p in layout) for d in devices}
+        capacities = [2 * b * owners[d] for b, d in zip(batch_sizes, devices)]
         priorities = [2 if d.startswith("cuda") else 1 for d in devices]  # GPUs first, the CPU takes the rest
         scheduler = StaticHybridScheduler(devices, batch_sizes, capacities, priorities)
         dispatcher = WorkDispatcher(scheduler, j2_chunk, reduce=concat_reduce, client=client)

@@ -8,9 +8,11 @@ raised (files, since the ranks' standard outputs interleave).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -51,7 +53,10 @@ if __name__ == "__main__":
     sys.exit(_probe(sys.argv[1:]))
 
 
-import numpy as np  # noqa: E402  (the rank program above needs none of this)
+import urllib.request  # noqa: E402  (the rank program above needs none of this)
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
 import pytest  # noqa: E402
 
 from dsched import Device, SimpleMPIScheduler  # noqa: E402
@@ -197,7 +202,7 @@ def host_of(row):
 def test_dask_mpi_job_runs_a_hybrid_dispatch_end_to_end_and_shuts_down():
     started = time.monotonic()
     done = _mpiexec(["-n", "4", sys.executable, "examples/dask_mpi_job.py", "--devices", "cpu,cuda:0", "--emulate",
-                     "--no-dashboard", "--points", "6000", "--batch-sizes", "500,1000"], timeout=120)
+                     "--no-dashboard", "--points", "6000", "--cpu-batch", "500", "--gpu-batch", "1000"], timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     # Rank 0 printed the layout: scheduler, client, and one device per worker rank.
@@ -226,14 +231,39 @@ def _have_module(name) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def _serve(n, scheduler_file, *extra, node_env=None):
-    args = [sys.executable, "-m", "dsched.mpi", "--scheduler-file", str(scheduler_file), "--no-dashboard", *extra]
+def _serve(n, scheduler_file, *extra, node_env=None, dashboard=None):
+    shown = ["--dashboard-address", dashboard] if dashboard else ["--no-dashboard"]
+    args = [sys.executable, "-m", "dsched.mpi", "--scheduler-file", str(scheduler_file), *shown, *extra]
     command = [MPIEXEC, "-n", str(n), *args]
     if node_env:  # MPMD: one block of ranks per fake node
         command = [MPIEXEC]
         for i, (name, count) in enumerate(node_env):
             command += ([":"] if i else []) + ["-n", str(count), "-env", "DSCHED_NODE_NAME", name, *args]
-    return subprocess.Popen(command, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A session of its own, so a failing test can end the whole job (mpiexec, proxies, ranks).
+    return subprocess.Popen(command, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _end(proc):
+    """End the job started by ``_serve`` (its process group): TERM, then KILL after 10 s."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def _job(proc):
+    """Ends the job if the test fails before its client shut the cluster down."""
+    try:
+        yield
+    except BaseException:
+        _end(proc)
+        raise
 
 
 def _wait_for_file(path, proc, timeout=60):
@@ -243,7 +273,7 @@ def _wait_for_file(path, proc, timeout=60):
             out, err = proc.communicate()
             pytest.fail(f"mpiexec ended with {proc.returncode} before writing {path}:\n{out}\n{err}")
         if time.monotonic() > deadline:
-            proc.kill()
+            _end(proc)
             pytest.fail(f"no scheduler file after {timeout} s")
         time.sleep(0.1)
 
@@ -252,13 +282,38 @@ def _finish(proc, timeout=60):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        _end(proc)
         raise
     assert proc.returncode == 0, out + err
     return out
 
 
 def test_command_line_cluster_serves_a_client_through_the_scheduler_file(tmp_path):
+    sf = tmp_path / "sf.json"
+    proc = _serve(3, sf, "--devices", "cpu,cuda:0", "--emulate", "--capacities", "cuda:0=64,cpu=16",
+                  dashboard=":0")
+    _wait_for_file(sf, proc)
+    with _job(proc):
+        _check_served(sf, proc)
+        out = _finish(proc)
+    assert "dsched.mpi cluster ready at tcp://127.0.0.1:" in out  # loopback by default
+
+
+def _dask_listeners_on_loopback(proc, client, identity):
+    """Every port Dask listens on in the job (scheduler, workers, their HTTP servers) is bound to 127.0.0.1.
+
+    MPI's own sockets (Hydra's control port, MPICH's network module) are not dsched's to bind.
+    """
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    ports = {int(identity["address"].rsplit(":", 1)[1]), identity["services"]["dashboard"]}
+    ports |= {int(a.rsplit(":", 1)[1]) for a in info} | {w["services"]["dashboard"] for w in info.values()}
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    bound = {c.laddr.port: c.laddr.ip for p in ranks for c in p.net_connections(kind="inet")
+             if c.status == psutil.CONN_LISTEN}
+    assert {port: bound.get(port) for port in ports} == {port: "127.0.0.1" for port in ports}
+
+
+def _check_served(sf, proc):
     from distributed import Client
 
     from dsched import StaticHybridScheduler, WorkDispatcher, concat_reduce
@@ -266,10 +321,8 @@ def test_command_line_cluster_serves_a_client_through_the_scheduler_file(tmp_pat
     from dsched.mpi import cluster_layout
     from dsched.work import SliceGenerator
 
-    sf = tmp_path / "sf.json"
-    proc = _serve(3, sf, "--devices", "cpu,cuda:0", "--emulate", "--capacities", "cuda:0=64,cpu=16")
-    _wait_for_file(sf, proc)
     with Client(scheduler_file=str(sf), timeout=30) as client:
+        _dask_listeners_on_loopback(proc, client, json.loads(sf.read_text()))
         layout = {p.device: p for p in cluster_layout(client)}
         assert {d: (p.capacity, p.emulated, p.name) for d, p in layout.items()} == {
             "cpu": (16, False, "cpu"), "cuda:0": (64, True, "cuda:0")}
@@ -279,34 +332,45 @@ def test_command_line_cluster_serves_a_client_through_the_scheduler_file(tmp_pat
         np.testing.assert_allclose(result["tangent"], j2_chunk(slice(0, 1000))["tangent"], rtol=1e-12, atol=0)
         workers = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
         assert all(workers[r.worker] == str(r.device) for r in dispatcher.last_run.records)
+        if _have_module("dsched.dashboard"):  # dsched's dashboard plugin was preloaded on the scheduler
+            port = json.loads(sf.read_text())["services"]["dashboard"]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/dsched/status.json", timeout=10) as reply:
+                status = {row["device"]: row for row in json.load(reply)["devices"]}
+            assert status["cuda:0"]["emulated"] is True and status["cpu"]["emulated"] is False
+            assert status["cpu"]["items_done"] + status["cuda:0"]["items_done"] == 1000
         client.shutdown()
-    out = _finish(proc)
-    assert "dsched.mpi cluster ready at tcp://127.0.0.1:" in out  # loopback by default
 
 
 def test_command_line_cluster_over_two_nodes_names_workers_by_node(tmp_path):
     from distributed import Client
 
-    from dsched import StaticHybridScheduler, dispatch
+    from dsched import StaticHybridScheduler, WorkDispatcher, concat_reduce
+    from dsched.models import j2_chunk
     from dsched.mpi import cluster_layout
+    from dsched.work import SliceGenerator
 
     sf = tmp_path / "sf.json"
     # node-a: the scheduler (rank 0) and workers on cpu, cuda:0; node-b: workers on cpu, cuda:0.
     proc = _serve(None, sf, "--devices", "cpu,cuda:0", "--emulate", "--capacities", "cuda:0=8,cpu=4",
                   node_env=[("node-a", 3), ("node-b", 2)])
     _wait_for_file(sf, proc)
-    with Client(scheduler_file=str(sf), timeout=30) as client:
-        names = sorted(p.name for p in cluster_layout(client))
-        assert names == ["cpu@node-a", "cpu@node-b", "cuda:0@node-a", "cuda:0@node-b"]
-        # One scheduler device per name, its capacity covering both nodes' workers of that name.
-        scheduler = StaticHybridScheduler(["cpu", "cuda:0"], [4, 8], [8, 16])
-        x = np.linspace(0.0, 1.0, 500)
-        np.testing.assert_array_equal(dispatch(np.sqrt, x, scheduler=scheduler, client=client), np.sqrt(x))
-        client.shutdown()
-    out = _finish(proc)
-    assert [row[:4] for row in _layout_rows(out)] == [["node-a", "0", "scheduler", "-"], ["node-a", "1", "worker", "cpu"],
-                                           ["node-a", "2", "worker", "cuda:0"], ["node-b", "3", "worker", "cpu"],
-                                           ["node-b", "4", "worker", "cuda:0"]]
+    with _job(proc):
+        with Client(scheduler_file=str(sf), timeout=30) as client:
+            names = sorted(p.name for p in cluster_layout(client))
+            assert names == ["cpu@node-a", "cpu@node-b", "cuda:0@node-a", "cuda:0@node-b"]
+            # One scheduler device per name, its capacity covering both nodes' workers of that name.
+            scheduler = StaticHybridScheduler(["cpu", "cuda:0"], [4, 8], [8, 16])
+            dispatcher = WorkDispatcher(scheduler, j2_chunk, reduce=concat_reduce, client=client)
+            result = dispatcher.run(SliceGenerator(0, 500))
+            np.testing.assert_allclose(result["stress"], j2_chunk(slice(0, 500))["stress"], rtol=1e-12, atol=0)
+            workers = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+            assert all(workers[r.worker].split("@")[0] == str(r.device) for r in dispatcher.last_run.records)
+            client.shutdown()
+        out = _finish(proc)
+    assert [row[:4] for row in _layout_rows(out)] == [
+        ["node-a", "0", "scheduler", "-"], ["node-a", "1", "worker", "cpu"], ["node-a", "2", "worker", "cuda:0"],
+        ["node-b", "3", "worker", "cpu"], ["node-b", "4", "worker", "cuda:0"],
+    ]
 
 
 def test_command_line_more_worker_ranks_than_devices_fails_before_starting(tmp_path):
