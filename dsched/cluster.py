@@ -11,6 +11,11 @@ from .devices import EMULATED_RESOURCE, UNLIMITED_CAPACITY, Device, device_resou
 __all__ = ["LocalHybridCluster"]
 
 
+def _loopback_port0(host: str) -> str:
+    """``host`` with a free port, as a Dask HTTP address (IPv6 hosts in brackets)."""
+    return f"[{host}]:0" if ":" in host else f"{host}:0"
+
+
 def _rotated_visible_devices(ordinal: int, present: list[int]) -> str:
     """dask-cuda's pinning: the worker's own GPU first, so it is CuPy's device 0 there."""
     order = present[present.index(ordinal):] + present[: present.index(ordinal)]
@@ -89,7 +94,10 @@ class LocalHybridCluster(SpecCluster):
             raise ValueError(f"threads_per_worker: expected an integer >= 1, got {threads_per_worker!r}")
         self.capacities = {d: UNLIMITED_CAPACITY for d in self.devices}
         for key, value in (capacities or {}).items():
-            device = Device(key)
+            try:
+                device = Device(key)
+            except ValueError as err:
+                raise ValueError(f"capacities: {err}") from None
             if device not in self.capacities:
                 raise ValueError(f"capacities: {device} is not one of the devices {[str(d) for d in self.devices]}")
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -117,7 +125,9 @@ class LocalHybridCluster(SpecCluster):
             "options": {
                 "protocol": protocol,
                 "host": None if protocol.startswith("inproc") else host,
-                "dashboard_address": dashboard_address,
+                # Without a dashboard the scheduler still serves its HTTP routes (health,
+                # metrics), by default on every interface at 8787: keep it on loopback.
+                "dashboard_address": dashboard_address if dashboard_address is not None else _loopback_port0(host),
                 "dashboard": dashboard_address is not None,
                 **(scheduler_options or {}),
             },

@@ -9,6 +9,10 @@ __all__ = ["concat_reduce", "derivative_reduce"]
 
 def _concatenate(pieces, axis: int):
     first = pieces[0]
+    if isinstance(first, (dict, tuple, list)):
+        # A nested container (a tuple holding a dict, say) joins entry by entry too,
+        # instead of being mistaken for a batch-independent value.
+        return concat_reduce(pieces, axis)
     if getattr(first, "ndim", 0) <= axis:
         return first  # no batch axis: a batch-independent value, the same in every chunk
     xp = _array_module_of(first)
