@@ -100,26 +100,38 @@ def _check_client_output(out, first, points, owners) -> list:
     return records
 
 
+@pytest.fixture
+def clients():
+    """Starts client processes; kills any still running when the test ends (passed or failed)."""
+    started = []
+
+    def start(cluster, first, points, out):
+        proc = _client(cluster, first, points, out)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def _wait(procs, timeout=120):
     outputs = []
     for proc in procs:
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
+        output, _ = proc.communicate(timeout=timeout)
         assert proc.returncode == 0, output
         outputs.append(output)
     return outputs
 
 
-def test_three_clients_share_devices_within_capacity(shared_cluster, tmp_path):
+def test_three_clients_share_devices_within_capacity(shared_cluster, clients, tmp_path):
     cluster, client = shared_cluster
     owners = _owners(client)
     points = 300
     outs = [tmp_path / f"client{i}" for i in range(3)]
-    procs = [_client(cluster, i * points, points, outs[i]) for i in range(3)]
+    procs = [clients(cluster, i * points, points, outs[i]) for i in range(3)]
     _wait(procs)
     per_client = [_check_client_output(out, i * points, points, owners) for i, out in enumerate(outs)]
     records = [r for mine in per_client for r in mine]
@@ -137,11 +149,11 @@ def _lines(proc, sink):
         sink.put((proc.pid, line))
 
 
-def test_a_client_killed_mid_run_loses_nothing_for_the_others(shared_cluster, tmp_path):
+def test_a_client_killed_mid_run_loses_nothing_for_the_others(shared_cluster, clients, tmp_path):
     cluster, client = shared_cluster
     owners = _owners(client)
-    victim = _client(cluster, 10_000, 5_000, tmp_path / "victim")  # far more work than the test waits for
-    survivors = [_client(cluster, i * 600, 600, tmp_path / f"survivor{i}") for i in range(2)]
+    victim = clients(cluster, 10_000, 5_000, tmp_path / "victim")  # far more work than the test waits for
+    survivors = [clients(cluster, i * 600, 600, tmp_path / f"survivor{i}") for i in range(2)]
     lines = queue.Queue()
     readers = [threading.Thread(target=_lines, args=(p, lines), daemon=True) for p in [victim, *survivors]]
     for t in readers:
@@ -151,8 +163,6 @@ def test_a_client_killed_mid_run_loses_nothing_for_the_others(shared_cluster, tm
         try:
             pid, line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
-            for p in [victim, *survivors]:
-                p.kill()
             pytest.fail("the clients did not all start within 60 s")
         if line.startswith("first chunk done"):
             started.add(pid)
