@@ -132,6 +132,13 @@ class LocalHybridCluster(SpecCluster):
                 **(scheduler_options or {}),
             },
         }
+        if dashboard_address is not None:
+            # The dsched page of the dashboard: listed before the scheduler builds its dashboard.
+            from .dashboard import DashboardPlugin, register_page
+
+            register_page()
+            options = scheduler["options"]
+            options["plugins"] = [*options.get("plugins", ()), DashboardPlugin()]
         workers = {
             str(device): self._worker_spec(
                 device, threads_per_worker, processes, host, memory_limit, present, worker_options or {}

@@ -1,0 +1,322 @@
+"""The dsched dashboard page and JSON route, over real HTTP, in a real headless Chromium, on three kinds of cluster.
+
+Run as a script under ``mpiexec -n 3``, this file is the dask-mpi program of
+``test_dask_mpi_cluster_serves_the_page_and_the_json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _mpi_program():
+    """The dask-mpi job: scheduler on rank 0, this client on rank 1, one emulated cuda:0 worker on rank 2."""
+    sys.path.insert(0, str(ROOT))
+    import numpy as np
+
+    import dsched.dashboard  # noqa: F401  (lists the page before the scheduler starts)
+    import dsched.mpi
+    from dsched import SimpleScheduler, dispatch
+
+    if not dsched.mpi.initialize(devices=["cuda:0"], capacities={"cuda:0": 32}, emulate=True,
+                                 dashboard_address="127.0.0.1:0", verbose=False):
+        return
+    from distributed import Client
+
+    with Client() as client:
+        out = dispatch(np.square, np.arange(100.0), scheduler=SimpleScheduler("cuda:0", 10, 20), client=client)
+        assert out.tolist() == (np.arange(100.0) ** 2).tolist()
+        port = client.scheduler_info()["services"]["dashboard"]
+        status = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/dsched/status.json", timeout=10))
+        plots = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/individual-plots.json", timeout=10))
+        print("RESULT " + json.dumps({"status": status, "plots": plots}), flush=True)
+
+
+if __name__ == "__main__":
+    _mpi_program()
+    sys.exit(0)
+
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from distributed import Client, LocalCluster  # noqa: E402
+
+from dsched import LocalHybridCluster, StaticHybridScheduler, dispatch  # noqa: E402
+from dsched.dashboard import COLUMNS, JSON_ROUTE, PAGE_ROUTE, register  # noqa: E402
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+CAPACITY = {"cpu": 8, "cuda:0": 16}
+
+
+@pytest.fixture(scope="module")
+def dashboard_cluster():
+    """An in-process cpu + emulated cuda:0 cluster with its dashboard on a free loopback port."""
+    with LocalHybridCluster(["cpu", "cuda:0"], emulate=True, capacities=CAPACITY,
+                            dashboard_address="127.0.0.1:0") as cluster:
+        with Client(cluster) as client:
+            port = client.scheduler_info()["services"]["dashboard"]
+            yield client, f"http://127.0.0.1:{port}"
+
+
+def get_json(url):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("application/json")
+        return json.load(response)
+
+
+def by_device(status):
+    return {row["device"]: row for row in status["devices"]}
+
+
+GATE = threading.Event()
+
+
+def _gated(x):
+    """A chunk that holds its device until the test has seen the load (in-process workers share GATE)."""
+    if not GATE.wait(timeout=60):
+        raise TimeoutError("the test never opened the gate")
+    return x + 1
+
+
+def test_json_route_over_http_while_a_dispatch_runs(dashboard_cluster):
+    client, base = dashboard_cluster
+    before = by_device(get_json(base + JSON_ROUTE))
+    scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[4, 8], capacities=[8, 16], priorities=[1, 2])
+    GATE.clear()
+    box = {}
+
+    def run():
+        try:
+            box["out"] = dispatch(_gated, np.arange(300.0), scheduler=scheduler, client=client)
+        except BaseException as err:  # surfaced by the assertion below
+            box["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    snapshots = []
+    try:
+        # Every chunk waits at the gate: the devices fill to their capacity and stay there.
+        deadline = time.monotonic() + 30
+        while True:
+            rows = by_device(get_json(base + JSON_ROUTE))
+            snapshots.append(rows)
+            if all(rows[d]["load"] == CAPACITY[d] for d in CAPACITY):
+                break
+            assert time.monotonic() < deadline, f"devices never filled: {rows}"
+            time.sleep(0.02)
+        assert rows["cpu"]["chunks_in_flight"] == 2 and rows["cuda:0"]["chunks_in_flight"] == 2
+        GATE.set()
+        while thread.is_alive():
+            snapshots.append(by_device(get_json(base + JSON_ROUTE)))
+        thread.join()
+    finally:
+        GATE.set()
+        thread.join(timeout=60)
+    assert "error" not in box, box.get("error")
+    np.testing.assert_array_equal(box["out"], np.arange(300.0) + 1)
+    for rows in snapshots:
+        for device, row in rows.items():
+            assert 0 <= row["load"] <= row["capacity"] == CAPACITY[device], (device, row)
+
+    after = by_device(get_json(base + JSON_ROUTE))
+    import dsched.dispatch  # the run's own records are the reference
+    done = {}
+    for device in CAPACITY:
+        row, old = after[device], before[device]
+        done[device] = (row["chunks_done"] - old["chunks_done"], row["items_done"] - old["items_done"])
+        assert row["load"] == 0 and row["chunks_in_flight"] == 0
+        assert row["worker_name"] == device
+        assert row["items_per_s"] > 0 and 0 < row["busy_fraction"] <= 1
+    assert done["cpu"][1] + done["cuda:0"][1] == 300
+    assert after["cpu"]["emulated"] is False and after["cuda:0"]["emulated"] is True
+
+
+def test_page_is_listed_in_the_more_menu(dashboard_cluster):
+    _, base = dashboard_cluster
+    plots = get_json(base + "/individual-plots.json")
+    assert plots["Individual Dsched"] == PAGE_ROUTE
+    with urllib.request.urlopen(base + PAGE_ROUTE, timeout=10) as response:
+        assert response.status == 200
+        assert b"Bokeh.embed.embed_items" in response.read()  # a Bokeh page inside the dashboard's frame
+
+
+# --- headless Chromium, driven over the DevTools protocol ----------------------------
+
+# Bokeh draws inside shadow roots, which --dump-dom leaves out: walk them in the page.
+_TABLE_JS = r"""(() => {
+  const rows = [], headers = [];
+  const walk = (root) => {
+    root.querySelectorAll('.slick-header-column').forEach(h => headers.push(h.textContent.trim()));
+    root.querySelectorAll('.slick-row').forEach(r =>
+      rows.push(Array.from(r.querySelectorAll('.slick-cell')).map(c => c.textContent.trim())));
+    root.querySelectorAll('tr.device').forEach(r =>
+      rows.push(Array.from(r.querySelectorAll('td')).map(c => c.textContent.trim())));
+    root.querySelectorAll('th').forEach(h => headers.push(h.textContent.trim()));
+    root.querySelectorAll('*').forEach(el => { if (el.shadowRoot) walk(el.shadowRoot); });
+  };
+  walk(document);
+  return JSON.stringify({title: document.title, headers, rows});
+})()"""
+
+
+def render_table(url, until, timeout=45):
+    """Open ``url`` in headless Chromium; the page's table once ``until(table)`` holds (or at the timeout)."""
+    from tornado.websocket import websocket_connect
+
+    profile = tempfile.mkdtemp(prefix="dsched-chromium-")
+    browser = subprocess.Popen(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={profile}", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", url],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + timeout
+
+    async def drive():
+        port_file = Path(profile, "DevToolsActivePort")
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert time.monotonic() < deadline and browser.poll() is None, "Chromium did not start"
+            await asyncio.sleep(0.05)
+        port = int(port_file.read_text().split()[0])
+        while True:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as response:
+                pages = [t for t in json.load(response) if t["type"] == "page" and t["url"].startswith(url)]
+            if pages:
+                break
+            assert time.monotonic() < deadline, "Chromium opened no page"
+            await asyncio.sleep(0.05)
+        socket = await websocket_connect(pages[0]["webSocketDebuggerUrl"], max_message_size=2**26)
+        ask = 0
+        while True:
+            ask += 1
+            socket.write_message(json.dumps({"id": ask, "method": "Runtime.evaluate",
+                                             "params": {"expression": _TABLE_JS, "returnByValue": True}}))
+            while True:
+                reply = json.loads(await socket.read_message())
+                if reply.get("id") == ask:
+                    break
+            table = json.loads(reply["result"]["result"]["value"])
+            if until(table) or time.monotonic() > deadline:
+                socket.close()
+                return table
+            await asyncio.sleep(0.1)
+
+    try:
+        return asyncio.run(drive())
+    finally:
+        browser.kill()
+        browser.wait(timeout=30)
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium; .ci/run does)")
+@pytest.mark.parametrize("route", [PAGE_ROUTE, "/dsched/status"])
+def test_page_renders_one_row_per_device_in_headless_chromium(dashboard_cluster, route):
+    client, base = dashboard_cluster
+    scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[4, 8], capacities=[8, 16])
+    dispatch(np.negative, np.arange(64.0), scheduler=scheduler, client=client)
+    expected = by_device(get_json(base + JSON_ROUTE))
+    table = render_table(base + route, until=lambda t: len(t["rows"]) == 2 and all(r[5] != "0" for r in t["rows"]))
+    assert table["headers"] == [title for _, title in COLUMNS]
+    rows = {row[0]: dict(zip([f for f, _ in COLUMNS], row)) for row in table["rows"]}
+    assert len(table["rows"]) == 2 and set(rows) == {"cpu", "cuda:0"}
+    for device in ("cpu", "cuda:0"):
+        assert rows[device]["capacity"] == str(CAPACITY[device])
+        assert rows[device]["worker"] == expected[device]["worker"]
+        assert rows[device]["load"] == "0"
+        assert int(rows[device]["chunks_done"]) == expected[device]["chunks_done"]
+    assert rows["cpu"]["emulated"] == "no" and rows["cuda:0"]["emulated"] == "yes"
+
+
+# --- other clusters: registered on a running scheduler, command line, dask-mpi ----------
+
+def test_register_on_a_running_scheduler_serves_the_json_route():
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address="127.0.0.1:0",
+                      resources={"dsched-cpu": 4}) as cluster, Client(cluster) as client:
+        port = client.scheduler_info()["services"]["dashboard"]
+        register(client)
+        out = dispatch(np.sqrt, np.arange(40.0), scheduler=StaticHybridScheduler(["cpu"], 4), client=client)
+        np.testing.assert_allclose(out, np.sqrt(np.arange(40.0)))
+        rows = get_json(f"http://127.0.0.1:{port}{JSON_ROUTE}")["devices"]
+        assert [(r["device"], r["capacity"], r["chunks_done"], r["items_done"], r["emulated"]) for r in rows] == [
+            ("cpu", 4, 10, 40, False)
+        ]
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_command_line_cluster_with_the_preload_module(tmp_path):
+    """``dask scheduler --preload dsched.dashboard`` and two ``dask worker --resources`` processes."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    dask = str(Path(sys.executable).parent / "dask")
+    port, http = _free_port(), _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", str(port),
+                               "--dashboard-address", f"127.0.0.1:{http}", "--preload", "dsched.dashboard"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        for resources, name in [("dsched-cpu=6", "cpu"), ("dsched-cuda:0=1000000000000000,dsched-emulated=1", "cuda:0")]:
+            procs.append(subprocess.Popen(
+                [dask, "worker", address, "--host", "127.0.0.1", "--nthreads", "2", "--no-nanny", "--name", name,
+                 "--resources", resources, "--no-dashboard"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 60
+        while True:  # the scheduler is up once its HTTP server answers (Client's own retries back off for long)
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and procs[0].poll() is None, "dask scheduler did not start"
+                time.sleep(0.1)
+        with Client(address, timeout=60) as client:
+            client.wait_for_workers(2, timeout=60)
+            scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[3, 5], capacities=[6, 10])
+            out = dispatch(np.negative, np.arange(50.0), scheduler=scheduler, client=client)
+            np.testing.assert_array_equal(out, -np.arange(50.0))
+            rows = by_device(get_json(f"http://127.0.0.1:{http}{JSON_ROUTE}"))
+            plots = get_json(f"http://127.0.0.1:{http}/individual-plots.json")
+    finally:
+        # Workers first, then the scheduler: a worker stopping while the scheduler closes can hang.
+        for proc in [*procs[1:], procs[0]]:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+    assert plots.get("Individual Dsched") == PAGE_ROUTE
+    assert (rows["cpu"]["capacity"], rows["cpu"]["emulated"]) == (6, False)
+    assert (rows["cuda:0"]["capacity"], rows["cuda:0"]["emulated"]) == ("unlimited", True)
+    assert rows["cpu"]["items_done"] + rows["cuda:0"]["items_done"] == 50
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not installed (pip install mpich)")
+def test_dask_mpi_cluster_serves_the_page_and_the_json():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([MPIEXEC, "-n", "3", sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout + done.stderr
+    result = json.loads(lines[0][len("RESULT "):])
+    assert result["plots"].get("Individual Dsched") == PAGE_ROUTE
+    [row] = result["status"]["devices"]
+    assert (row["device"], row["capacity"], row["emulated"], row["chunks_done"], row["items_done"]) == (
+        "cuda:0", 32, True, 10, 100)
