@@ -240,8 +240,13 @@ def array_module(device=None):
     device = current_device() if device is None else Device(device)
     if device is None or device.type == "cpu" or is_emulated_here():
         return np
-    import cupy  # a real CUDA device without CuPy is a setup error worth seeing
-
+    try:
+        import cupy
+    except ImportError:
+        raise RuntimeError(
+            f"device {device}: computing on a CUDA device needs CuPy (pip install 'dsched[cuda12]'); "
+            "on a machine without a GPU, run on an emulated device (LocalHybridCluster(emulate=True))"
+        ) from None
     return cupy
 
 
