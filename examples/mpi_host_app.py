@@ -34,7 +34,11 @@ def parse_args(argv=None):
     parser.add_argument("--mode", choices=("async", "sync"), default="async")
     parser.add_argument("--emulate", action="store_true", help="emulate CUDA devices this machine lacks")
     parser.add_argument("--allow-shared", action="store_true", help="more ranks than devices share them round-robin")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.emulate and args.mode == "sync":
+        # An emulated device is a Dask worker claiming it; sync mode has no workers.
+        parser.error("--emulate needs --mode async (emulated devices are Dask workers)")
+    return args
 
 
 def share(n: int, rank: int, size: int) -> tuple[int, int]:
@@ -45,14 +49,27 @@ def share(n: int, rank: int, size: int) -> tuple[int, int]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv)  # errors here happen on every rank alike
     from mpi4py import MPI
+
+    try:
+        return run_rank(args, MPI.COMM_WORLD)
+    except BaseException:
+        # One failed rank would leave the others waiting in gather() forever: end the whole job.
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+
+def run_rank(args, comm) -> int:
+    """This rank's share of the batch on its device; rank 0 gathers and checks everything."""
 
     from dsched import SimpleMPIScheduler, WorkDispatcher, concat_reduce, visible_gpus
     from dsched.models import j2_chunk
     from dsched.work import SliceGenerator
 
-    comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     scheduler = SimpleMPIScheduler(args.devices.split(","), batch_sizes, comm=comm, allow_shared=args.allow_shared)

@@ -193,6 +193,15 @@ def test_host_app_example_each_rank_dispatches_its_share_and_rank_0_gathers():
     assert "[1501, 3001)" in rows[1] and rows[1].endswith("(emulated)")
 
 
+def test_host_app_example_in_sync_mode_with_ranks_sharing_the_cpu():
+    done = _mpiexec(["-n", "2", sys.executable, "examples/mpi_host_app.py", "--devices", "cpu", "--allow-shared",
+                     "--mode", "sync", "--points", "1000", "--batch-sizes", "128"], timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split()[:4] for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], r[2], r[3]) for r in rows] == [("0", "0", "cpu"), ("1", "1", "cpu")]
+    assert "gathered 1000 points from 2 ranks: result matches the direct evaluation" in done.stdout
+
+
 def host_of(row):
     return row.split()[1]
 
