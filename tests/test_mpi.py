@@ -99,8 +99,9 @@ def test_outside_mpiexec_one_rank_takes_the_first_device_without_initialising_mp
         "import sys, dsched; s = dsched.SimpleMPIScheduler(['cuda:1', 'cpu'], [64, 8], [128]);"
         "print(s.device, s.local_rank, s.local_size, s.schedule_work(), 'mpi4py.MPI' in sys.modules)"
     )
-    env = {k: v for k, v in _env().items() if k not in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
-                                                         "MPI_LOCALNRANKS", "SLURM_PROCID")}
+    from dsched.schedulers.mpi import _LAUNCHER_VARIABLES
+
+    env = {k: v for k, v in _env().items() if k not in _LAUNCHER_VARIABLES}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["cuda:1", "0", "1", "(Device('cuda:1'),", "64)", "False"], done.stderr
 
@@ -207,6 +208,48 @@ def host_of(row):
 
 
 # --- dask-mpi: dsched.mpi.initialize and python -m dsched.mpi ------------------------
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: m._check_devices(["cpu", "cuda:0", "cpu"]), "devices: duplicate device"),
+    (lambda m: m._check_devices([]), "devices: at least one device"),
+    (lambda m: m._check_devices(["cuda", "cuda:1"]), "devices: a bare 'cuda' next to cuda:1"),
+    (lambda m: m._check_capacities({"cuda:1": 8}, [Device("cpu")]), "capacities: cuda:1 is not one of the devices"),
+    (lambda m: m._check_capacities({"cpu": 0}, [Device("cpu")]), r"capacities\['cpu'\]: expected an integer >= 1, got 0"),
+    (lambda m: m._parse_capacities("cpu:4"), "--capacities: expected DEVICE=ITEMS, got 'cpu:4'"),
+    (lambda m: m._parse_capacities("cpu=many"), "--capacities: 'many' for cpu is not an integer"),
+    (lambda m: m._check_nthreads(0), "nthreads: expected an integer >= 1, got 0"),
+    (lambda m: m._set_log_level("chatty"), "log_level: expected a logging level"),
+])
+def test_cluster_options_are_checked_before_anything_starts(call, message):
+    import dsched.mpi
+
+    with pytest.raises(ValueError, match=message):
+        call(dsched.mpi)
+
+
+def test_layout_table_shows_roles_devices_emulation_and_idle_devices():
+    from dsched.devices import UNLIMITED_CAPACITY
+    from dsched.mpi import WorkerPlacement, format_layout
+
+    layout = [WorkerPlacement("n1", 0, "scheduler"), WorkerPlacement("n1", 1, "worker", "cuda:0", 64, True),
+              WorkerPlacement("n2", 2, "worker", "cuda:0", UNLIMITED_CAPACITY), WorkerPlacement("n2", 3, "worker", "cpu", 8)]
+    assert format_layout(layout, [Device("cpu"), Device("cuda:0")]).splitlines() == [
+        "host  rank  role       device  capacity",
+        "n1    0     scheduler  -",
+        "n1    1     worker     cuda:0  64         (emulated)",
+        "n2    2     worker     cuda:0  unlimited",
+        "n2    3     worker     cpu     8",
+        "idle on n1: cpu (no worker rank left for them)",
+    ]
+
+
+def test_command_line_outside_mpiexec_is_one_rank_and_an_error():
+    done = subprocess.run([sys.executable, "-m", "dsched.mpi", "--scheduler-file", "sf.json", "--devices", "cpu"],
+                          env=_env(), capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2
+    assert done.stderr.strip().endswith(
+        "python -m dsched.mpi: error: mpiexec -n: python -m dsched.mpi needs at least 2 ranks (scheduler, one worker), got 1")
+
 
 def test_dask_mpi_job_runs_a_hybrid_dispatch_end_to_end_and_shuts_down():
     started = time.monotonic()
