@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -200,43 +201,42 @@ def _http_address(dashboard_address, interface):
     return dashboard_address if host else f"{get_ip_interface(interface)}:{port}"
 
 
-def _preload_dashboard(dashboard: bool) -> None:
-    """List dsched's dashboard page (``dsched.dashboard``) as a scheduler preload, where this checkout has it.
+def _list_dashboard_page(dashboard: bool) -> None:
+    """List dsched's dashboard page, where this checkout has ``dsched.dashboard``.
 
-    Dask builds the dashboard when the scheduler starts, so the page must be
-    known before: a preload, as ``dsched.dashboard`` documents for dask-mpi.
+    Dask builds the dashboard's pages when the scheduler starts, so this runs
+    in the scheduler's process before it starts; the plugin that feeds the
+    page is installed afterwards through a client (:func:`install_plugins`).
     """
     if not dashboard:
         return
     try:
-        from . import dashboard as module
-    except ImportError:
+        from .dashboard import register_page
+    except ImportError:  # no dsched.dashboard, or no Bokeh
         return
-    if not hasattr(module, "dask_setup"):
-        return
-    import dask
-
-    preloads = list(dask.config.get("distributed.scheduler.preload", []) or [])
-    if "dsched.dashboard" not in preloads:
-        dask.config.set({"distributed.scheduler.preload": [*preloads, "dsched.dashboard"]})
+    register_page()
 
 
 def install_plugins(client) -> list[str]:
-    """Install dsched's placement plugins through ``client``; the dsched plugins the scheduler then runs.
+    """Install dsched's plugins through ``client.register_plugin``; the dsched plugins the scheduler then runs.
 
-    A plugin module that is missing is skipped; one that fails to install is
-    a RuntimeWarning, not a failed cluster: dispatching needs no plugin,
-    only ``dsched.map_blocks``'s placement does.
+    ``dsched.placement`` pins ``dsched.map_blocks`` blocks to their devices;
+    ``dsched.dashboard`` serves ``/dsched/status.json`` and feeds the
+    ``/individual-dsched`` page. A module that is missing is skipped; one
+    that fails to install is a RuntimeWarning, not a failed cluster:
+    dispatching needs neither.
     """
-    try:
-        from . import placement
-    except ImportError:
-        placement = None
-    if placement is not None and hasattr(placement, "register"):
+    for module_name in ("placement", "dashboard"):
         try:
-            placement.register(client)
+            module = importlib.import_module(f"{__package__}.{module_name}")
+        except ImportError:
+            continue
+        if not hasattr(module, "register"):
+            continue
+        try:
+            module.register(client)
         except Exception as err:
-            warnings.warn(f"dsched.mpi: the placement plugins could not be installed: {err!r}", RuntimeWarning,
+            warnings.warn(f"dsched.mpi: dsched.{module_name} could not be installed: {err!r}", RuntimeWarning,
                           stacklevel=2)
     names = client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.plugins))
     return [name for name in names if name.startswith("dsched")]
@@ -335,7 +335,7 @@ def initialize(
     options = _worker_options(mine, nthreads) if mine.role == "worker" else {}
     options.pop("nthreads", None)
     if mine.role == "scheduler":
-        _preload_dashboard(dashboard_address is not None)
+        _list_dashboard_page(dashboard_address is not None)
     is_client = dask_mpi.initialize(
         interface=interface,
         nthreads=nthreads,
@@ -439,7 +439,7 @@ async def _run_scheduler(comm, layout, devices, scheduler_file, interface, port,
                          verbose):
     from distributed import Scheduler
 
-    _preload_dashboard(dashboard_address is not None)
+    _list_dashboard_page(dashboard_address is not None)
     async with Scheduler(interface=interface, port=port, dashboard=dashboard_address is not None,
                          dashboard_address=http_address) as scheduler:
         comm.bcast(scheduler.address, root=SCHEDULER_RANK)

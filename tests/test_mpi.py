@@ -262,8 +262,9 @@ def test_dask_mpi_job_runs_a_hybrid_dispatch_end_to_end_and_shuts_down():
     assert [row[1:4] for row in layout] == [["0", "scheduler", "-"], ["1", "client", "-"], ["2", "worker", "cpu"],
                                             ["3", "worker", "cuda:0"]]
     assert layout[3][-1] == "(emulated)"
-    if _have_module("dsched.placement"):
-        assert "plugins: dsched-placement" in out
+    plugins = out.split("(plugins: ")[1].split(")")[0].split(", ")
+    assert ("dsched-placement" in plugins) == _have_module("dsched.placement")
+    assert ("dsched-dashboard" in plugins) == _have_module("dsched.dashboard")
     assert "J2 over 6000 points: result matches the direct evaluation" in out
     table = {line.split()[0]: line.split() for line in out.split("device    chunks")[1].splitlines()[1:]}
     assert set(table) == {"cpu", "cuda:0"} and table["cuda:0"][-1] == "(emulated)"
@@ -390,6 +391,8 @@ def _check_served(sf, proc):
                 status = {row["device"]: row for row in json.load(reply)["devices"]}
             assert status["cuda:0"]["emulated"] is True and status["cpu"]["emulated"] is False
             assert status["cpu"]["items_done"] + status["cuda:0"]["items_done"] == 1000
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/individual-dsched", timeout=10) as reply:
+                assert reply.status == 200  # the page was listed before the scheduler started
         client.shutdown()
 
 
