@@ -36,7 +36,15 @@ import sys
 import warnings
 from dataclasses import dataclass
 
-from .devices import EMULATED_RESOURCE, UNLIMITED_CAPACITY, Device, device_of_resources, device_resource, parse_devices, visible_gpus
+from .devices import (
+    EMULATED_RESOURCE,
+    UNLIMITED_CAPACITY,
+    Device,
+    device_of_resources,
+    device_resource,
+    parse_devices,
+    visible_gpus,
+)
 from .schedulers.mpi import NodePlacement, check_ranks_fit, place_on_nodes
 
 __all__ = ["initialize", "serve", "main", "WorkerPlacement", "cluster_layout", "format_layout"]
@@ -138,9 +146,13 @@ def format_layout(layout, devices=None) -> str:
             return ""
         return "unlimited" if p.capacity >= UNLIMITED_CAPACITY else str(p.capacity)
 
-    rows = [("host", "rank", "role", "device", "capacity", "")]
-    for p in sorted(layout, key=lambda p: p.rank):
-        rows.append((p.host, str(p.rank) if p.rank >= 0 else "-", p.role, p.device or "-", capacity(p), "(emulated)" if p.emulated else ""))
+    # Worker names only add something when they are not just the device (several nodes).
+    named = any(p.name not in (None, p.device) for p in layout)
+    rows = [("host", "rank", "role", "device", "capacity", *(("worker",) if named else ()), "")]
+    for p in sorted(layout, key=lambda p: (p.rank, p.name or "")):
+        rank = str(p.rank) if p.rank >= 0 else "-"
+        name = ((p.name or "-"),) if named else ()
+        rows.append((p.host, rank, p.role, p.device or "-", capacity(p), *name, "(emulated)" if p.emulated else ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     if devices is not None:
@@ -158,7 +170,7 @@ def cluster_layout(client) -> list[WorkerPlacement]:
     Examples
     --------
     >>> print(format_layout(cluster_layout(client)))  # doctest: +SKIP
-    host       rank  role    device  capacity   
+    host       rank  role    device  capacity
     127.0.0.1  -     worker  cpu     unlimited
     """
     from distributed.comm.addressing import get_address_host
