@@ -8,10 +8,12 @@ Examples
 (10,)
 """
 
+from .array import as_batched, map_blocks, plan
 from .cluster import LocalHybridCluster
 from .devices import Device, array_module, current_device, visible_gpus
 from .dispatch import ChunkRecord, RunReport, WorkDispatcher, dispatch
 from .errors import AggregateError, DispatchError, RecoverableError
+from .placement import PlacementWarning, register
 from .reduce import concat_reduce, derivative_reduce
 from .schedulers import DeviceStatus, SimpleMPIScheduler, SimpleScheduler, StaticHybridScheduler, WorkScheduler
 from .work import ArrayLoader, MappingLoader, SliceGenerator, WorkGenerator
@@ -26,4 +28,5 @@ __all__ = [
     "WorkDispatcher", "dispatch", "ChunkRecord", "RunReport",
     "DispatchError", "RecoverableError", "AggregateError",
     "LocalHybridCluster",
+    "plan", "as_batched", "map_blocks", "register", "PlacementWarning",
 ]

@@ -132,6 +132,10 @@ class LocalHybridCluster(SpecCluster):
                 **(scheduler_options or {}),
             },
         }
+        # Pin planned blocks (dsched.map_blocks) without the user calling dsched.register.
+        from .placement import PlacementPlugin
+
+        scheduler["options"]["plugins"] = [*scheduler["options"].get("plugins", ()), PlacementPlugin()]
         if dashboard_address is not None:
             # The dsched page of the dashboard: listed before the scheduler builds its dashboard.
             from .dashboard import DashboardPlugin, register_page
@@ -168,6 +172,9 @@ class LocalHybridCluster(SpecCluster):
             "dashboard": False,
             **extra,
         }
+        from .placement import DeviceWorkerPlugin
+
+        options["plugins"] = set(options.get("plugins", ())) | {DeviceWorkerPlugin()}
         if not processes:
             return {"cls": Worker, "options": options}
         if device.is_cuda and not self.emulated[device]:

@@ -1,0 +1,443 @@
+"""The dask.array path: plan, as_batched, map_blocks, and placement on an in-process cluster."""
+
+import os
+import sys
+import threading
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+
+import dsched
+from dsched import Device, SimpleScheduler, StaticHybridScheduler, as_batched, current_device, map_blocks, plan
+from dsched.models.j2 import j2_update, loading_strain
+
+CPU, GPU = Device("cpu"), Device("cuda:0")
+
+
+@pytest.fixture(autouse=True)
+def no_measured_profile(tmp_path_factory, monkeypatch):
+    """Plans from priorities: no profile of this host is in effect (an empty profile directory)."""
+    monkeypatch.setenv("DSCHED_PROFILE_DIR", str(tmp_path_factory.mktemp("no-profiles")))
+
+
+def hybrid(**kwargs):
+    options = dict(batch_sizes=[3, 8], priorities=[1, 2])
+    options.update(kwargs)
+    return StaticHybridScheduler(["cpu", "cuda:0"], **options)
+
+
+def as_pairs(chunks):
+    return [(str(d), m) for d, m in chunks]
+
+
+def per_item(chunks):
+    """The planned device of every item, in batch order."""
+    return np.repeat([str(d) for d, _ in chunks], [m for _, m in chunks])
+
+
+# --- plan -------------------------------------------------------------------------
+
+def test_plan_simple_scheduler_is_uniform_with_a_short_last_chunk():
+    assert as_pairs(plan(10, SimpleScheduler("cpu", 4))) == [("cpu", 4), ("cpu", 4), ("cpu", 2)]
+    assert as_pairs(plan(8, SimpleScheduler("cuda", 4, capacity=8))) == [("cuda:0", 4), ("cuda:0", 4)]
+    assert as_pairs(plan(1, SimpleScheduler("cpu", 4))) == [("cpu", 1)]
+
+
+def test_plan_hybrid_replays_the_greedy_policy_in_simulated_time():
+    # Speeds from priorities: cuda:0 does 2 items/s, the CPU 1. cuda:0 takes 8
+    # (busy until 4), the CPU 3 (until 3); at 3 the CPU takes 3 more (until 6),
+    # at 4 cuda:0 takes 8 (until 8), at 6 the CPU (until 9), at 8 cuda:0 (until
+    # 12), at 9 the CPU, at 12 cuda:0 takes the 4 left.
+    assert as_pairs(plan(40, hybrid())) == [
+        ("cuda:0", 8), ("cpu", 3), ("cpu", 3), ("cuda:0", 8), ("cpu", 3), ("cuda:0", 8), ("cpu", 3), ("cuda:0", 4),
+    ]
+
+
+def test_plan_capacity_above_the_batch_size_takes_several_chunks_at_once():
+    s = hybrid(capacities=[3, 16])
+    # cuda:0 holds two chunks from the start (queued one after the other: done at 4 and 8).
+    assert as_pairs(plan(30, s)) == [
+        ("cuda:0", 8), ("cuda:0", 8), ("cpu", 3), ("cpu", 3), ("cuda:0", 8),
+    ]
+
+
+def test_plan_equal_priorities_first_listed_wins_ties():
+    s = StaticHybridScheduler(["cuda:0", "cpu"], batch_sizes=4)
+    assert as_pairs(plan(12, s)) == [("cuda:0", 4), ("cpu", 4), ("cuda:0", 4)]
+
+
+def test_plan_speeds_balance_the_finish_times():
+    s = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=10)
+    chunks = plan(1100, s, speeds={"cpu": 1.0, "cuda:0": 10.0})
+    items = {d: sum(m for dd, m in chunks if dd == d) for d in (CPU, GPU)}
+    assert items[CPU] + items[GPU] == 1100
+    # Proportional to speed, within one chunk: both finish within 10 items of each other's time.
+    assert abs(items[GPU] - 1000) <= 10 and abs(items[CPU] - 100) <= 10
+    assert abs(items[GPU] / 10.0 - items[CPU] / 1.0) <= 10
+
+
+def test_plan_is_pure_and_ignores_the_current_load():
+    s = hybrid()
+    first = plan(40, s)
+    s.dispatched_work("cuda:0", 8)
+    assert plan(40, s) == first
+    assert [st.load for st in s.status()] == [0, 8]
+    assert sum(m for _, m in first) == 40
+
+
+def test_plan_uses_the_measured_profile_of_this_host(tmp_path, monkeypatch):
+    import json
+
+    from dsched import tuning
+
+    s = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=10)
+    monkeypatch.setenv("DSCHED_PROFILE_DIR", str(tmp_path))
+    path = tuning.profile_path("j2")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"devices": {"cpu": {"items_per_s": 1.0}, "cuda:0": {"items_per_s": 10.0}}}))
+    assert dsched.array.default_speeds(s) == ({CPU: 1.0, GPU: 10.0}, "profile")
+    assert plan(1100, s) == plan(1100, s, speeds={"cpu": 1.0, "cuda:0": 10.0})
+    # A profile lacking one of the devices is not used: the priorities are.
+    path.write_text(json.dumps({"devices": {"cpu": {"items_per_s": 1.0}}}))
+    os.utime(path, ns=(path.stat().st_mtime_ns + 10**9,) * 2)  # a new stamp, so the profile is re-read
+    assert dsched.array.default_speeds(s) == ({CPU: 1.0, GPU: 1.0}, "priorities")
+
+
+def test_plan_nonpositive_priorities_count_as_the_smallest_positive_one():
+    s = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=4, priorities=[0, 3])
+    assert dsched.array.default_speeds(s)[0] == {CPU: 3.0, GPU: 3.0}
+
+
+@pytest.mark.parametrize(
+    "n, kwargs, message",
+    [
+        (0, {}, "n: expected an integer number of items >= 1, got 0"),
+        (-3, {}, "n: expected an integer number of items >= 1, got -3"),
+        (2.5, {}, "n: expected an integer number of items >= 1, got 2.5"),
+        (True, {}, "n: expected an integer number of items >= 1, got True"),
+        (10, {"speeds": {"cpu": 1.0}}, "speeds: no speed for cuda:0"),
+        (10, {"speeds": {"cpu": 1.0, "cuda:0": -2}}, "speeds['cuda:0']: expected a finite number of items per second > 0, got -2"),
+        (10, {"speeds": {"cpu": 1.0, "cuda:0": float("nan")}}, "speeds['cuda:0']: expected a finite number"),
+        (10, {"speeds": {"cpu": 1, "cuda:0": 1, "cuda:1": 1}}, "speeds: cuda:1 is not one of the scheduler's devices"),
+        (10, {"speeds": {"gpu": 1}}, "speeds: device: 'gpu' is not a device"),
+        (10, {"speeds": [1, 2]}, "speeds: expected a mapping"),
+    ],
+)
+def test_plan_rejects_bad_input_naming_the_field(n, kwargs, message):
+    with pytest.raises(ValueError) as err:
+        plan(n, hybrid(), **kwargs)
+    assert message in str(err.value)
+
+
+def test_plan_rejects_a_non_scheduler():
+    with pytest.raises(ValueError, match="scheduler: expected a WorkScheduler"):
+        plan(10, "cpu")
+
+
+# --- as_batched -----------------------------------------------------------------------
+
+def test_as_batched_numpy_and_dask_inputs_take_the_plan_along_axis_0_only():
+    s = hybrid()
+    x = np.arange(40 * 6.0).reshape(40, 6)
+    xb, chunks = as_batched(x, s)
+    assert chunks == plan(40, s)
+    assert xb.chunks == (tuple(m for _, m in chunks), (6,))
+    np.testing.assert_array_equal(xb.compute(scheduler="sync"), x)
+    xd = da.from_array(x, chunks=(7, 2))
+    xdb, chunks_d = as_batched(xd, s)
+    assert chunks_d == chunks and xdb.chunks == xb.chunks
+    np.testing.assert_array_equal(xdb.compute(scheduler="sync"), x)
+
+
+def test_as_batched_rejects_what_is_not_a_batch():
+    with pytest.raises(ValueError, match="x: expected a NumPy or Dask array, got list"):
+        as_batched([1, 2, 3], hybrid())
+    with pytest.raises(ValueError, match="x: a 0-d array has no batch axis"):
+        as_batched(np.array(3.0), hybrid())
+    with pytest.raises(ValueError, match=r"x: the batch is empty \(length 0 along axis 0\)"):
+        as_batched(np.zeros((0, 6)), hybrid())
+
+
+# --- map_blocks: results (local scheduler) ------------------------------------------------
+
+def j2_stress(strain, plastic_strain, alpha):
+    """A user model: the J2 update's stress only."""
+    return j2_update(strain, plastic_strain, alpha, tangent=False)["stress"]
+
+
+def j2_inputs(n):
+    strain = loading_strain(np.arange(n))
+    return strain, np.zeros((n, 6)), np.zeros(n)
+
+
+def test_map_blocks_j2_equals_the_whole_batch_in_numpy():
+    strain, plastic, alpha = j2_inputs(100)
+    reference = j2_stress(strain, plastic, alpha)
+    y = map_blocks(j2_stress, strain, da.from_array(plastic, chunks=(33, 3)), alpha, scheduler=hybrid(), dtype=float)
+    assert y.chunks == (tuple(m for _, m in plan(100, hybrid())), (6,))
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), reference)
+
+
+def test_map_blocks_passes_constants_and_keyword_arguments():
+    x = np.arange(20.0)
+    y = map_blocks(lambda a, b, *, scale: (a + b) * scale, x, 5.0, scale=2.0, scheduler=SimpleScheduler("cpu", 6))
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), (x + 5.0) * 2.0)
+
+
+def test_map_blocks_dtype_chunks_new_axis_drop_axis_and_meta():
+    x = np.arange(30.0).reshape(10, 3)
+    s = SimpleScheduler("cpu", 4)
+    summed = map_blocks(lambda a: a.sum(axis=1), x, scheduler=s, drop_axis=1, dtype=float)
+    assert summed.chunks == ((4, 4, 2),)
+    np.testing.assert_array_equal(summed.compute(scheduler="sync"), x.sum(axis=1))
+    widened = map_blocks(lambda a: np.concatenate([a, a], axis=1), x, scheduler=s, chunks=(1, 6), dtype=float)
+    assert widened.chunks == ((4, 4, 2), (6,))
+    np.testing.assert_array_equal(widened.compute(scheduler="sync"), np.concatenate([x, x], axis=1))
+    expanded = map_blocks(lambda a: a[:, :, None], x, scheduler=s, new_axis=2, chunks=((4, 4, 2), (3,), (1,)))
+    assert expanded.shape == (10, 3, 1)
+    np.testing.assert_array_equal(expanded.compute(scheduler="sync"), x[:, :, None])
+    as_int = map_blocks(lambda a: a.astype(np.int32), x, scheduler=s, meta=np.empty((0, 0), dtype=np.int32))
+    assert as_int.dtype == np.int32
+    np.testing.assert_array_equal(as_int.compute(scheduler="sync"), x.astype(np.int32))
+
+
+def test_map_blocks_block_info_sees_the_planned_blocks():
+    def where(a, block_info=None):
+        start, stop = block_info[0]["array-location"][0]
+        return np.full(len(a), start * 1000 + stop)
+
+    y = map_blocks(where, np.zeros(10), scheduler=SimpleScheduler("cpu", 4), dtype=int)
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), [4] * 4 + [4008] * 4 + [8010] * 2)
+
+
+def test_map_blocks_without_a_worker_runs_every_block_here():
+    # A local scheduler: the CPU plan is kept; an absent GPU falls back to the CPU.
+    devices = map_blocks(label, np.zeros(40), scheduler=hybrid(), dtype=object).compute(scheduler="sync")
+    assert set(devices) == {"cpu@-"}
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        ((), {}, "args: map_blocks needs at least one NumPy or Dask array"),
+        ((3.0,), {}, "args: map_blocks needs at least one NumPy or Dask array"),
+        ((np.zeros(4), np.zeros(5)), {}, r"args\[0\]: the arrays disagree on the batch length along axis 0 \(args\[0\] has 4, args\[1\] has 5\)"),
+        ((np.zeros(4), np.ones(())), {}, r"args\[1\]: a 0-d array has no batch axis"),
+        ((np.zeros((4, 2)),), {"drop_axis": 0}, "drop_axis: axis 0 is the batch axis"),
+        ((np.zeros((4, 2)),), {"drop_axis": [1, 0]}, "drop_axis: axis 0 is the batch axis"),
+    ],
+)
+def test_map_blocks_rejects_bad_input_before_any_work(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        map_blocks(np.negative, *args, scheduler=hybrid(), **kwargs)
+
+
+def test_map_blocks_rejects_a_non_callable():
+    with pytest.raises(ValueError, match="fn: expected a callable, got 3"):
+        map_blocks(3, np.zeros(4), scheduler=hybrid())
+
+
+# --- placement on a cluster (cpu + emulated cuda:0, in-process) ------------------------------
+
+RECORDS = []
+_records_lock = threading.Lock()
+
+
+def label(a):
+    """Each item's device and worker, as the block saw them."""
+    from distributed import get_worker
+
+    try:
+        worker = get_worker().name
+    except ValueError:
+        worker = "-"
+    return np.array([f"{current_device()}@{worker}"] * len(a), dtype=object)
+
+
+def recorded_double(a, block_info=None):
+    """Doubles the block and records where it ran (in-process workers share this list)."""
+    from distributed import get_worker
+
+    with _records_lock:
+        RECORDS.append((block_info[0]["array-location"][0], str(current_device()), get_worker().name, len(a)))
+    return a * 2.0
+
+
+def expected_records(chunks):
+    out, start = [], 0
+    for device, m in chunks:
+        out.append(((start, start + m), str(device), str(device), m))
+        start += m
+    return out
+
+
+@pytest.fixture
+def records():
+    with _records_lock:
+        RECORDS.clear()
+    yield RECORDS
+
+
+def test_defaults_are_in_effect():
+    # Placement must hold under Dask's defaults, where fusion drops annotations.
+    assert dask.config.get("optimization.fuse.active", None) is not False
+    assert dask.config.get("array.query-planning", None) is not True
+
+
+def test_every_block_runs_on_its_planned_device(hybrid_client):
+    s = hybrid()
+    out = map_blocks(label, np.zeros(40), scheduler=s, dtype=object).compute()
+    assert list(out) == [f"{d}@{d}" for d in per_item(plan(40, s))]
+
+
+def test_placement_holds_through_fusion_and_reductions(hybrid_client, records):
+    s = hybrid()
+    x = np.arange(40.0)
+    total = (map_blocks(recorded_double, x, scheduler=s, dtype=float) + 1).sum().compute()
+    assert total == (2 * x + 1).sum()
+    assert sorted(records) == expected_records(plan(40, s))
+
+
+def test_placement_holds_for_a_chain_of_planned_maps_and_dask_inputs(hybrid_client, records):
+    s = hybrid()
+    x = da.arange(40.0, chunks=13)
+    y = map_blocks(recorded_double, map_blocks(recorded_double, x, scheduler=s, dtype=float), scheduler=s, dtype=float)
+    np.testing.assert_array_equal((-y).compute(), -4 * np.arange(40.0))
+    assert sorted(records) == sorted(expected_records(plan(40, s)) * 2)
+
+
+def test_persisted_fused_tasks_are_pinned_and_live_on_their_device(hybrid_client, records):
+    s = hybrid()
+    x = np.arange(40.0)
+    z = (map_blocks(recorded_double, x, scheduler=s, dtype=float) * 3 + 1).persist()
+    dsched_wait(hybrid_client, z)
+
+    keys = [k for k in z.__dask_keys__()]
+    seen = hybrid_client.run_on_scheduler(pinning, keys=keys)
+    chunks = plan(40, s)
+    for (device, m), key in zip(chunks, keys):
+        computed_by, pin = seen[str(key)]
+        # The task that computed the block is the fused multiply-add: the plan survived fusion.
+        assert "-add-" in computed_by, computed_by
+        assert pin == (str(device), {f"dsched-{device}": m}, [str(device)])
+    assert sorted(records) == expected_records(chunks)
+    np.testing.assert_array_equal(z.compute(), 6 * x + 1)
+    # Composing on the persisted array adds unplanned tasks, which keep Dask's placement.
+    unplanned = (z - 1).persist()
+    dsched_wait(hybrid_client, unplanned)
+    for key, (_, pin) in hybrid_client.run_on_scheduler(pinning, keys=unplanned.__dask_keys__()).items():
+        assert pin[0] is None and pin[1] == {}, key
+    assert len(records) == len(chunks)  # persisted blocks did not run again
+
+
+def pinning(dask_scheduler, keys):
+    """Per key: the key of the task that computed it (aliases followed), that task's
+    planned device and resource restrictions, and the workers holding the key."""
+    from dask._task_spec import Alias
+
+    out = {}
+    for key in keys:
+        held = sorted(ws.name for ws in dask_scheduler.tasks[key].who_has or ())
+        ts = dask_scheduler.tasks[key]
+        while isinstance(ts.run_spec, Alias):
+            ts = dask_scheduler.tasks[ts.run_spec.target]
+        out[str(key)] = (
+            str(ts.key),
+            ((ts.annotations or {}).get("dsched-device"), dict(ts.resource_restrictions or {}), held),
+        )
+    return out
+
+
+def test_keys_seen_before_stay_pinned(hybrid_client, records):
+    s = hybrid()
+    x = np.arange(40.0)
+    first = map_blocks(recorded_double, x, scheduler=s, dtype=float).persist()
+    dsched_wait(hybrid_client, first)
+    # The same call again builds the same keys: the scheduler already holds them.
+    again = map_blocks(recorded_double, x, scheduler=s, dtype=float)
+    assert again.name == first.name
+    np.testing.assert_array_equal((again + 1).compute(), 2 * x + 1)
+    records.clear()
+    keys = first.__dask_keys__()
+    del first  # released: computing the same keys again must place them again
+    wait_until_forgotten(hybrid_client, keys)
+    np.testing.assert_array_equal(again.sum().compute(), (2 * x).sum())
+    assert sorted(records) == expected_records(plan(40, s))
+
+
+def test_unplanned_work_keeps_dask_placement(hybrid_client):
+    y = (da.arange(40.0, chunks=10) + 1).persist()
+    dsched_wait(hybrid_client, y)
+    seen = hybrid_client.run_on_scheduler(pinning, keys=y.__dask_keys__())
+    assert [pin[:2] for _, pin in seen.values()] == [(None, {})] * 4
+
+
+def test_register_is_idempotent_and_harmless(hybrid_client):
+    before = {a: dict(w["resources"]) for a, w in hybrid_client.scheduler_info()["workers"].items()}
+    dsched.register(hybrid_client)
+    dsched.register(hybrid_client)
+    after = {a: dict(w["resources"]) for a, w in hybrid_client.scheduler_info()["workers"].items()}
+    assert after == before
+    names = hybrid_client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+    assert names.count("dsched-placement") == 1
+    s = hybrid()
+    out = map_blocks(label, np.zeros(40), scheduler=s, dtype=object).compute()
+    assert list(out) == [f"{d}@{d}" for d in per_item(plan(40, s))]
+
+
+def test_a_block_never_requests_more_than_its_owner_holds():
+    from distributed import Client
+
+    s = hybrid()  # cuda:0 blocks of 8 items on a cuda:0 that may run 5 at once
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, capacities={"cuda:0": 5},
+                                   dashboard_address=None) as cluster, Client(cluster) as client:
+        y = map_blocks(label, np.zeros(40), scheduler=s, dtype=object).persist()
+        dsched_wait(client, y)
+        seen = client.run_on_scheduler(pinning, keys=y.__dask_keys__())
+        asked = [seen[str(k)][1][1] for k in y.__dask_keys__()]
+        assert asked == [{f"dsched-{d}": min(m, 5 if d == GPU else m)} for d, m in plan(40, s)]
+        assert list(y.compute()) == [f"{d}@{d}" for d in per_item(plan(40, s))]
+
+
+def dsched_wait(client, collection, timeout=60):
+    from distributed import wait
+
+    wait(collection, timeout=timeout)
+
+
+def wait_until_forgotten(client, keys, timeout=10):
+    """Poll the scheduler (with a deadline) until it holds none of ``keys``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    held = lambda dask_scheduler, keys: [k for k in keys if k in dask_scheduler.tasks]  # noqa: E731
+    while client.run_on_scheduler(held, keys=keys):
+        assert time.monotonic() < deadline, "the scheduler kept released keys"
+        time.sleep(0.02)
+
+
+@pytest.mark.gpu
+def test_blocks_reach_the_gpu_as_cupy_and_come_back_as_numpy():
+    import cupy
+    from distributed import Client
+
+    def kinds(a):
+        assert isinstance(a, cupy.ndarray), type(a)
+        assert cupy.cuda.Device().id == 0
+        return a * 2
+
+    s = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[16, 64], priorities=[1, 4])
+    x = np.arange(1000.0)
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], dashboard_address=None) as cluster, Client(cluster):
+        chunks = plan(1000, s)
+        gpu_only = StaticHybridScheduler(["cuda:0"], batch_sizes=64)
+        y = map_blocks(kinds, x, scheduler=gpu_only, dtype=float)
+        out = y.compute()
+        assert isinstance(out, np.ndarray)
+        np.testing.assert_array_equal(out, 2 * x)
+        kept = map_blocks(lambda a: a * 2, x, scheduler=gpu_only, to_host=False, meta=cupy.empty((0,)))
+        assert isinstance(kept.compute(), cupy.ndarray)
+        labels = map_blocks(label, x, scheduler=s, dtype=object).compute()
+        assert list(labels) == [f"{d}@{d}" for d in per_item(chunks)]

@@ -1,0 +1,267 @@
+"""Placement plugins on real process clusters: the command line with the preload modules, a worker
+killed mid-compute, and devices claimed by workers that start without one."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import dask
+import numpy as np
+import pytest
+
+import dsched
+from dsched import PlacementWarning, StaticHybridScheduler, current_device, map_blocks, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+DEVICE_CODE = {"cpu": 0.0, "cuda:0": 1.0}
+
+
+def hybrid():
+    return StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[3, 8], priorities=[1, 2])
+
+
+def per_item(chunks):
+    return np.repeat([str(d) for d, _ in chunks], [m for _, m in chunks])
+
+
+def label(a):
+    """Each item's device and worker, as the block saw them."""
+    from distributed import get_worker
+
+    return np.array([f"{current_device()}@{get_worker().name}"] * len(a), dtype=object)
+
+
+def wait_for(condition, timeout, what):
+    """Poll ``condition`` until true, failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.05)
+
+
+# --- a command-line cluster ---------------------------------------------------------------
+
+def _dask(*args, log):
+    # The scheduler and workers import dsched, and this module for the functions its blocks run.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, "-m", "dask", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+@pytest.fixture(scope="module")
+def cli_client(tmp_path_factory):
+    """``dask scheduler`` and two ``dask worker`` processes on loopback, with dsched's preload modules:
+    a CPU worker owning its device through ``--resources``, an emulated cuda:0 through ``--dsched-device``."""
+    from distributed import Client
+
+    tmp = tmp_path_factory.mktemp("cli-cluster")
+    scheduler_file = tmp / "scheduler.json"
+    logs = [open(tmp / f"{name}.log", "w") for name in ("scheduler", "cpu", "gpu")]
+    processes = [
+        _dask("scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+              "--scheduler-file", str(scheduler_file), "--preload", "plugins/dsched_scheduler.py", log=logs[0])
+    ]
+    try:
+        wait_for(scheduler_file.exists, 60, "the scheduler file")
+        import json
+
+        wait_for(lambda: json.loads(scheduler_file.read_text() or "{}").get("address"), 10, "the address")
+        address = json.loads(scheduler_file.read_text())["address"]
+        common = ["--host", "127.0.0.1", "--nthreads", "2", "--no-dashboard", "--preload", "plugins/dsched_worker.py"]
+        processes.append(_dask("worker", address, "--name", "cpu", *common, "--resources", "dsched-cpu=1000000",
+                               log=logs[1]))
+        processes.append(_dask("worker", address, "--name", "cuda:0", *common, "--dsched-device", "cuda:0",
+                               "--dsched-emulate", "--dsched-capacity", "64", log=logs[2]))
+        with Client(address, timeout=30) as client:
+            client.wait_for_workers(2, timeout=60)
+            yield client
+            client.shutdown()  # the scheduler closes, and its workers with it
+    finally:
+        for process in processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.terminate()
+                try:
+                    process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=10)
+        for log in logs:
+            log.close()
+
+
+def test_cli_workers_own_their_devices(cli_client):
+    resources = {w["name"]: w["resources"] for w in cli_client.scheduler_info(n_workers=-1)["workers"].values()}
+    assert resources == {"cpu": {"dsched-cpu": 1e6}, "cuda:0": {"dsched-cuda:0": 64, "dsched-emulated": 1}}
+    plugins = cli_client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.plugins))
+    assert "dsched-placement" in plugins
+    # Outside any block, a task on a device's worker runs on that device.
+    for address, worker in cli_client.scheduler_info(n_workers=-1)["workers"].items():
+        seen = cli_client.submit(lambda: str(current_device()), workers=[address], pure=False).result(timeout=30)
+        assert seen == worker["name"]
+
+
+def test_cli_cluster_runs_map_blocks_as_planned(cli_client):
+    s = hybrid()
+    x = np.arange(40.0)
+    out = map_blocks(label, x, scheduler=s, dtype=object).compute()
+    assert list(out) == [f"{d}@{d}" for d in per_item(plan(40, s))]
+    codes = (map_blocks(device_code, x, scheduler=s, dtype=float) + 1).sum().compute()
+    assert codes == sum(DEVICE_CODE[d] + 1 for d in per_item(plan(40, s)))
+    dsched.register(cli_client)  # harmless on a cluster the preloads set up
+    out = map_blocks(label, x + 1, scheduler=s, dtype=object).persist().compute()
+    assert list(out) == [f"{d}@{d}" for d in per_item(plan(40, s))]
+
+
+def device_code(a):
+    return np.full(len(a), DEVICE_CODE[str(current_device())])
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--dsched-device", "gpu"], "device: 'gpu' is not a device"),
+        (["--dsched-device", "cuda:0"], "cuda:0 is not visible here"),
+        (["--dsched-device", "cpu", "--dsched-capacity", "0"], "--dsched-capacity"),
+    ],
+)
+def test_cli_worker_rejects_a_bad_device_before_starting(options, message):
+    if "cuda:0 is not visible" in message and dsched.visible_gpus():
+        pytest.skip("this machine has a GPU")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "dask", "worker", "tcp://127.0.0.1:9", "--preload", "plugins/dsched_worker.py", *options],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode != 0
+    assert message in done.stderr
+
+
+# --- a worker killed mid-compute ------------------------------------------------------------
+
+def slow_code(a, event_name):
+    """Waits for the test's go, then returns [2a, device code] per item (``a`` is (m, 1))."""
+    from distributed import Event
+
+    Event(event_name).wait(timeout=60)
+    return np.concatenate([2 * a, np.full((len(a), 1), DEVICE_CODE[str(current_device())])], axis=1)
+
+
+def test_blocks_of_a_killed_worker_rerun_elsewhere_complete_and_correct():
+    from distributed import Client, Event
+
+    s = hybrid()
+    x = np.arange(40.0)
+    chunks = plan(40, s)
+    planned_on_gpu = sum(1 for d, _ in chunks if str(d) == "cuda:0")
+    # Without work stealing, where each block ends up running is deterministic.
+    with dask.config.set({"distributed.scheduler.work-stealing": False}):
+        cluster = dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, dashboard_address=None)
+    with cluster, Client(cluster) as client:
+        dsched.register(client)
+        workers = {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        gpu = workers["cuda:0"]
+        pid = client.run(os.getpid, workers=[gpu])[gpu]
+        go = Event("dsched-test-go", client=client)
+        y = map_blocks(slow_code, x[:, None], "dsched-test-go", scheduler=s, chunks=(1, 2), meta=np.empty((0, 0)))
+        future = client.compute(y)
+        wait_for(lambda: len(client.processing(workers=[gpu])[gpu]) == planned_on_gpu, 30,
+                 "the cuda:0 blocks to reach their worker")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: any(issubclass(w.category, PlacementWarning) for w in caught), 30,
+                     "the placement warning")
+            go.set()
+            out = future.result(timeout=60)
+        # Complete and correct, and the dead worker's blocks ran on the CPU worker.
+        np.testing.assert_array_equal(out[:, 0], 2 * x)
+        np.testing.assert_array_equal(out[:, 1], np.zeros(40))
+        messages = [str(w.message) for w in caught if issubclass(w.category, PlacementWarning)]
+        assert messages == [
+            f"dsched placement: {planned_on_gpu} block(s) planned for cuda:0 will run on any worker: "
+            f"worker {gpu} left the cluster"
+        ]
+        events = [e for _, e in client.get_events("dsched-placement")]
+        assert [(e["action"], e["device"], e["target"], e["blocks"]) for e in events] == [
+            ("relaxed", "cuda:0", "any worker", planned_on_gpu)
+        ]
+        # The nanny brings cuda:0 back; new work is pinned to it again.
+        client.wait_for_workers(2, timeout=60)
+        wait_for(lambda: "cuda:0" in {w["name"] for w in client.scheduler_info(n_workers=-1)["workers"].values()},
+                 60, "cuda:0 to come back")
+        labels = map_blocks(label, x, scheduler=s, dtype=object).compute()
+        assert list(labels) == [f"{d}@{d}" for d in per_item(chunks)]
+
+
+# --- workers that start without a device ------------------------------------------------------
+
+def test_register_lets_plain_workers_claim_a_device():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        assert all(not w["resources"] for w in client.scheduler_info()["workers"].values())
+        dsched.register(client)
+        dsched.register(client)
+        resources = [w["resources"] for w in client.scheduler_info()["workers"].values()]
+        assert resources == [{"dsched-cpu": dsched.devices.UNLIMITED_CAPACITY}] * 2
+        s = dsched.SimpleScheduler("cpu", 4)
+        out = map_blocks(lambda a: np.array([str(current_device())] * len(a), dtype=object), np.zeros(10),
+                         scheduler=s, dtype=object).compute()
+        assert set(out) == {"cpu"}
+
+
+def test_worker_plugin_rejects_a_missing_gpu_unless_emulated():
+    from dsched.placement import DeviceWorkerPlugin
+
+    if dsched.visible_gpus():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match=r"dsched-device: cuda:1 is not visible to this worker \(visible GPUs: none\)"):
+        DeviceWorkerPlugin("cuda:1")._device_for(worker=None)
+    assert DeviceWorkerPlugin("cuda:1", emulate=True)._device_for(worker=None) == (dsched.Device("cuda:1"), True)
+    with pytest.raises(ValueError, match="capacity: expected an integer >= 1, got 0"):
+        DeviceWorkerPlugin("cpu", capacity=0)
+
+
+# --- the examples run as a user would run them ---------------------------------------------
+
+@pytest.mark.parametrize(
+    "script, args, expected",
+    [
+        ("examples/map_blocks_j2.py", ["--points", "20000", "--batch-sizes", "1000", "4000"],
+         ["cuda:0 (emulated: NumPy on the CPU): 4 blocks, 16000 points", "whole-batch NumPy reference"]),
+        ("examples/workstation_cuda.py", ["--points", "20000", "--batch-sizes", "1000", "4000"],
+         ["matches the whole-batch NumPy reference"]),
+    ],
+)
+def test_examples_run(script, args, expected):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in expected:
+        assert line in done.stdout
+    if "workstation" in script and not dsched.visible_gpus():
+        assert "the GPU is EMULATED with NumPy on the CPU" in done.stdout
+
+
+def test_workstation_example_exits_cleanly_without_dask_cuda_when_asked():
+    try:
+        import dask_cuda  # noqa: F401
+        pytest.skip("dask-cuda is installed")
+    except ImportError:
+        pass
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "examples/workstation_cuda.py", "--no-fallback"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert "dask-cuda or a GPU is not available here" in done.stdout and "nothing to run" in done.stdout
