@@ -238,7 +238,7 @@ class PlacementPlugin(SchedulerPlugin):
 
     def __init__(self):
         self.scheduler = None
-        self.relaxed_total = 0
+        self.relaxed_total = 0  # blocks relaxed so far (worker deaths, unowned devices)
 
     async def start(self, scheduler):
         self.scheduler = scheduler
@@ -325,16 +325,12 @@ class PlacementPlugin(SchedulerPlugin):
             self._relax(scheduler, orphans, reason=f"worker {worker} left the cluster", stimulus_id=stimulus_id)
 
     def add_worker(self, scheduler, worker):
-        # Re-pin relaxed blocks that have not been handed to a worker yet.
+        # An owner is back (a nanny restarted it): re-pin relaxed blocks not yet handed to a worker.
         for ts in self._planned(scheduler):
             if RELAXED_ANNOTATION in ts.annotations and ts.state in ("released", "waiting"):
                 block = planned_block_of(ts.run_spec)
-                if block is not None:
-                    self._pin(scheduler, ts, block) or self._relax_quietly(ts)
-
-    @staticmethod
-    def _relax_quietly(ts):
-        ts.annotations = {**ts.annotations, RELAXED_ANNOTATION: "any worker"}
+                if block is not None and _live_supply(scheduler, device_resource(block.device)):
+                    self._pin(scheduler, ts, block)
 
     @staticmethod
     def _planned(scheduler):

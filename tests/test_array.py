@@ -418,26 +418,38 @@ def wait_until_forgotten(client, keys, timeout=10):
         time.sleep(0.02)
 
 
+def gpu_kinds(a):
+    """On a real GPU worker: the block is a CuPy array on the worker's GPU."""
+    import cupy
+
+    assert isinstance(a, cupy.ndarray), type(a)
+    assert cupy.cuda.Device().id == 0  # the worker's own GPU is device 0 there (CUDA_VISIBLE_DEVICES)
+    return a * 2
+
+
 @pytest.mark.gpu
 def test_blocks_reach_the_gpu_as_cupy_and_come_back_as_numpy():
     import cupy
     from distributed import Client
 
-    def kinds(a):
-        assert isinstance(a, cupy.ndarray), type(a)
-        assert cupy.cuda.Device().id == 0
-        return a * 2
+    s = StaticHybridScheduler(["cuda:0"], batch_sizes=64)
+    x = np.arange(1000.0)
+    with dsched.LocalHybridCluster(["cuda:0"], dashboard_address=None) as cluster, Client(cluster):
+        out = map_blocks(gpu_kinds, x, scheduler=s, dtype=float).compute()
+        assert type(out) is np.ndarray
+        np.testing.assert_array_equal(out, 2 * x)
+        # Kept on the GPU (every task of this cluster runs on the GPU worker).
+        kept = map_blocks(lambda a: a * 2, x, scheduler=s, to_host=False, meta=cupy.empty((0,)))
+        on_gpu = kept.compute()
+        assert isinstance(on_gpu, cupy.ndarray)
+        np.testing.assert_array_equal(cupy.asnumpy(on_gpu), 2 * x)
+
+
+@pytest.mark.gpu
+def test_real_gpu_and_cpu_blocks_run_where_planned():
+    from distributed import Client
 
     s = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[16, 64], priorities=[1, 4])
-    x = np.arange(1000.0)
     with dsched.LocalHybridCluster(["cpu", "cuda:0"], dashboard_address=None) as cluster, Client(cluster):
-        chunks = plan(1000, s)
-        gpu_only = StaticHybridScheduler(["cuda:0"], batch_sizes=64)
-        y = map_blocks(kinds, x, scheduler=gpu_only, dtype=float)
-        out = y.compute()
-        assert isinstance(out, np.ndarray)
-        np.testing.assert_array_equal(out, 2 * x)
-        kept = map_blocks(lambda a: a * 2, x, scheduler=gpu_only, to_host=False, meta=cupy.empty((0,)))
-        assert isinstance(kept.compute(), cupy.ndarray)
-        labels = map_blocks(label, x, scheduler=s, dtype=object).compute()
-        assert list(labels) == [f"{d}@{d}" for d in per_item(chunks)]
+        labels = map_blocks(label, np.zeros(1000), scheduler=s, dtype=object).compute()
+        assert list(labels) == [f"{d}@{d}" for d in per_item(plan(1000, s))]

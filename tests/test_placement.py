@@ -155,51 +155,108 @@ def slow_code(a, event_name):
     return np.concatenate([2 * a, np.full((len(a), 1), DEVICE_CODE[str(current_device())])], axis=1)
 
 
-def test_blocks_of_a_killed_worker_rerun_elsewhere_complete_and_correct():
-    from distributed import Client, Event
+@pytest.fixture(scope="module")
+def process_client():
+    """A LocalHybridCluster of worker processes under nannies (cpu + emulated cuda:0), without work
+    stealing so that where each block ends up running is deterministic."""
+    from distributed import Client
 
-    s = hybrid()
-    x = np.arange(40.0)
-    chunks = plan(40, s)
-    planned_on_gpu = sum(1 for d, _ in chunks if str(d) == "cuda:0")
-    # Without work stealing, where each block ends up running is deterministic.
     with dask.config.set({"distributed.scheduler.work-stealing": False}):
         cluster = dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, dashboard_address=None)
     with cluster, Client(cluster) as client:
         dsched.register(client)
-        workers = {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
-        gpu = workers["cuda:0"]
-        pid = client.run(os.getpid, workers=[gpu])[gpu]
-        go = Event("dsched-test-go", client=client)
-        y = map_blocks(slow_code, x[:, None], "dsched-test-go", scheduler=s, chunks=(1, 2), meta=np.empty((0, 0)))
-        future = client.compute(y)
-        wait_for(lambda: len(client.processing(workers=[gpu])[gpu]) == planned_on_gpu, 30,
-                 "the cuda:0 blocks to reach their worker")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            os.kill(pid, signal.SIGKILL)
-            wait_for(lambda: any(issubclass(w.category, PlacementWarning) for w in caught), 30,
-                     "the placement warning")
-            go.set()
-            out = future.result(timeout=60)
-        # Complete and correct, and the dead worker's blocks ran on the CPU worker.
-        np.testing.assert_array_equal(out[:, 0], 2 * x)
-        np.testing.assert_array_equal(out[:, 1], np.zeros(40))
-        messages = [str(w.message) for w in caught if issubclass(w.category, PlacementWarning)]
-        assert messages == [
-            f"dsched placement: {planned_on_gpu} block(s) planned for cuda:0 will run on any worker: "
-            f"worker {gpu} left the cluster"
-        ]
-        events = [e for _, e in client.get_events("dsched-placement")]
-        assert [(e["action"], e["device"], e["target"], e["blocks"]) for e in events] == [
-            ("relaxed", "cuda:0", "any worker", planned_on_gpu)
-        ]
-        # The nanny brings cuda:0 back; new work is pinned to it again.
-        client.wait_for_workers(2, timeout=60)
-        wait_for(lambda: "cuda:0" in {w["name"] for w in client.scheduler_info(n_workers=-1)["workers"].values()},
-                 60, "cuda:0 to come back")
-        labels = map_blocks(label, x, scheduler=s, dtype=object).compute()
-        assert list(labels) == [f"{d}@{d}" for d in per_item(chunks)]
+        yield client
+
+
+def worker_addresses(client):
+    return {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+
+
+def kill_worker(client, name):
+    """SIGKILL the process of the worker ``name``; returns its address."""
+    address = worker_addresses(client)[name]
+    os.kill(client.run(os.getpid, workers=[address])[address], signal.SIGKILL)
+    return address
+
+
+def wait_for_worker_back(client, name, old_address):
+    wait_for(lambda: worker_addresses(client).get(name) not in (None, old_address), 60, f"{name} to come back")
+
+
+def placement_warnings(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, PlacementWarning)]
+
+
+def test_blocks_of_a_killed_worker_rerun_elsewhere_complete_and_correct(process_client):
+    from distributed import Event
+
+    client = process_client
+    s = hybrid()
+    x = np.arange(40.0)
+    chunks = plan(40, s)
+    planned_on_gpu = sum(1 for d, _ in chunks if str(d) == "cuda:0")
+    gpu = worker_addresses(client)["cuda:0"]
+    go = Event("dsched-test-go", client=client)
+    y = map_blocks(slow_code, x[:, None], "dsched-test-go", scheduler=s, chunks=(1, 2), meta=np.empty((0, 0)))
+    future = client.compute(y)
+    wait_for(lambda: len(client.processing(workers=[gpu])[gpu]) == planned_on_gpu, 30,
+             "the cuda:0 blocks to reach their worker")
+    events_before = len(client.get_events("dsched-placement"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kill_worker(client, "cuda:0")
+        wait_for(lambda: placement_warnings(caught), 30, "the placement warning")
+        go.set()
+        out = future.result(timeout=60)
+    # Complete and correct, and the dead worker's blocks ran on the CPU worker.
+    np.testing.assert_array_equal(out[:, 0], 2 * x)
+    np.testing.assert_array_equal(out[:, 1], np.zeros(40))
+    assert placement_warnings(caught) == [
+        f"dsched placement: {planned_on_gpu} block(s) planned for cuda:0 will run on any worker: "
+        f"worker {gpu} left the cluster"
+    ]
+    events = [e for _, e in client.get_events("dsched-placement")][events_before:]
+    assert [(e["action"], e["device"], e["target"], e["blocks"]) for e in events] == [
+        ("relaxed", "cuda:0", "any worker", planned_on_gpu)
+    ]
+    # The nanny brings cuda:0 back; new work is pinned to it again.
+    wait_for_worker_back(client, "cuda:0", gpu)
+    labels = map_blocks(label, x, scheduler=s, dtype=object).compute()
+    assert list(labels) == [f"{d}@{d}" for d in per_item(chunks)]
+
+
+def gated_copy(a, event_name):
+    from distributed import Event
+
+    Event(event_name).wait(timeout=60)
+    return a.copy()
+
+
+def test_waiting_blocks_are_pinned_again_when_their_device_comes_back(process_client):
+    from distributed import Event
+
+    client = process_client
+    s = hybrid()
+    x = np.arange(40.0)
+    wait_for(lambda: "cuda:0" in worker_addresses(client), 60, "cuda:0")
+    go = Event("dsched-test-go-2", client=client)
+    # The planned blocks wait for one gated CPU block upstream, so they are still waiting when cuda:0 dies.
+    upstream = map_blocks(gated_copy, x, "dsched-test-go-2", scheduler=dsched.SimpleScheduler("cpu", 40),
+                          meta=np.empty((0,)))
+    future = client.compute(map_blocks(label, upstream, scheduler=s, dtype=object))
+    cpu = worker_addresses(client)["cpu"]
+    wait_for(lambda: client.processing(workers=[cpu])[cpu], 30, "the gated block to start")
+    events_before = len(client.get_events("dsched-placement"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = kill_worker(client, "cuda:0")
+        wait_for(lambda: placement_warnings(caught), 30, "the placement warning")
+        wait_for_worker_back(client, "cuda:0", old)
+        go.set()
+        labels = future.result(timeout=60)
+    assert list(labels) == [f"{d}@{d}" for d in per_item(plan(40, s))]
+    events = [e for _, e in client.get_events("dsched-placement")][events_before:]
+    assert [(e["device"], e["target"]) for e in events] == [("cuda:0", "any worker")]
 
 
 # --- workers that start without a device ------------------------------------------------------
