@@ -45,10 +45,23 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
     from .cluster import LocalHybridCluster
     from .models import get_model
 
+    from .trace import check_trace_path
+
     model = get_model(graph.model)
     parameters = model.parameters_type(**graph.parameters)
     do_work = functools.partial(_model_chunk, model.chunk, parameters, graph.tangent)
     scheduler = graph.build_scheduler()
+    from .graph import GraphError
+
+    # Output paths are checked before any cluster starts.
+    trace_file, report_file = graph.options.get("trace_file"), graph.options.get("performance_report")
+    try:
+        if trace_file is not None:
+            trace_file = check_trace_path(trace_file, "options.trace_file")
+        if report_file is not None:
+            report_file = check_trace_path(report_file, "options.performance_report")
+    except ValueError as err:
+        raise GraphError(f"{err} (in {graph.source})") from None
     with contextlib.ExitStack() as stack:
         if client is None and graph.mode == "async":
             cluster = stack.enter_context(
@@ -62,6 +75,10 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
             )
             client = stack.enter_context(Client(cluster))
         emulated = _emulated_devices(client) if client is not None else {}
+        if report_file is not None and client is not None:
+            from distributed import performance_report
+
+            stack.enter_context(performance_report(filename=report_file))  # written when the run's block closes
         bar = stack.enter_context(_progress_bar(graph.batch_size, progress))
         dispatcher = WorkDispatcher(
             scheduler,
@@ -70,6 +87,7 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
             mode=graph.mode,
             client=client,
             on_chunk_done=lambda record: bar.update(record.size),
+            trace_file=trace_file,
         )
         outputs = dispatcher.run(SliceGenerator(0, graph.batch_size))
     return JobResult(outputs, dispatcher.last_run, emulated)

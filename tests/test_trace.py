@@ -180,3 +180,37 @@ def test_bad_trace_file_is_a_value_error_before_any_work(tmp_path):
         dispatch(np.square, np.arange(4.0), scheduler=SimpleScheduler("cpu", 2), mode="sync", trace_file=missing)
     with pytest.raises(ValueError, match=r"trace_file: .* is a folder"):
         WorkDispatcher(SimpleScheduler("cpu", 2), lambda w, d: 0, mode="sync", trace_file=tmp_path)
+
+
+GRAPH = """
+[model]
+name = "j2"
+tangent = false
+[batch]
+size = 3000
+[scheduler]
+type = "StaticHybridScheduler"
+devices = ["cpu", "cuda:0"]
+batch_sizes = [500, 1000]
+[options]
+mode = "async"
+emulate = true
+"""
+
+
+def test_dsched_run_writes_the_trace_and_the_performance_report(tmp_path, capsys):
+    from dsched.cli import main
+
+    graph = tmp_path / "g.toml"
+    graph.write_text(GRAPH)
+    trace, report = tmp_path / "run.trace.json", tmp_path / "report.html"
+    assert main(["run", str(graph), "--no-progress", "--trace-file", str(trace),
+                 "--performance-report", str(report)]) == 0
+    events = assert_well_formed(trace)
+    assert sum(e["args"]["batch size"] for e in names(events, TASK, "B")) == 3000
+    html = report.read_text()
+    assert html.startswith("<!DOCTYPE html>") and "Dask Performance Report" in html
+    # A graph option does the same; a bad path exits 2 before any cluster starts.
+    graph.write_text(GRAPH + f'trace_file = "{tmp_path / "no-such" / "t.json"}"\n')
+    assert main(["run", str(graph), "--no-progress"]) == 2
+    assert "options.trace_file: the folder" in capsys.readouterr().err

@@ -174,3 +174,16 @@ def test_bad_model_is_a_value_error():
         run_tuning("nope", ["cpu"], mode="sync", save=False)
     with pytest.raises(ValueError, match="model: expected a plain name for the profile file, got '../x'"):
         TuningWorkload("../x", synthetic_device)
+
+
+def test_dsched_tune_command(tmp_path, capsys):
+    from dsched.cli import main
+
+    png = tmp_path / "tune.png"
+    assert main(["tune", "--devices", "cpu", "--mode", "sync", "--start", "64", "--max-batch", "256",
+                 "--min-time", "0", "--png", str(png), "--profile-dir", str(tmp_path / "profiles")]) == 0
+    out = capsys.readouterr().out
+    assert "cpu: N=64 " in out and "cpu: N=256 " in out and "profile: " in out
+    assert png.exists() and list((tmp_path / "profiles").glob("*/j2.json"))
+    assert main(["tune", "--devices", "gpu", "--mode", "sync"]) == 2
+    assert "devices: device: 'gpu' is not a device" in capsys.readouterr().err

@@ -1,0 +1,100 @@
+"""A tiny run of the benchmark machinery: structure, item accounting and the emulated devices' honesty, not speed."""
+
+import json
+import threading
+import time
+
+import pytest
+
+from dsched.bench import EmulatedDevice, emulated_chunk, format_table, ideal_items_per_s, run_benchmarks
+
+DEVICES = (EmulatedDevice("cpu", 1_000_000.0, 0.0005), EmulatedDevice("cuda:0", 4_000_000.0, 0.0005))
+
+
+@pytest.fixture(scope="module")
+def results(hybrid_client, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    lines = []
+    out = run_benchmarks(path, devices=DEVICES, total=40_000, chunk_seconds=0.002, map_chunks=8,
+                         overhead_chunks=40, repeats=1, client=hybrid_client, progress=lines.append)
+    return out, path, lines
+
+
+def test_every_way_processes_every_item_on_the_device_workers(results):
+    out, _, _ = results
+    assert list(out["hybrid"]) == ["dsched", "client.map", "threads"]
+    for name, row in out["hybrid"].items():
+        assert sum(row["items_per_device"].values()) == 40_000, name
+        assert set(row["items_per_device"]) <= {"cpu", "cuda:0"}, name
+        assert row["items_per_s"] == pytest.approx(40_000 / row["wall_s"])
+        assert row["efficiency"] == pytest.approx(row["items_per_s"] / row["ideal_items_per_s"])
+        assert 0 < row["efficiency_vs_sum_of_rates"] < row["efficiency"]  # t0 > 0 makes the strict bound lower
+    # Batch sizes proportional to speed: 2 ms of work per chunk.
+    assert out["config"]["dsched_batch_sizes"] == {"cpu": 2000, "cuda:0": 8000}
+    assert out["config"]["dsched_capacities"] == {"cpu": 4000, "cuda:0": 16000}
+    assert out["config"]["client_map_chunk"] == 5000
+    assert out["hybrid"]["dsched"]["ideal_items_per_s"] == pytest.approx(
+        2000 / (0.0005 + 2000 / 1e6) + 8000 / (0.0005 + 8000 / 4e6))
+
+
+def test_overheads_and_targets_are_reported(results):
+    out, _, lines = results
+    assert list(out["overhead"]) == ["sync", "client.map + gather", "client.map + wait", "async, all in flight",
+                                     "async, 2 chunks/device"]
+    for row in out["overhead"].values():
+        assert row["s_per_chunk"] > 0 and row["chunks"] >= 40
+    assert out["overhead"]["async, all in flight"]["description"].endswith("capacity 20 per device")
+    assert set(out["targets"]) == {"dsched hybrid efficiency >= 0.95",
+                                   "async overhead per chunk <= client.map (+ gather) per task",
+                                   "sync overhead < 50 us per chunk"}
+    assert all(isinstance(v, bool) for v in out["targets"].values())
+    assert len(lines) == 3 + 5 and lines[0].startswith("hybrid dsched: ")
+
+
+def test_json_and_table(results):
+    out, path, _ = results
+    assert json.loads(path.read_text()) == json.loads(json.dumps(out))
+    table = format_table(out)
+    assert "not a GPU measurement" in table
+    for name in ["dsched", "client.map", "threads", "sync", "async, all in flight"]:
+        assert f"\n{name} " in table
+    assert "target dsched hybrid efficiency >= 0.95: " in table
+
+
+def test_an_emulated_device_runs_one_chunk_at_a_time(hybrid_client):
+    """Four chunks of 50 ms on one device take 200 ms, whatever the worker's two threads."""
+    workers = {info["name"]: a for a, info in hybrid_client.scheduler_info(n_workers=-1)["workers"].items()}
+    speeds = {"cpu": (0.05, 1e12)}
+    start = time.perf_counter()
+    futures = hybrid_client.map(emulated_chunk, [1, 2, 3, 4], ["cpu"] * 4, [speeds] * 4, workers=[workers["cpu"]],
+                                pure=False)
+    assert hybrid_client.gather(futures) == [1, 2, 3, 4]
+    assert time.perf_counter() - start >= 0.2
+
+
+def test_ideal_formula():
+    assert ideal_items_per_s(DEVICES, [1000, 4000]) == pytest.approx(
+        1000 / (0.0005 + 0.001) + 4000 / (0.0005 + 0.001))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"devices": ()}, "devices: at least one emulated device is required"),
+    ({"devices": ("cpu",)}, r"devices\[0\]: expected an EmulatedDevice, got 'cpu'"),
+    ({"devices": (EmulatedDevice("cpu", 0.0),)}, r"devices\[0\]: rate must be > 0"),
+    ({"devices": (EmulatedDevice("gpu", 1.0),)}, r"devices\[0\]: device: 'gpu' is not a device"),
+    ({"total": 0}, "total: expected an integer >= 1, got 0"),
+    ({"chunk_seconds": 0}, "chunk_seconds: expected a positive number of seconds, got 0"),
+    ({"json_path": "/no/such/folder/b.json"}, "json_path: the folder /no/such/folder does not exist"),
+])
+def test_bad_options_are_value_errors_before_any_cluster(kwargs, message):
+    before = threading.active_count()
+    with pytest.raises(ValueError, match=message):
+        run_benchmarks(**kwargs)
+    assert threading.active_count() == before  # nothing was started
+
+
+def test_dsched_bench_command_checks_its_json_path_first(capsys):
+    from dsched.cli import main
+
+    assert main(["bench", "--quick", "--json", "/no/such/folder/b.json"]) == 2
+    assert "--json: the folder of /no/such/folder/b.json does not exist" in capsys.readouterr().err
