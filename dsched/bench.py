@@ -268,6 +268,31 @@ def _client_map_overhead(client, devices, tasks, gather):
     return per_task
 
 
+def _chunk_task_overhead(client, devices, chunks):
+    """dsched's chunk tasks (``_run_chunk`` with its program, device and slice) through plain client.map + gather.
+
+    The same Dask tasks an async dispatch sends, without the dispatcher: the
+    difference to ``client.map + gather`` is the chunk's own cost, the rest of
+    the async figure is the dispatcher's.
+    """
+    import uuid
+
+    from .dispatch import _ChunkProgram, _run_chunk
+    from .devices import device_resource
+
+    program = _ChunkProgram(uuid.uuid4().hex, _noop)
+    start = time.perf_counter()
+    futures = []
+    for i, d in enumerate(devices):
+        index = range(i, chunks, len(devices))
+        futures += client.map(_run_chunk, [program] * len(index), [Device(d.device)] * len(index),
+                              [slice(j, j + 1) for j in index], resources={device_resource(d.device): 1}, pure=False)
+    client.gather(futures)
+    per_chunk = (time.perf_counter() - start) / chunks
+    client.cancel(futures)
+    return per_chunk
+
+
 def _scheduler_task_count(dask_scheduler=None):
     return len(dask_scheduler.tasks)
 
@@ -439,6 +464,8 @@ def run_benchmarks(json_path=None, quick=False, *, devices=DEFAULT_DEVICES, tota
              lambda: _client_map_overhead(client, devices, overhead_chunks, gather=True)),
             ("client.map + wait", "the same, waiting for completion without fetching results",
              lambda: _client_map_overhead(client, devices, overhead_chunks, gather=False)),
+            ("chunk tasks, no dispatcher", "dsched's chunk tasks (program, device, slice) by client.map + gather",
+             lambda: _chunk_task_overhead(client, devices, overhead_chunks)),
             ("async, all in flight", f"dsched async, one-item no-op chunks, capacity {share} per device",
              lambda: _async_overhead(client, devices, overhead_chunks, share)),
             ("async, 2 chunks/device", "dsched async, one-item no-op chunks, capacity 2 per device",

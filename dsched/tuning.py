@@ -68,6 +68,7 @@ __all__ = [
     "profile_path",
     "profile_dir",
     "profile_speeds",
+    "profile_settings",
     "plot_throughput",
     "format_tuning",
 ]
@@ -518,6 +519,34 @@ def profile_speeds(scheduler, model=None, *, host=None, directory=None) -> dict 
             return None
         speeds[Device(device)] = float(entry["items_per_s"])
     return speeds
+
+
+def profile_settings(devices, model=None, *, host=None, directory=None) -> dict | None:
+    """The profile's recommendation for ``devices`` (in their order), for graph files and schedulers.
+
+    Returns ``{"batch_sizes": [...], "capacities": [...], "items_per_s": [...]}``
+    or ``None`` when there is no profile or it lacks a device.
+
+    Examples
+    --------
+    >>> settings = profile_settings(["cpu", "cuda:0"], "j2")  # doctest: +SKIP
+    >>> StaticHybridScheduler(["cpu", "cuda:0"], settings["batch_sizes"], settings["capacities"])  # doctest: +SKIP
+    """
+    profile = load_profile(model, host=host, directory=directory)
+    if not profile:
+        return None
+    entries = profile.get("devices", {})
+    chosen = []
+    for device in parse_devices(devices):
+        entry = entries.get(str(placement_device(device))) or entries.get(str(device))
+        if entry is None:
+            return None
+        chosen.append(entry)
+    return {
+        "batch_sizes": [int(e["batch_size"]) for e in chosen],
+        "capacities": [int(e["capacity"]) for e in chosen],
+        "items_per_s": [float(e["items_per_s"]) for e in chosen],
+    }
 
 
 # --- output -----------------------------------------------------------------

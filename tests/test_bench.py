@@ -39,8 +39,8 @@ def test_every_way_processes_every_item_on_the_device_workers(results):
 
 def test_overheads_and_targets_are_reported(results):
     out, _, lines = results
-    assert list(out["overhead"]) == ["sync", "client.map + gather", "client.map + wait", "async, all in flight",
-                                     "async, 2 chunks/device"]
+    assert list(out["overhead"]) == ["sync", "client.map + gather", "client.map + wait", "chunk tasks, no dispatcher",
+                                     "async, all in flight", "async, 2 chunks/device"]
     for row in out["overhead"].values():
         assert row["s_per_chunk"] > 0 and row["chunks"] >= 40
     assert out["overhead"]["async, all in flight"]["description"].endswith("capacity 20 per device")
@@ -48,7 +48,7 @@ def test_overheads_and_targets_are_reported(results):
                                    "async overhead per chunk <= client.map (+ gather) per task",
                                    "sync overhead < 50 us per chunk"}
     assert all(isinstance(v, bool) for v in out["targets"].values())
-    assert len(lines) == 3 + 5 and lines[0].startswith("hybrid dsched: ")
+    assert len(lines) == 3 + 6 and lines[0].startswith("hybrid dsched: ")
 
 
 def test_json_and_table(results):

@@ -14,6 +14,7 @@ from dsched.tuning import (
     format_tuning,
     load_profile,
     profile_path,
+    profile_settings,
     profile_speeds,
     recommend,
     run_tuning,
@@ -135,6 +136,14 @@ def test_profile_is_saved_per_host_and_model_and_read_back_as_speeds(tuned, monk
     assert profile_speeds(StaticHybridScheduler(["cpu", "cuda:1"], 4), "synthetic", host="testhost") is None
     assert profile_speeds(both, "no-such-model", host="testhost") is None
     assert load_profile("synthetic", host="elsewhere") is None
+    # What a graph file or a scheduler takes from the profile, in the devices' order.
+    settings = profile_settings(["cuda:0", "cpu"], "synthetic", host="testhost")
+    assert settings["batch_sizes"] == [result.devices[Device("cuda:0")].batch_size,
+                                       result.devices[Device("cpu")].batch_size]
+    assert settings["capacities"] == [result.devices[Device("cuda:0")].capacity,
+                                      result.devices[Device("cpu")].capacity]
+    StaticHybridScheduler(["cuda:0", "cpu"], settings["batch_sizes"], settings["capacities"])  # valid as is
+    assert profile_settings(["cpu", "cuda:3"], "synthetic", host="testhost") is None
 
 
 def test_throughput_plot_is_a_png(tuned):
