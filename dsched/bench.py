@@ -527,6 +527,8 @@ def format_table(results) -> str:
     for name, row in results["overhead"].items():
         lines.append(f"{name:<24} {row['s_per_chunk'] * 1e6:>13.1f}  {row['description']} ({row['chunks']} chunks)")
     lines.append("")
+    if config.get("quick"):
+        lines.append("quick sizes: the targets below are set for the full run (dsched bench)")
     for target, met in results.get("targets", {}).items():
         lines.append(f"target {target}: {'met' if met else 'MISSED'}")
     return "\n".join(lines)
