@@ -16,9 +16,9 @@ How to get it
 - Clusters started from the command line: ``dask scheduler --preload dsched.dashboard``
   (or a preload module that imports this module and calls :func:`install`
   from its ``dask_setup``).
-- dask-mpi: set ``distributed.scheduler.preload`` to ``["dsched.dashboard"]``
-  (``dask.config.set`` before ``dask_mpi.initialize()``, or the environment
-  variable ``DASK_DISTRIBUTED__SCHEDULER__PRELOAD='["dsched.dashboard"]'``).
+- dask-mpi: :mod:`dsched.mpi` does it; with plain ``dask_mpi.initialize()``,
+  import this module at the top of the script (so rank 0 lists the page
+  before its scheduler starts) and call :func:`register` on the client rank.
 - A running scheduler: ``register(client)`` adds the JSON route and the plain
   page; the Bokeh page needs this module imported (or :func:`register_page`
   called) in the scheduler's process before the scheduler starts, which is
