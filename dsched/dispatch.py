@@ -462,8 +462,13 @@ async def _watch_futures(futures, put):
 
 async def _watch_future(future, put):
     # What Future.add_done_callback awaits (distributed.client.done_callback), without its thread hop.
+    # ``_state`` is distributed's own; should a release rename it, fall back to the public callback.
+    state = getattr(future, "_state", None)
+    if state is None or not hasattr(state, "wait"):
+        future.add_done_callback(put)
+        return
     while future.status == "pending":
-        await future._state.wait()
+        await state.wait()
     put(future)
 
 

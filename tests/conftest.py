@@ -1,6 +1,12 @@
 """Shared fixtures: one emulated CPU + CUDA cluster per test module, and GPU detection."""
 
+import os
+import tempfile
+
 import pytest
+
+# Tests must not read (or write) a user's measured profiles: plan() would follow them.
+os.environ["DSCHED_PROFILE_DIR"] = tempfile.mkdtemp(prefix="dsched-test-profiles-")
 
 
 def _have_gpu() -> bool:

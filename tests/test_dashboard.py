@@ -264,14 +264,15 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_command_line_cluster_with_the_preload_module(tmp_path):
-    """``dask scheduler --preload dsched.dashboard`` and two ``dask worker --resources`` processes."""
+@pytest.mark.parametrize("preload", ["dsched.dashboard", str(ROOT / "plugins" / "dsched_scheduler.py")])
+def test_command_line_cluster_with_the_preload_module(tmp_path, preload):
+    """``dask scheduler --preload ...`` (the module, or the bundled preload file) and two ``dask worker`` processes."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     dask = str(Path(sys.executable).parent / "dask")
     port, http = _free_port(), _free_port()
     address = f"tcp://127.0.0.1:{port}"
     procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", str(port),
-                               "--dashboard-address", f"127.0.0.1:{http}", "--preload", "dsched.dashboard"],
+                               "--dashboard-address", f"127.0.0.1:{http}", "--preload", preload],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
         for resources, name in [("dsched-cpu=6", "cpu"), ("dsched-cuda:0=1000000000000000,dsched-emulated=1", "cuda:0")]:
