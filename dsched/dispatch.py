@@ -363,10 +363,7 @@ class WorkDispatcher:
                     self._submit(client, run_id, device, chunks, in_flight, futures, done)
                 if not in_flight:
                     break
-                # With nothing left to schedule a completion changes nothing, so wait for
-                # the whole tail at once instead of waking this thread per chunk.
-                tail = failed or not generator.has_more()
-                future = _wait_for_one(done, in_flight, client, wait_all=tail)
+                future = _wait_for_one(done, in_flight, client, self.scheduler.devices)
                 while future is not None:
                     failed |= self._complete(future, in_flight, outstanding)
                     try:
@@ -475,22 +472,13 @@ async def _watch_future(future, put):
     put(future)
 
 
-def _wait_for_one(done, in_flight, client, *, wait_all=False, poll=1.0):
-    """The next finished future (with ``wait_all``, once every chunk in flight is done).
-
-    Raises if a device with chunks in flight lost every worker for longer than
-    the ``dsched.lost-device-timeout`` config (seconds, default 30).
-    """
-    from distributed import wait
-
+def _wait_for_one(done, in_flight, client, devices, poll=1.0):
+    """The next finished future; raises if a device with chunks in flight lost every worker."""
     lost_since = None
     while True:
         try:
-            if wait_all:
-                wait([future for _, future in in_flight.values()], timeout=poll)
-                return done.get()  # every future is done: its notice is on its way
             return done.get(timeout=poll)
-        except (queue.Empty, TimeoutError):
+        except queue.Empty:
             pass
         busy = {record.device for record, _ in in_flight.values()}
         owned = device_capacities(client)
