@@ -6,7 +6,7 @@ import logging
 
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 
-from .devices import EMULATED_RESOURCE, UNLIMITED_CAPACITY, Device, device_resource, parse_devices, visible_gpus
+from .devices import EMULATED_RESOURCE, Device, check_capacities, device_resource, parse_devices, visible_gpus
 
 __all__ = ["LocalHybridCluster"]
 
@@ -92,17 +92,7 @@ class LocalHybridCluster(SpecCluster):
             raise ValueError(f"devices: duplicate device in {[str(d) for d in self.devices]}")
         if isinstance(threads_per_worker, bool) or not isinstance(threads_per_worker, int) or threads_per_worker < 1:
             raise ValueError(f"threads_per_worker: expected an integer >= 1, got {threads_per_worker!r}")
-        self.capacities = {d: UNLIMITED_CAPACITY for d in self.devices}
-        for key, value in (capacities or {}).items():
-            try:
-                device = Device(key)
-            except ValueError as err:
-                raise ValueError(f"capacities: {err}") from None
-            if device not in self.capacities:
-                raise ValueError(f"capacities: {device} is not one of the devices {[str(d) for d in self.devices]}")
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"capacities[{str(device)!r}]: expected an integer >= 1, got {value!r}")
-            self.capacities[device] = value
+        self.capacities = check_capacities(capacities, self.devices)
         self.emulated = {}
         for device in self.devices:
             missing = device.is_cuda and device.ordinal not in present

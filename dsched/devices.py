@@ -131,6 +131,26 @@ def device_resource(device) -> str:
     return f"{RESOURCE_PREFIX}{placement_device(device)}"
 
 
+def check_capacities(capacities, devices) -> dict:
+    """``{Device: items}`` for every device: the given capacities, the rest unlimited.
+
+    Raises ValueError naming the entry for a device not in ``devices`` or a
+    capacity that is not an integer >= 1.
+    """
+    result = {Device(d): UNLIMITED_CAPACITY for d in devices}
+    for key, value in (capacities or {}).items():
+        try:
+            device = Device(key)
+        except ValueError as err:
+            raise ValueError(f"capacities: {err}") from None
+        if device not in result:
+            raise ValueError(f"capacities: {device} is not one of the devices {[str(d) for d in result]}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"capacities[{str(device)!r}]: expected an integer >= 1, got {value!r}")
+        result[device] = value
+    return result
+
+
 def device_of_resources(resources) -> Device | None:
     """The device a worker owns, read from its resources (``None`` if it owns none)."""
     for name in resources or ():

@@ -40,6 +40,7 @@ from .devices import (
     EMULATED_RESOURCE,
     UNLIMITED_CAPACITY,
     Device,
+    check_capacities,
     device_of_resources,
     device_resource,
     parse_devices,
@@ -78,21 +79,6 @@ def _check_devices(devices) -> list[Device]:
     if len(cpus) > 1:
         raise ValueError(f"devices: more than one CPU ({', '.join(cpus)})")
     return devices
-
-
-def _check_capacities(capacities, devices) -> dict:
-    result = {d: UNLIMITED_CAPACITY for d in devices}
-    for key, value in (capacities or {}).items():
-        try:
-            device = Device(key)
-        except ValueError as err:
-            raise ValueError(f"capacities: {err}") from None
-        if device not in result:
-            raise ValueError(f"capacities: {device} is not one of the devices {[str(d) for d in devices]}")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"capacities[{str(device)!r}]: expected an integer >= 1, got {value!r}")
-        result[device] = value
-    return result
 
 
 def _plan_rank(role, placement: NodePlacement, devices, capacities, emulate, multi_node) -> tuple[WorkerPlacement, str | None]:
@@ -336,7 +322,7 @@ def initialize(
             f"mpiexec -n: dsched.mpi.initialize needs at least 3 ranks (scheduler, client, one worker), got {size}"
         )
     devices = _check_devices(_default_devices() if devices is None else devices)
-    capacities = _check_capacities(capacities, devices)
+    capacities = check_capacities(capacities, devices)
 
     def roles(rank):
         return {SCHEDULER_RANK: "scheduler", CLIENT_RANK: "client"}.get(rank, "worker")
@@ -432,7 +418,7 @@ def serve(
     if not scheduler_file:
         raise ValueError("scheduler_file: a path is required (clients find the cluster through it)")
     devices = _check_devices(_default_devices() if devices is None else devices)
-    capacities = _check_capacities(capacities, devices)
+    capacities = check_capacities(capacities, devices)
 
     def roles(rank):
         return "scheduler" if rank == SCHEDULER_RANK else "worker"

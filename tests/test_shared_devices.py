@@ -32,19 +32,17 @@ CAPACITIES = {"cpu": 4, "cuda:0": 8}
 CHUNK_SECONDS = 0.02
 
 
-def peak_items(records) -> dict:
-    """``{worker: largest sum of sizes of chunks executing at one instant}``; a stop counts before a start."""
-    events = {}
-    for r in records:
-        events.setdefault(r["worker"], []).extend([(r["start"], 0, r["size"]), (r["stop"], -1, -r["size"])])
-    peaks = {}
-    for worker, points in events.items():
-        level = peak = 0
-        for _, _, delta in sorted(points):
-            level += delta
-            peak = max(peak, level)
-        peaks[worker] = peak
-    return peaks
+def _load_example():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("shared_devices_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The example's sweep: the tests check it (below) and then use it on every client's records.
+peak_items = _load_example().peak_items_in_flight
 
 
 def test_peak_items_counts_overlaps_and_not_touching_intervals():

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..devices import Device, parse_devices
 
-__all__ = ["WorkScheduler", "DeviceStatus"]
+__all__ = ["WorkScheduler", "SingleDeviceScheduler", "DeviceStatus"]
 
 
 @dataclass
@@ -96,6 +96,22 @@ class WorkScheduler(ABC):
     def __repr__(self):
         parts = ", ".join(f"{s.device}(batch={s.batch_size}, capacity={s.capacity}, load={s.load})" for s in self._status)
         return f"{type(self).__name__}({parts})"
+
+
+class SingleDeviceScheduler(WorkScheduler):
+    """A policy over exactly one device: ``device``, ``batch_size`` and ``capacity`` read from its record."""
+
+    @property
+    def device(self) -> Device:
+        return self._status[0].device
+
+    @property
+    def batch_size(self) -> int:
+        return self._status[0].batch_size
+
+    @property
+    def capacity(self) -> int:
+        return self._status[0].capacity
 
 
 def check_positive_int(value, field: str) -> int:

@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .base import DeviceStatus, WorkScheduler, build_status
+from .base import DeviceStatus, SingleDeviceScheduler, build_status
 
 __all__ = ["SimpleMPIScheduler", "NodePlacement", "node_name", "world_comm", "place_on_nodes"]
 
@@ -117,7 +117,7 @@ def _check_comm(comm):
     return comm
 
 
-class SimpleMPIScheduler(WorkScheduler):
+class SimpleMPIScheduler(SingleDeviceScheduler):
     """One device per MPI rank, chosen by the rank's index among the ranks on its node.
 
     Ranks are grouped by host (MPI's processor name, or ``$DSCHED_NODE_NAME``);
@@ -172,18 +172,6 @@ class SimpleMPIScheduler(WorkScheduler):
         self.host = placement.host
         self.local_rank = placement.local_rank
         self.local_size = placement.local_size
-
-    @property
-    def device(self):
-        return self._status[0].device
-
-    @property
-    def batch_size(self) -> int:
-        return self._status[0].batch_size
-
-    @property
-    def capacity(self) -> int:
-        return self._status[0].capacity
 
     def __repr__(self):
         s = self._status[0]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from ..devices import Device
-from .base import DeviceStatus, WorkScheduler, check_positive_int
+from .base import DeviceStatus, SingleDeviceScheduler, check_positive_int
 
 __all__ = ["SimpleScheduler"]
 
 
-class SimpleScheduler(WorkScheduler):
+class SimpleScheduler(SingleDeviceScheduler):
     """Dispatch work to a single device in chunks of ``batch_size``.
 
     Parameters
@@ -40,15 +40,3 @@ class SimpleScheduler(WorkScheduler):
         if capacity < batch_size:
             raise ValueError(f"capacity: {capacity} is below batch_size {batch_size}")
         super().__init__([DeviceStatus(device, batch_size, capacity)])
-
-    @property
-    def device(self) -> Device:
-        return self._status[0].device
-
-    @property
-    def batch_size(self) -> int:
-        return self._status[0].batch_size
-
-    @property
-    def capacity(self) -> int:
-        return self._status[0].capacity
