@@ -33,7 +33,7 @@ import numbers
 
 import numpy as np
 
-from .devices import Device, placement_device
+from .devices import device_entries, placement_device
 from .placement import PlannedBlock
 
 __all__ = ["plan", "as_batched", "map_blocks", "default_speeds"]
@@ -70,13 +70,7 @@ def _check_speeds(speeds, status, field="speeds") -> dict:
         raise ValueError(f"{field}: expected a mapping {{device: items_per_s}}, got {speeds!r}")
     devices = [s.device for s in status]
     out = {}
-    for key, value in speeds.items():
-        try:
-            device = Device(key)
-        except ValueError as err:
-            raise ValueError(f"{field}: {err}") from None
-        if device not in devices:
-            raise ValueError(f"{field}: {device} is not one of the scheduler's devices {[str(d) for d in devices]}")
+    for device, value in device_entries(speeds, devices, field, among="the scheduler's devices"):
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
             raise ValueError(f"{field}[{str(device)!r}]: expected a finite number of items per second > 0, got {value!r}")
         out[device] = float(value)

@@ -131,6 +131,23 @@ def device_resource(device) -> str:
     return f"{RESOURCE_PREFIX}{placement_device(device)}"
 
 
+def device_entries(mapping, devices, field, among="the devices"):
+    """``(Device, value)`` for each entry of a ``{device: value}`` mapping.
+
+    Raises ValueError naming ``field`` for a key that is not a device, or not
+    one of ``devices``.
+    """
+    devices = [Device(d) for d in devices]
+    for key, value in mapping.items():
+        try:
+            device = Device(key)
+        except ValueError as err:
+            raise ValueError(f"{field}: {err}") from None
+        if device not in devices:
+            raise ValueError(f"{field}: {device} is not one of {among} {[str(d) for d in devices]}")
+        yield device, value
+
+
 def check_capacities(capacities, devices) -> dict:
     """``{Device: items}`` for every device: the given capacities, the rest unlimited.
 
@@ -138,13 +155,7 @@ def check_capacities(capacities, devices) -> dict:
     capacity that is not an integer >= 1.
     """
     result = {Device(d): UNLIMITED_CAPACITY for d in devices}
-    for key, value in (capacities or {}).items():
-        try:
-            device = Device(key)
-        except ValueError as err:
-            raise ValueError(f"capacities: {err}") from None
-        if device not in result:
-            raise ValueError(f"capacities: {device} is not one of the devices {[str(d) for d in result]}")
+    for device, value in device_entries(capacities or {}, devices, "capacities"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"capacities[{str(device)!r}]: expected an integer >= 1, got {value!r}")
         result[device] = value

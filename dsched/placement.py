@@ -49,7 +49,6 @@ from .devices import (
     UNLIMITED_CAPACITY,
     Device,
     cuda_local_ordinal,
-    device_of_resources,
     device_resource,
     placement_device,
     running_on,

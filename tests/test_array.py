@@ -1,7 +1,6 @@
 """The dask.array path: plan, as_batched, map_blocks, and placement on an in-process cluster."""
 
 import os
-import sys
 import threading
 
 import dask

@@ -132,7 +132,6 @@ def test_json_route_over_http_while_a_dispatch_runs(dashboard_cluster):
             assert 0 <= row["load"] <= row["capacity"] == CAPACITY[device], (device, row)
 
     after = by_device(get_json(base + JSON_ROUTE))
-    import dsched.dispatch  # the run's own records are the reference
     done = {}
     for device in CAPACITY:
         row, old = after[device], before[device]

@@ -17,7 +17,6 @@ import pytest
 
 from dsched import (
     AggregateError,
-    ArrayLoader,
     ChunkRecord,
     Device,
     DispatchError,

@@ -9,7 +9,6 @@ room now": the dispatcher waits for a completion and asks again.
 from __future__ import annotations
 
 import threading
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,11 +29,12 @@ class DeviceStatus:
     load: int = 0
 
 
-class WorkScheduler(ABC):
+class WorkScheduler:
     """Base of the policies: load accounting over a list of :class:`DeviceStatus`.
 
-    Subclasses build ``self._status`` and implement :meth:`_pick`, which chooses
-    among the devices that have room. All public methods are thread-safe.
+    Subclasses pass the validated records to ``__init__``; ``_pick`` (highest
+    priority, first listed on ties) chooses among the devices that have room
+    and may be overridden for another rule. All public methods are thread-safe.
     """
 
     def __init__(self, status: list[DeviceStatus]):
