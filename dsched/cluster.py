@@ -160,6 +160,9 @@ class LocalHybridCluster(SpecCluster):
             "host": None if self.protocol.startswith("inproc") else host,
             "memory_limit": memory_limit,
             "dashboard": False,
+            # The worker's HTTP server (health, metrics) runs even without a dashboard;
+            # keep it on loopback too (with inproc:// there is no host to bind it to).
+            "dashboard_address": _loopback_port0(host),
             **extra,
         }
         from .placement import DeviceWorkerPlugin

@@ -29,7 +29,9 @@ __all__ = [
     "EMULATED_RESOURCE",
 ]
 
-_PATTERN = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+# Canonical spellings only (ASCII digits, no leading zeros, no spaces), so that
+# equal devices have equal strings and a Device hashes like its string.
+_PATTERN = re.compile(r"(cpu|cuda)(?::(0|[1-9][0-9]*))?", re.ASCII)
 RESOURCE_PREFIX = "dsched-"
 EMULATED_RESOURCE = "dsched-emulated"
 # A worker's amount of its device resource is the device's capacity in items;
@@ -57,7 +59,7 @@ class Device:
             return
         if not isinstance(spec, str):
             raise ValueError(f"device: expected a string like 'cpu' or 'cuda:0', got {spec!r}")
-        match = _PATTERN.match(spec.strip())
+        match = _PATTERN.fullmatch(spec)
         if match is None or (match.group(1) == "cpu" and match.group(2) is not None):
             raise ValueError(
                 f"device: {spec!r} is not a device; expected 'cpu', 'cuda' or 'cuda:N' with N >= 0"
@@ -82,7 +84,7 @@ class Device:
         return (self.type, self.index) == (other.type, other.index)
 
     def __hash__(self):
-        return hash((self.type, self.index))
+        return hash(str(self))  # equal to its canonical string, so it must hash like it
 
     def __reduce__(self):
         return (Device, (str(self),))
@@ -156,9 +158,9 @@ def check_capacities(capacities, devices) -> dict:
     """
     result = {Device(d): UNLIMITED_CAPACITY for d in devices}
     for device, value in device_entries(capacities or {}, devices, "capacities"):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"capacities[{str(device)!r}]: expected an integer >= 1, got {value!r}")
-        result[device] = value
+        result[device] = int(value)
     return result
 
 
@@ -258,6 +260,26 @@ def cuda_local_ordinal(device) -> int:
     if str(device.ordinal) in visible:
         return visible.index(str(device.ordinal))
     return device.ordinal
+
+
+@contextlib.contextmanager
+def selected(device):
+    """Make ``device`` CuPy's current GPU inside the block (CuPy's current device is per thread).
+
+    A no-op for the CPU, an emulated device, or where CuPy is not installed.
+    """
+    device = None if device is None else Device(device)
+    cupy = None
+    if device is not None and device.is_cuda and not is_emulated_here():
+        try:
+            import cupy
+        except ImportError:
+            pass
+    if cupy is None:
+        yield
+        return
+    with cupy.cuda.Device(cuda_local_ordinal(device)):
+        yield
 
 
 def array_module(device=None):

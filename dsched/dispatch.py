@@ -11,7 +11,6 @@ worker, not assignment to it.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import itertools
 import queue
 import threading
@@ -21,7 +20,16 @@ import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .devices import Device, device_of_resources, placement_device, running_on, to_device, to_host, device_resource
+from .devices import (
+    Device,
+    device_of_resources,
+    device_resource,
+    placement_device,
+    running_on,
+    selected,
+    to_device,
+    to_host,
+)
 from .errors import AggregateError
 from .reduce import concat_reduce
 from .trace import DispatchTracer, check_trace_path
@@ -111,7 +119,7 @@ class _ChunkProgram:
     thread_init: object = None
 
     def run(self, device, work):
-        with running_on(device):
+        with running_on(device), selected(device):
             if self.preprocess is not None:
                 work = self.preprocess(work, device)
             result = self.do_work(work, device)
@@ -214,6 +222,10 @@ class WorkDispatcher:
                 raise ValueError(f"{name}: expected a callable, got {fn!r}")
         if do_work is None:
             raise ValueError("do_work: the do-work function is not set")
+        missing = [m for m in ("schedule_work", "dispatched_work", "completed_work", "devices", "status")
+                   if not hasattr(scheduler, m)]
+        if missing:
+            raise ValueError(f"scheduler: {scheduler!r} is not a scheduler (it lacks {', '.join(missing)})")
         self.trace_file = None if trace_file is None else check_trace_path(trace_file)
         self._tracer = None  # a DispatchTracer while a traced run is on
         self.scheduler = scheduler
@@ -225,6 +237,8 @@ class WorkDispatcher:
         self._cluster_options = dict(cluster_options or {})
         self._own_cluster = None
         self._own_client = None
+        self._closer = None  # closes the own client and cluster, at close() or at exit
+        self._client_lock = threading.Lock()
         self._runs = itertools.count()
         self._initialised_sync = set()
         self.last_run: RunReport | None = None
@@ -239,34 +253,37 @@ class WorkDispatcher:
 
     def close(self):
         """Close the cluster this dispatcher started, if any."""
-        client, cluster = self._own_client, self._own_cluster
-        self._own_client = self._own_cluster = None
-        if client is not None:
-            client.close()
-        if cluster is not None:
-            cluster.close()
+        with self._client_lock:
+            closer, self._closer = self._closer, None
+            self._own_client = self._own_cluster = None
+        if closer is not None:
+            closer()
 
     @property
     def client(self):
         """The Dask client async runs use (started on first use if there is none)."""
         if self._client is not None:
             return self._client
-        if self._own_client is not None:
-            return self._own_client
-        try:
-            from distributed import default_client
+        with self._client_lock:  # two threads running at once must not start two clusters
+            if self._own_client is not None:
+                return self._own_client
+            try:
+                from distributed import default_client
 
-            return default_client()
-        except ValueError:
-            pass
-        from distributed import Client
+                return default_client()
+            except ValueError:
+                pass
+            from distributed import Client
 
-        from .cluster import LocalHybridCluster
+            from .cluster import LocalHybridCluster
 
-        self._own_cluster = LocalHybridCluster(self.scheduler.devices, **self._cluster_options)
-        self._own_client = Client(self._own_cluster)
-        _close_at_exit(self)
-        return self._own_client
+            cluster = LocalHybridCluster(self.scheduler.devices, **self._cluster_options)
+            # Not the default client: another dispatcher must start a cluster over its own devices.
+            client = Client(cluster, set_as_default=False)
+            self._own_cluster, self._own_client = cluster, client
+            # Runs at close(), or at exit (or collection) for a dispatcher never closed.
+            self._closer = weakref.finalize(self, _close_client_and_cluster, client, cluster)
+            return client
 
     # --- running -------------------------------------------------------------
 
@@ -362,6 +379,13 @@ class WorkDispatcher:
                 for device, chunks in groups.items():
                     self._submit(client, run_id, device, chunks, in_flight, futures, done)
                 if not in_flight:
+                    if not failed and generator.has_more():
+                        # Nothing of ours is running, so no completion of ours can make room:
+                        # the load is another run's (a scheduler shared by concurrent dispatchers).
+                        raise RuntimeError(
+                            f"{self.scheduler!r} has no room for the next chunk and this run has none in flight; "
+                            "a scheduler cannot be shared by dispatchers running at the same time"
+                        )
                     break
                 future = _wait_for_one(done, in_flight, client, self.scheduler.devices)
                 while future is not None:
@@ -530,26 +554,20 @@ def check_devices_owned(client, scheduler):
             )
 
 
-_to_close = weakref.WeakSet()
-
-
-def _close_at_exit(dispatcher):
-    _to_close.add(dispatcher)
-
-
-@atexit.register
-def _close_all():
-    for dispatcher in list(_to_close):
-        try:
-            dispatcher.close()
-        except Exception:
-            pass
+def _close_client_and_cluster(client, cluster):
+    client.close()
+    cluster.close()
 
 
 # --- the one-call form ------------------------------------------------------
 
 def _is_array(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _is_mapping_of_arrays(x) -> bool:
+    """A dict holding at least one array: split like a MappingLoader (non-arrays go whole)."""
+    return isinstance(x, dict) and any(_is_array(v) for v in x.values())
 
 
 class _ArgsLayout:
@@ -561,7 +579,7 @@ class _ArgsLayout:
         for i, arg in enumerate(args):
             if _is_array(arg):
                 self.mapping[f"args[{i}]"] = arg
-            elif isinstance(arg, dict) and arg and all(_is_array(v) for v in arg.values()):
+            elif _is_mapping_of_arrays(arg):
                 for k, v in arg.items():
                     self.mapping[f"args[{i}][{k!r}]"] = v
 
@@ -570,7 +588,7 @@ class _ArgsLayout:
         for i, arg in enumerate(self.args):
             if _is_array(arg):
                 out.append(chunk[f"args[{i}]"])
-            elif isinstance(arg, dict) and arg and all(_is_array(v) for v in arg.values()):
+            elif _is_mapping_of_arrays(arg):
                 out.append({k: chunk[f"args[{i}][{k!r}]"] for k in arg})
             else:
                 out.append(arg)
@@ -591,8 +609,8 @@ class _CallOnChunk:
 def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file=None, **kwargs):
     """Evaluate ``fn`` over a batch split along ``axis`` by ``scheduler``; the joined result.
 
-    Arrays and dicts of arrays in ``args`` are split (entries of size 1 along
-    ``axis`` go whole into every chunk); other arguments and ``kwargs`` pass
+    Arrays and dicts holding arrays in ``args`` are split (entries of size 1
+    along ``axis``, and a dict's non-array entries, go whole into every chunk); other arguments and ``kwargs`` pass
     unchanged. ``fn`` returns an array, a tuple or a dict of arrays, joined
     along ``axis`` in order. On a CUDA device the chunk is moved there (CuPy)
     before ``fn`` and the result back to host memory after. ``trace_file``
@@ -605,6 +623,8 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file
     >>> dispatch(np.square, np.arange(5.0), scheduler=SimpleScheduler("cpu", 2), mode="sync").tolist()
     [0.0, 1.0, 4.0, 9.0, 16.0]
     """
+    if not callable(fn):
+        raise ValueError(f"fn: expected a callable, got {fn!r}")
     layout = _ArgsLayout(args)
     if not layout.mapping:
         raise ValueError("args: dispatch needs at least one array (or dict of arrays) to split")

@@ -52,6 +52,7 @@ from .devices import (
     device_resource,
     placement_device,
     running_on,
+    selected,
     to_device,
     to_host,
     visible_gpus,
@@ -137,7 +138,7 @@ class PlannedBlock:
     def __call__(self, *dep_values):
         device = resolve_device(self.device)
         values = dict(zip(self.dep_keys, dep_values))
-        with running_on(device), _cuda_selected(device):
+        with running_on(device), selected(device):
             if self.to_device:
                 values = {k: to_device(v, device) for k, v in values.items()}
             result = self.task(values)
@@ -164,28 +165,6 @@ def resolve_device(planned: Device) -> Device:
         return Device("cpu")
     owned = worker_device(worker)
     return owned if owned is not None else Device("cpu")
-
-
-class _cuda_selected:
-    """Select a real GPU for CuPy inside the block (CuPy's current device is per thread)."""
-
-    def __init__(self, device):
-        self.device = device
-        self.context = None
-
-    def __enter__(self):
-        from .devices import array_module
-
-        if self.device.is_cuda and array_module(self.device).__name__ == "cupy":
-            import cupy
-
-            self.context = cupy.cuda.Device(cuda_local_ordinal(self.device))
-            self.context.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.context is not None:
-            self.context.__exit__(*exc)
 
 
 # --- finding the plan in a task ---------------------------------------------

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
+
 __all__ = ["WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader"]
 
 
@@ -51,6 +53,9 @@ class SliceGenerator(WorkGenerator):
     """
 
     def __init__(self, start: int, stop: int):
+        for name, value in (("start", start), ("stop", stop)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"SliceGenerator: {name} must be an integer, got {value!r}")
         if not start < stop:
             raise ValueError(f"SliceGenerator: expected start < stop, got start={start}, stop={stop}")
         super().__init__(stop - start)
@@ -58,6 +63,13 @@ class SliceGenerator(WorkGenerator):
 
     def _take(self, start, stop):
         return slice(self.start + start, self.start + stop)
+
+
+def _check_axis(axis):
+    # A negative axis would count from the end of each entry's own shape, so
+    # entries of different ranks would be split along different axes.
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or axis < 0:
+        raise ValueError(f"axis: expected an integer >= 0, got {axis!r}")
 
 
 def _index(axis: int, start: int, stop: int):
@@ -97,6 +109,7 @@ class MappingLoader(WorkGenerator):
     """
 
     def __init__(self, mapping, axis: int = 0):
+        _check_axis(axis)
         sizes = {}
         for key, value in mapping.items():
             shape = getattr(value, "shape", ())

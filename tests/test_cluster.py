@@ -240,3 +240,12 @@ def test_dispatch_on_a_real_gpu_uses_cupy():
         assert on_gpu[:1024].min() == 1.0  # the first chunk went to cuda:0 (priority 2) and saw CuPy
         seen = WorkDispatcher(scheduler, where, client=client).run(SliceGenerator(0, 4096))
         assert ("cuda:0", "cuda:0") in seen
+
+
+def test_in_process_workers_http_servers_stay_on_loopback(hybrid_client):
+    # Each worker serves /health and /metrics even without a dashboard; with inproc://
+    # there is no host to inherit, so the cluster must bind them to loopback itself.
+    from distributed.comm.utils import get_tcp_server_addresses
+
+    for worker in hybrid_client.cluster.workers.values():
+        assert {host for host, *_ in get_tcp_server_addresses(worker.http_server)} == {"127.0.0.1"}

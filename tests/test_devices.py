@@ -166,3 +166,15 @@ def test_cuda_local_ordinal_follows_the_visible_list(monkeypatch):
     assert cuda_local_ordinal("cuda") == 2  # bare cuda is GPU 0
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert cuda_local_ordinal("cuda:1") == 1  # nothing pinned: the global number
+
+
+@pytest.mark.parametrize("spelling", ["cuda:01", " cpu", "cuda:1 ", "cuda:\u0661", "CPU"])
+def test_only_canonical_spellings_are_devices(spelling):
+    with pytest.raises(ValueError, match="is not a device"):
+        Device(spelling)
+
+
+def test_a_device_hashes_like_the_string_it_equals():
+    assert Device("cuda:0") == "cuda:0"
+    assert "cpu" in {Device("cpu")}
+    assert {Device("cuda:0"): 1}.get("cuda:0") == 1

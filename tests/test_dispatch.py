@@ -529,3 +529,31 @@ def test_dispatch_reraises_a_chunk_failure(hybrid_client):
     with pytest.raises(ArithmeticError, match=r"overflow from 10"):
         dispatch(explode, np.arange(20.0), scheduler=scheduler, client=hybrid_client)
     assert all_idle(scheduler)
+
+
+# --- found in review: each of these once gave a silent wrong answer or started work first ------
+
+def times_k(d, y):
+    return d["a"] * d["k"] + 0 * y
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dict_with_scalars_is_split_and_its_scalars_go_whole(hybrid_client, mode):
+    x = np.arange(6.0)
+    out = dispatch(times_k, {"a": x, "k": 2.0}, x, scheduler=SimpleScheduler("cpu", 2), client=hybrid_client, mode=mode)
+    np.testing.assert_array_equal(out, 2 * x)
+
+
+def test_dispatch_needs_a_callable_and_a_scheduler_before_any_work():
+    with pytest.raises(ValueError, match="fn: expected a callable, got 5"):
+        dispatch(5, np.arange(4.0), scheduler=SimpleScheduler("cpu", 2))
+    with pytest.raises(ValueError, match="scheduler: 'nope' is not a scheduler"):
+        WorkDispatcher("nope", slice_product)
+
+
+def test_a_scheduler_loaded_by_someone_else_is_an_error_not_a_truncated_result(hybrid_client):
+    scheduler = SimpleScheduler("cpu", 4, 8)
+    scheduler.dispatched_work("cpu", 8)  # another run's chunks
+    with pytest.raises(RuntimeError, match="has no room for the next chunk and this run has none in flight"):
+        WorkDispatcher(scheduler, slice_product, client=hybrid_client).run(SliceGenerator(0, 100))
+    assert [s.load for s in scheduler.status()] == [8]

@@ -5,6 +5,7 @@ Ports NEML2 v2.1.6 ``tests/dispatchers/test_StaticHybridScheduler.cxx`` and HEAD
 validation error of the contract.
 """
 
+import re
 import threading
 
 import numpy as np
@@ -305,3 +306,19 @@ def test_load_accounting_is_thread_safe():
     for t in threads:
         t.join()
     assert s.all_work_completed()
+
+
+@pytest.mark.parametrize("n", [0, -5, 1.5, True, "3"])
+def test_load_accounting_rejects_item_counts_that_are_not_positive_integers(n):
+    s = StaticHybridScheduler(["cpu", "cuda:0"], [4, 8], [8, 16])
+    with pytest.raises(RuntimeError, match=re.escape(f"Invalid item count {n!r} for cpu")):
+        s.dispatched_work("cpu", n)
+    s.dispatched_work("cpu", 4)
+    with pytest.raises(RuntimeError, match="Invalid item count"):
+        s.completed_work("cpu", n)
+    assert [st.load for st in s.status()] == [4, 0]
+
+
+def test_priorities_must_be_finite():
+    with pytest.raises(ValueError, match=r"priorities\[1\]: expected a finite number, got nan"):
+        StaticHybridScheduler(["cpu", "cuda:0"], 4, priorities=[1.0, float("nan")])

@@ -69,8 +69,9 @@ def test_recommendation_rules():
 
 # --- a real sweep of synthetic devices on the emulated cluster ------------------------
 
-# (t0 seconds, N*); t0 of tens of ms keeps sleep's overshoot on a loaded machine far below 10%.
-SYNTHETIC = {"cpu": (0.02, 1000), "cuda:0": (0.03, 3000)}
+# (t0 seconds, N*); t0 of 40-50 ms keeps sleep's overshoot on a loaded machine (a few ms when the
+# whole suite runs on two cores) well below the 10% the fit must meet.
+SYNTHETIC = {"cpu": (0.04, 1000), "cuda:0": (0.05, 3000)}
 
 
 def synthetic_device(work, device):
@@ -108,7 +109,7 @@ def test_sweep_recovers_t0_and_n_star_of_synthetic_devices_within_ten_percent(tu
     # Chunks of N* already take 20 ms or more, so N* is the recommended batch size.
     assert cpu.batch_size == pytest.approx(1000, rel=0.1) and cpu.capacity >= 2 * cpu.batch_size
     assert cuda.batch_size == pytest.approx(3000, rel=0.1) and cuda.capacity >= 2 * cuda.batch_size
-    assert cuda.items_per_s == pytest.approx(3000 / 0.03, rel=0.1)
+    assert cuda.items_per_s == pytest.approx(3000 / 0.05, rel=0.1)
     table = format_tuning(result)
     assert "cuda:0     yes" in table and "not a GPU measurement" in table
 

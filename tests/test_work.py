@@ -181,3 +181,15 @@ def test_mapping_loader_no_axis():
 def test_mapping_loader_no_items():
     with pytest.raises(ValueError, match=r"mapping: no items along axis 0"):
         MappingLoader({"a": np.zeros((0, 2))})
+
+
+def test_a_negative_axis_is_rejected_by_the_mapping_loader():
+    # Counting from the end would split entries of different ranks along different axes.
+    with pytest.raises(ValueError, match="axis: expected an integer >= 0, got -1"):
+        MappingLoader({"x": np.zeros((4, 4)), "y": np.zeros(4)}, axis=-1)
+
+
+@pytest.mark.parametrize("start, stop, field", [(0.5, 3, "start"), (0, 2.5, "stop")])
+def test_slice_bounds_must_be_integers(start, stop, field):
+    with pytest.raises(ValueError, match=f"{field} must be an integer"):
+        SliceGenerator(start, stop)

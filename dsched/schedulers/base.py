@@ -8,6 +8,7 @@ room now": the dispatcher waits for a completion and asks again.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -66,6 +67,7 @@ class WorkScheduler:
 
     def dispatched_work(self, device, n: int) -> None:
         """Record ``n`` items sent to ``device``."""
+        n = _item_count(n, device)
         with self._lock:
             status = self._lookup(device)
             if status.load + n > status.capacity:
@@ -77,6 +79,7 @@ class WorkScheduler:
 
     def completed_work(self, device, n: int) -> None:
         """Record ``n`` items of ``device`` finished."""
+        n = _item_count(n, device)
         with self._lock:
             status = self._lookup(device)
             if n > status.load:
@@ -96,6 +99,13 @@ class WorkScheduler:
     def __repr__(self):
         parts = ", ".join(f"{s.device}(batch={s.batch_size}, capacity={s.capacity}, load={s.load})" for s in self._status)
         return f"{type(self).__name__}({parts})"
+
+
+def _item_count(n, device) -> int:
+    """A chunk's size as reported to the load accounting: an integer >= 1, or protocol misuse."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise RuntimeError(f"Invalid item count {n!r} for {device}: a chunk has an integer number of items >= 1")
+    return int(n)
 
 
 class SingleDeviceScheduler(WorkScheduler):
@@ -160,4 +170,6 @@ def build_status(devices, batch_sizes, capacities, priorities=None) -> list[Devi
     for i, p in enumerate(prios):
         if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)):
             raise ValueError(f"priorities[{i}]: expected a number, got {p!r}")
+        if not math.isfinite(p):
+            raise ValueError(f"priorities[{i}]: expected a finite number, got {p!r}")
     return [DeviceStatus(d, b, c, float(p)) for d, b, c, p in zip(devices, sizes, caps, prios)]
