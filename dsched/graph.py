@@ -15,6 +15,7 @@ They play the part of NEML2's input files with their ``[Schedulers]`` section::
     batch_sizes = [32768, 262144]
     capacities = [65536, 524288]
     priorities = [1, 2]
+    profile = false             # true: sizes and capacities from this host's `dsched tune` profile
     [options]                   # capacities default to two chunks per device
     mode = "async"              # or "sync"
     emulate = false             # emulate CUDA devices that are not present
@@ -57,6 +58,7 @@ _SCHEMA = {
         "batch_sizes": (int, list),
         "capacities": (int, list),
         "priorities": (int, float, list),
+        "profile": _BOOL,
     },
     "options": {
         "mode": _STR,
@@ -104,19 +106,38 @@ class Graph:
         return parse_devices(spec, field="scheduler.devices")
 
     def build_scheduler(self, present=None):
-        """The scheduler the graph describes; ``auto`` means Simple on one device, StaticHybrid on more."""
+        """The scheduler the graph describes; ``auto`` means Simple on one device, StaticHybrid on more.
+
+        Sub-batch sizes and capacities come from the graph's keys, else from the
+        host's ``dsched tune`` profile for the model when ``profile = true``,
+        else from the defaults for each kind of device.
+        """
         kind = self.scheduler.get("type", "auto")
         devices = self.devices(present)
+        sizes = [AUTO_BATCH_SIZE[d.type] for d in devices]
+        capacities = None
+        if self.scheduler.get("profile", False):
+            from .tuning import profile_settings
+
+            tuned = profile_settings(devices, self.model)
+            if tuned is None:
+                raise ValueError(
+                    f"profile: no tuned profile of model {self.model!r} on this host covers "
+                    f"{', '.join(map(str, devices))}; run `dsched tune` first"
+                )
+            sizes, capacities = tuned["batch_sizes"], tuned["capacities"]
         if kind == "SimpleScheduler" or (kind == "auto" and len(devices) == 1):
             if len(devices) != 1:
                 raise ValueError(f"devices: SimpleScheduler takes one device, got {[str(d) for d in devices]}")
-            size = self.scheduler.get("batch_size", AUTO_BATCH_SIZE[devices[0].type])
-            return SimpleScheduler(devices[0], size, self.scheduler.get("capacity", 2 * size))
-        sizes = self.scheduler.get("batch_sizes", [AUTO_BATCH_SIZE[d.type] for d in devices])
+            size = self.scheduler.get("batch_size", sizes[0])
+            default_capacity = capacities[0] if capacities and "batch_size" not in self.scheduler else 2 * size
+            return SimpleScheduler(devices[0], size, self.scheduler.get("capacity", default_capacity))
+        if "batch_sizes" in self.scheduler:
+            sizes, capacities = self.scheduler["batch_sizes"], None
         return StaticHybridScheduler(
             devices,
             sizes,
-            self.scheduler.get("capacities", _doubled(sizes)),
+            self.scheduler.get("capacities", capacities or _doubled(sizes)),
             self.scheduler.get("priorities", [AUTO_PRIORITY[d.type] for d in devices]),
         )
 

@@ -43,16 +43,14 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
     from distributed import Client
 
     from .cluster import LocalHybridCluster
+    from .graph import GraphError
     from .models import get_model
-
     from .trace import check_trace_path
 
     model = get_model(graph.model)
     parameters = model.parameters_type(**graph.parameters)
     do_work = functools.partial(_model_chunk, model.chunk, parameters, graph.tangent)
     scheduler = graph.build_scheduler()
-    from .graph import GraphError
-
     # Output paths are checked before any cluster starts.
     trace_file, report_file = graph.options.get("trace_file"), graph.options.get("performance_report")
     try:

@@ -139,3 +139,26 @@ def test_help_says_what_each_command_does():
     assert out.returncode == 0 and "run" in out.stdout
     out = subprocess.run([sys.executable, "-m", "dsched", "run", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "1,000,000 points" in out.stdout
+
+
+def test_a_graph_may_take_its_sizes_from_the_tuned_profile(tmp_path, monkeypatch, capsys, no_cluster):
+    import json
+
+    from dsched.tuning import profile_path
+
+    monkeypatch.setenv("DSCHED_PROFILE_DIR", str(tmp_path / "profiles"))
+    text = "[model]\nname='j2'\n[batch]\nsize=10\n[scheduler]\ndevices=['cpu','cuda:0']\nprofile=true\n"
+    graph_file = write(tmp_path, text)
+    # No profile yet: the graph is refused before anything starts, naming the key.
+    assert main(["run", str(graph_file)]) == 2
+    assert "scheduler.profile: no tuned profile of model 'j2' on this host covers cpu, cuda:0" in capsys.readouterr().err
+    path = profile_path("j2")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"model": "j2", "devices": {
+        "cpu": {"batch_size": 3000, "capacity": 6000, "items_per_s": 1e6},
+        "cuda:0": {"batch_size": 50000, "capacity": 150000, "items_per_s": 1e7}}}))
+    scheduler = load_graph(graph_file).build_scheduler()
+    assert [(s.batch_size, s.capacity) for s in scheduler.status()] == [(3000, 6000), (50000, 150000)]
+    # Keys in the graph win over the profile.
+    explicit = write(tmp_path, text + "batch_sizes=[100, 200]\n", "explicit.toml")
+    assert [(s.batch_size, s.capacity) for s in load_graph(explicit).build_scheduler().status()] == [(100, 200), (200, 400)]
