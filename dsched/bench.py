@@ -380,7 +380,7 @@ def run_benchmarks(json_path=None, quick=False, *, devices=DEFAULT_DEVICES, tota
     from distributed import Client
 
     from .cluster import LocalHybridCluster
-    from .trace import emulated_devices
+    from .devices import emulated_devices
 
     speeds = {d.device: (d.t0, d.rate) for d in devices}
     batch_sizes = [max(1, round(d.rate * chunk_seconds)) for d in devices]

@@ -172,6 +172,19 @@ def device_of_resources(resources) -> Device | None:
     return None
 
 
+def emulated_devices(client) -> dict:
+    """``{Device: emulated?}`` for the devices a cluster's workers own, read from their resources.
+
+    A Device hashes like its string, so ``table.get("cuda:0")`` works too.
+    """
+    table = {}
+    for info in client.scheduler_info(n_workers=-1)["workers"].values():
+        device = device_of_resources(info.get("resources"))
+        if device is not None:
+            table[device] = table.get(device, False) or EMULATED_RESOURCE in info["resources"]
+    return table
+
+
 # --- where code is running -------------------------------------------------
 
 _chunk_device: contextvars.ContextVar[Device | None] = contextvars.ContextVar(

@@ -7,7 +7,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from .devices import EMULATED_RESOURCE, Device, device_of_resources
+from .devices import Device, emulated_devices
 from .dispatch import RunReport, WorkDispatcher
 from .reduce import concat_reduce
 from .work import SliceGenerator
@@ -22,16 +22,6 @@ class JobResult:
     outputs: dict
     report: RunReport
     emulated: dict  # Device -> bool
-
-
-def _emulated_devices(client) -> dict:
-    """``{Device: emulated?}`` read from the workers' resources."""
-    table = {}
-    for info in client.scheduler_info(n_workers=-1)["workers"].values():
-        device = device_of_resources(info.get("resources"))
-        if device is not None:
-            table[device] = table.get(device, False) or EMULATED_RESOURCE in info["resources"]
-    return table
 
 
 def run_graph(graph, *, client=None, progress=True) -> JobResult:
@@ -72,7 +62,7 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
                 )
             )
             client = stack.enter_context(Client(cluster))
-        emulated = _emulated_devices(client) if client is not None else {}
+        emulated = emulated_devices(client) if client is not None else {}
         if report_file is not None and client is not None:
             from distributed import performance_report
 

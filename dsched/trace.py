@@ -41,6 +41,8 @@ import os
 import threading
 import time
 
+from .devices import emulated_devices
+
 __all__ = [
     "TraceWriter",
     "trace_writer",
@@ -411,15 +413,3 @@ class DispatchTracer:
             self.writer.end(RUN, "WorkDispatcher", {"chunks": len(report.records), "mode": report.mode}, tid=self.tid)
         finally:
             release_writer(self.writer)
-
-
-def emulated_devices(client) -> dict:
-    """``{device string: emulated?}`` read from the workers' resources."""
-    from .devices import EMULATED_RESOURCE, device_of_resources
-
-    table = {}
-    for info in client.scheduler_info(n_workers=-1)["workers"].values():
-        device = device_of_resources(info.get("resources"))
-        if device is not None:
-            table[str(device)] = table.get(str(device), False) or EMULATED_RESOURCE in info["resources"]
-    return table

@@ -400,7 +400,7 @@ def run_tuning(model, devices=None, *, client=None, emulate=False, parameters=No
 
     import contextlib
 
-    from .trace import emulated_devices
+    from .devices import emulated_devices
 
     with contextlib.ExitStack() as stack:
         if client is None and mode == "async":
