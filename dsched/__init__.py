@@ -11,7 +11,8 @@ Examples
 from .array import as_batched, map_blocks, plan
 from .cluster import LocalHybridCluster
 from .devices import Device, array_module, current_device, visible_gpus
-from .dispatch import ChunkRecord, RunReport, WorkDispatcher, dispatch
+from .dispatch import WorkDispatcher, dispatch
+from .report import ChunkRecord, RunReport
 from .errors import AggregateError, DispatchError, RecoverableError
 from .placement import PlacementWarning, register
 from .reduce import concat_reduce, derivative_reduce

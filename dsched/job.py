@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass
 
 from .devices import Device, emulated_devices
-from .dispatch import RunReport, WorkDispatcher
+from .dispatch import WorkDispatcher
+from .report import RunReport
 from .reduce import concat_reduce
 from .work import SliceGenerator
 
