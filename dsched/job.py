@@ -95,26 +95,40 @@ def _progress_bar(total, enabled):
 
 
 def format_report(result: JobResult) -> str:
-    """The per-device table and the total throughput, as text.
+    """The per-device table, a per-host summary on several hosts, and the total throughput, as text.
 
-    Busy seconds are the device worker's time inside the chunks; items/s is
-    items over busy seconds, so it measures the device, not the transfers.
+    One row per device and host: a device name owned on several hosts (the
+    multi-node case) gets a row per host, labelled ``cuda:0@node3``; on one
+    host the label is the device alone. Busy seconds are the device worker's
+    time inside the chunks; items/s is items over busy seconds, so it
+    measures the device, not the transfers.
     """
     report = result.report
     rows = report.by_device()
-    header = f"{'device':<10} {'emulated':<9} {'chunks':>7} {'items':>10} {'busy s':>8} {'items/s':>12}"
+    hosts = report.by_host()
+    several = len(hosts) > 1
+    width = max([10, *(len(str(key)) + 1 for key in rows)]) if several else 10
+    header = f"{'device':<{width}} {'emulated':<9} {'chunks':>7} {'items':>10} {'busy s':>8} {'items/s':>12}"
     lines = [header, "-" * len(header)]
-    for device, row in rows.items():
-        emulated = "yes" if result.emulated.get(Device(device), False) else "no"
+
+    def line(label, emulated, row):
         rate = row["items_per_s"]
-        lines.append(
-            f"{str(device):<10} {emulated:<9} {row['chunks']:>7} {row['items']:>10} "
-            f"{row['busy']:>8.3f} {'-' if math.isnan(rate) else f'{rate:,.0f}':>12}"
-        )
+        return (f"{label:<{width}} {emulated:<9} {row['chunks']:>7} {row['items']:>10} "
+                f"{row['busy']:>8.3f} {'-' if math.isnan(rate) else f'{rate:,.0f}':>12}")
+
+    for key, row in sorted(rows.items(), key=lambda kv: (kv[0].host, str(kv[0].device))) if several else rows.items():
+        emulated = "yes" if result.emulated.get(Device(row["device"]), False) else "no"
+        lines.append(line(str(key) if several else str(row["device"]), emulated, row))
+    if several:  # per-node balance: one line per host, its devices together
+        lines.append("-" * len(header))
+        lines.append(f"{'host':<{width}} {'devices':<9}" + header[width + 10:])
+        for host, row in hosts.items():
+            lines.append(line(host, str(len(row["devices"])), row))
     wall = report.wall_time
     lines.append("-" * len(header))
     lines.append(
         f"total: {report.items:,} items in {wall:.3f} s = {report.items / wall:,.0f} items/s ({report.mode} mode)"
+        + (f" on {len(hosts)} hosts" if several else "")
     )
     if any(result.emulated.values()):
         lines.append("emulated devices computed with NumPy on the CPU: not a GPU measurement")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .devices import Device
 
-__all__ = ["ChunkRecord", "RunReport"]
+__all__ = ["ChunkRecord", "RunReport", "DeviceOnHost", "worker_host"]
 
 
 @dataclass
@@ -49,22 +51,84 @@ class RunReport:
         return sum(r.size for r in self.records if r.error is None)
 
     def by_device(self) -> dict:
-        """Per device: chunks, items, busy seconds and items per busy second.
+        """Per device and host: chunks, items, busy seconds and items per busy second.
 
-        Busy time is the union of the device's chunk intervals (time with at
+        Keys are :class:`DeviceOnHost` (``str()`` gives ``cuda:0@node3``): one
+        device name owned by workers on several hosts gives one row per host,
+        so the balance between nodes shows. Each row also has ``device``,
+        ``host``, ``workers`` (the addresses, in order of first use) and
+        ``worker`` (the first of them). Rows come in order of first chunk.
+
+        Busy time is the union of the row's chunk intervals (time with at
         least one chunk running), so overlapping chunks are not counted twice.
         """
         table = {}
         intervals = {}
         for r in self.records:
-            row = table.setdefault(r.device, {"chunks": 0, "items": 0, "worker": r.worker})
+            key = DeviceOnHost(r.device, worker_host(r.worker))
+            row = table.get(key)
+            if row is None:
+                row = table[key] = {"device": r.device, "host": key.host, "chunks": 0, "items": 0,
+                                    "worker": r.worker, "workers": []}
+            if r.worker is not None and r.worker not in row["workers"]:
+                row["workers"].append(r.worker)
             row["chunks"] += 1
             row["items"] += r.size
-            intervals.setdefault(r.device, []).append((r.start, r.stop))
-        for device, row in table.items():
-            row["busy"] = _union_length(intervals[device])
+            intervals.setdefault(key, []).append((r.start, r.stop))
+        for key, row in table.items():
+            row["busy"] = _union_length(intervals[key])
             row["items_per_s"] = row["items"] / row["busy"] if row["busy"] > 0 else float("nan")
         return table
+
+    def by_host(self) -> dict:
+        """Per host: its devices, chunks, items, busy seconds and items per busy second.
+
+        A host's busy time is the union over all its devices (time with any
+        chunk running there), so its items/s is the node's throughput while it
+        worked. Hosts come in order of first chunk.
+        """
+        table = {}
+        intervals = {}
+        for r in self.records:
+            host = worker_host(r.worker)
+            row = table.setdefault(host, {"devices": [], "chunks": 0, "items": 0})
+            if r.device not in row["devices"]:
+                row["devices"].append(r.device)
+            row["chunks"] += 1
+            row["items"] += r.size
+            intervals.setdefault(host, []).append((r.start, r.stop))
+        for host, row in table.items():
+            row["busy"] = _union_length(intervals[host])
+            row["items_per_s"] = row["items"] / row["busy"] if row["busy"] > 0 else float("nan")
+        return table
+
+
+class DeviceOnHost(NamedTuple):
+    """A device on one host: the key of a per-device row; ``str()`` gives ``cuda:0@node3``."""
+
+    device: Device
+    host: str
+
+    def __str__(self) -> str:
+        return f"{self.device}@{self.host}"
+
+
+def worker_host(address: str | None) -> str:
+    """The host part of a worker address (``tcp://10.0.0.3:4000`` → ``10.0.0.3``).
+
+    ``None`` (a sync run, on the calling thread) is this machine's host name.
+    """
+    if address is None:
+        return socket.gethostname()
+    scheme, _, location = str(address).rpartition("://")
+    if scheme == "inproc":  # inproc://HOST/PID/N
+        return location.split("/")[0]
+    try:
+        from distributed.comm.addressing import parse_host_port
+
+        return parse_host_port(location)[0]
+    except (ImportError, ValueError):  # not a host:port address: keep it whole rather than guess
+        return location
 
 
 def _union_length(intervals) -> float:
