@@ -22,6 +22,7 @@ class ChunkRecord:
     start: float = 0.0
     stop: float = 0.0
     error: BaseException | None = None
+    offset: int = 0  # the chunk's first item in the batch
 
     @property
     def duration(self) -> float:
@@ -33,7 +34,10 @@ class RunReport:
     """The last run of a dispatcher: per-chunk records and results in dispatch order.
 
     After a failed run, ``results`` still holds every finished chunk's result
-    (``None`` where the chunk failed), so no finished work is lost.
+    (``None`` where the chunk failed), so no finished work is lost. When the
+    join is the concatenation, results are written in place instead: ``output``
+    holds the joined outputs (a failed chunk's rows are NaN in floating outputs)
+    and ``results`` holds ``None`` per chunk.
     """
 
     mode: str
@@ -41,6 +45,7 @@ class RunReport:
     results: list = field(default_factory=list)
     wall_start: float = 0.0
     wall_stop: float = 0.0
+    output: object = None
 
     @property
     def wall_time(self) -> float:
