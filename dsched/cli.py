@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 
 __all__ = ["main"]
+
+DEFAULT_CONNECT_TIMEOUT = 30.0  # seconds to wait for a scheduler file to appear, then for the scheduler to answer
+
+
+class UsageError(ValueError):
+    """A user's mistake found by the command line: one line, exit status 2."""
 
 
 def _add_run(subparsers):
@@ -24,7 +32,11 @@ def _add_run(subparsers):
     where = run.add_mutually_exclusive_group()
     where.add_argument("--scheduler-address", help="run on an existing Dask cluster at this address")
     where.add_argument("--scheduler-file", help="run on the Dask cluster described by this scheduler file (dask-mpi)")
+    run.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT, metavar="SECONDS",
+                     help="how long to wait for the scheduler file to appear and the scheduler to answer (default 30)")
     run.add_argument("--emulate", action="store_true", help="emulate CUDA devices that are not present (testing only)")
+    run.add_argument("-v", "--verbose", action="count", default=0,
+                     help="show Dask's logs (-v: INFO, -vv: DEBUG); quiet by default")
     run.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     run.add_argument("--trace-file", help="write a Chrome trace of the run (open it in Perfetto); overrides the graph's")
     run.add_argument("--performance-report", help="write Dask's performance report (HTML); overrides the graph's")
@@ -32,6 +44,9 @@ def _add_run(subparsers):
 
 
 def _run(args) -> int:
+    import contextlib
+
+    from .devices import emulating, visible_gpus
     from .graph import load_graph
     from .job import format_report, run_graph
 
@@ -41,19 +56,114 @@ def _run(args) -> int:
     for option in ("trace_file", "performance_report"):
         if getattr(args, option, None):
             graph.options[option] = getattr(args, option)
+    _set_verbosity(args.verbose)
+    remote = bool(args.scheduler_address or args.scheduler_file)
+    if graph.mode == "sync" or not remote:  # devices of this machine; a remote cluster's are checked below
+        graph.check_devices_present()
+    graph.check_memory()
+    # Sync chunks run here, with no worker to emulate a device: emulate the missing GPUs on this thread.
+    missing = [d for d in graph.devices() if d.is_cuda and d not in visible_gpus()] if graph.mode == "sync" else []
     client = None
-    if args.scheduler_address or args.scheduler_file:
-        from distributed import Client
-
-        client = Client(address=args.scheduler_address, scheduler_file=args.scheduler_file)
-    try:
+    with contextlib.ExitStack() as stack:
+        if remote and graph.mode == "async":
+            client = _connect(args.scheduler_address, args.scheduler_file, args.connect_timeout)
+            stack.callback(client.close)
+            _check_cluster_devices(client, graph, "--scheduler-file" if args.scheduler_file else "--scheduler-address")
+        stack.enter_context(emulating(missing))
         result = run_graph(graph, client=client, progress=not args.no_progress)
-    finally:
-        if client is not None:
-            client.close()
+    result.emulated.update({device: True for device in missing})
     print(f"graph: {graph.source}  model: {graph.model}  batch: {graph.batch_size:,}")
     print(format_report(result))
     return 0
+
+
+def _set_verbosity(verbose: int) -> None:
+    """Dask's logs: WARNING and above by default, INFO with -v, DEBUG with -vv (here and in worker processes)."""
+    import dask
+
+    from .logs import apply_log_level
+
+    level = ("warning", "info", "debug")[min(verbose, 2)]
+    dask.config.set({"dsched.log-level": level})
+    apply_log_level(level)
+
+
+def _connect(address, scheduler_file, timeout):
+    """A client of the cluster at ``address`` or in ``scheduler_file``; UsageError naming the option otherwise."""
+    from distributed import Client
+
+    field = "--scheduler-file" if scheduler_file else "--scheduler-address"
+    if timeout <= 0:
+        raise UsageError(f"--connect-timeout: must be > 0 seconds, got {timeout:g}")
+    if scheduler_file:
+        address = _read_scheduler_file(scheduler_file, timeout)
+    _check_address(field, address)
+    try:
+        return Client(address, timeout=timeout, set_as_default=False)
+    except (OSError, TimeoutError) as err:
+        raise UsageError(f"{field}: no Dask scheduler answered at {address} within {timeout:g} s ({_first_line(err)})") from None
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"{field}: {address!r} is not a usable scheduler address: {_first_line(err)}") from None
+
+
+def _read_scheduler_file(path, timeout) -> str:
+    """The address in a Dask scheduler file, waiting at most ``timeout`` seconds for the file to appear."""
+    if not os.path.exists(path):
+        print(f"dsched: waiting up to {timeout:g} s for the scheduler file {path} (written by the cluster once its "
+              "workers have joined, e.g. by python -m dsched.mpi)", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise UsageError(f"--scheduler-file: {path} did not appear within {timeout:g} s; start the cluster "
+                                 "first, or wait longer with --connect-timeout")
+            time.sleep(0.1)  # polling a path: there is nothing to wait on
+    try:
+        with open(path) as f:
+            address = json.load(f)["address"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"--scheduler-file: {path} is not a Dask scheduler file ({_first_line(err)})") from None
+    return address
+
+
+def _check_address(field, address) -> None:
+    """A malformed address fails here, naming it, rather than deep inside Dask."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+    from distributed.comm.registry import get_backend
+
+    try:
+        scheme, location = parse_address(address)
+        get_backend(scheme)
+        if scheme in ("tcp", "tls"):
+            parse_host_port(location)
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"{field}: {address!r} is not a Dask scheduler address ({_first_line(err)}); "
+                         "expected e.g. tcp://10.0.0.1:8786") from None
+
+
+def _check_cluster_devices(client, graph, field) -> None:
+    """The graph's devices must each have a dsched worker on the cluster (else the run would wait for one)."""
+    from .devices import emulated_devices
+    from .graph import GraphError
+
+    owned = emulated_devices(client)
+    if not owned:
+        raise UsageError(
+            f"{field}: the cluster at {client.scheduler.address} has no dsched device workers (workers own a device "
+            "through a dsched-<device> resource: start them with python -m dsched.mpi, LocalHybridCluster, or "
+            "dask worker --preload plugins/dsched_worker.py)"
+        )
+    wanted = graph.devices(present=list(owned))
+    absent = [str(d) for d in wanted if d not in owned and not (d.index is None and any(o.is_cuda for o in owned))]
+    if absent:
+        raise GraphError(
+            f"{graph._devices_field}: {', '.join(absent)} has no worker on the cluster at {client.scheduler.address} "
+            f"(its devices: {', '.join(map(str, owned))}) in {graph.source}"
+        )
+
+
+def _first_line(err) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]
 
 
 def _add_tune(subparsers):
@@ -163,8 +273,11 @@ def main(argv=None) -> int:
         return 2
     try:
         return args.handler(args)
-    except GraphError as err:
+    except (GraphError, UsageError) as err:
         print(f"dsched: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dsched: interrupted (Ctrl-C): the run was cancelled", file=sys.stderr, flush=True)
         return 2
 
 

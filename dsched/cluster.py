@@ -58,6 +58,12 @@ class LocalHybridCluster(SpecCluster):
         in other processes share an in-process cluster.
     dashboard_address : str
         The dashboard's address, ``None`` for no dashboard.
+    silence_logs : str or int, optional
+        Level of Dask's logs in the scheduler and every worker (processes
+        included); defaults to the Dask config ``dsched.log-level``
+        (``"warning"``; ``dsched run -v`` sets ``"info"``). Below INFO, a
+        failed chunk's "Compute Failed" log is dropped too: the dispatcher
+        raises that error itself.
 
     Examples
     --------
@@ -80,7 +86,7 @@ class LocalHybridCluster(SpecCluster):
         memory_limit="auto",
         scheduler_options=None,
         worker_options=None,
-        silence_logs=logging.WARNING,
+        silence_logs=None,
         asynchronous=False,
         **kwargs,
     ):
@@ -93,6 +99,12 @@ class LocalHybridCluster(SpecCluster):
         if isinstance(threads_per_worker, bool) or not isinstance(threads_per_worker, int) or threads_per_worker < 1:
             raise ValueError(f"threads_per_worker: expected an integer >= 1, got {threads_per_worker!r}")
         self.capacities = check_capacities(capacities, self.devices)
+        from .logs import apply_log_level, configured_log_level
+
+        silence_logs = configured_log_level() if silence_logs is None else silence_logs
+        apply_log_level(silence_logs)
+        self._log_level = silence_logs
+        self._dashboard_host = _listen_host(dashboard_address)
         self.emulated = {}
         for device in self.devices:
             missing = device.is_cuda and device.ordinal not in present
@@ -139,14 +151,19 @@ class LocalHybridCluster(SpecCluster):
             )
             for device in self.devices
         }
-        super().__init__(
-            workers=workers,
-            scheduler=scheduler,
-            silence_logs=silence_logs,
-            asynchronous=asynchronous,
-            name="LocalHybridCluster",
-            **kwargs,
-        )
+        import dask
+
+        from .logs import spawn_config
+
+        with dask.config.set(spawn_config(silence_logs)):  # worker processes start at this log level
+            super().__init__(
+                workers=workers,
+                scheduler=scheduler,
+                silence_logs=silence_logs,
+                asynchronous=asynchronous,
+                name="LocalHybridCluster",
+                **kwargs,
+            )
 
     def _worker_spec(self, device, threads, processes, host, memory_limit, present, extra):
         resources = {device_resource(device): self.capacities[device]}
@@ -175,7 +192,20 @@ class LocalHybridCluster(SpecCluster):
             options.setdefault("plugins", set()).update(_cuda_worker_plugins(device.ordinal))
         else:
             options["env"] = {"CUDA_VISIBLE_DEVICES": ""}  # CPU and emulated workers must not grab a GPU
-        return {"cls": Nanny, "options": options}
+        from .logs import worker_preload
+
+        return {"cls": Nanny, "options": worker_preload(options, self._log_level)}  # the process's own log level
+
+    @property
+    def dashboard_link(self) -> str:
+        """The dashboard's URL on the host it listens on (Dask's own guess is the scheduler's host,
+        which for in-process clusters is a non-loopback address the dashboard does not listen on)."""
+        link = super().dashboard_link
+        if not link or self._dashboard_host is None:
+            return link
+        from distributed.utils import format_dashboard_link
+
+        return format_dashboard_link(self._dashboard_host, self.scheduler_info["services"]["dashboard"])
 
     @property
     def device_workers(self) -> dict:
@@ -185,6 +215,14 @@ class LocalHybridCluster(SpecCluster):
     def __repr__(self):
         parts = ", ".join(f"{d}{' (emulated)' if self.emulated[d] else ''}" for d in self.devices)
         return f"LocalHybridCluster({parts}, scheduler={self.scheduler_address!r})"
+
+
+def _listen_host(address):
+    """The host of ``"host:port"`` when it names one (not every interface), else ``None``."""
+    if address is None:
+        return None
+    host = str(address).rpartition(":")[0].strip("[]")
+    return None if host in ("", "0.0.0.0", "::") else host
 
 
 def _cuda_worker_plugins(ordinal: int) -> set:

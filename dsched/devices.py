@@ -234,9 +234,32 @@ def worker_is_emulated(worker) -> bool:
 
 
 def is_emulated_here() -> bool:
-    """Whether the code runs on an emulated CUDA worker (which computes with NumPy)."""
+    """Whether the code runs on an emulated CUDA worker (which computes with NumPy).
+
+    Also true for a chunk placed on a device that :func:`emulating` marks (sync runs).
+    """
+    device = _chunk_device.get()
+    if device is not None and device in _emulated_here.get():
+        return True
     worker = _current_worker()
     return worker is not None and worker_is_emulated(worker)
+
+
+_emulated_here: contextvars.ContextVar[frozenset] = contextvars.ContextVar("dsched_emulated_here", default=frozenset())
+
+
+@contextlib.contextmanager
+def emulating(devices):
+    """Emulate ``devices`` on this thread: chunks placed on them compute with NumPy.
+
+    Sync-mode runs have no worker to advertise emulation, so a sync run over
+    CUDA devices this machine lacks marks them here. For testing only.
+    """
+    token = _emulated_here.set(_emulated_here.get() | {Device(d) for d in devices})
+    try:
+        yield
+    finally:
+        _emulated_here.reset(token)
 
 
 # --- discovery and array modules -------------------------------------------
@@ -316,25 +339,23 @@ def array_module(device=None):
     return cupy
 
 
-def to_device(x, device=None):
-    """Copy an array, or a tuple/list/dict of them, to ``device``'s memory."""
-    xp = array_module(device)
-    if xp is np:
-        return _map_arrays(lambda a: a, x)
-    with xp.cuda.Device(cuda_local_ordinal(device or current_device())):
-        return _map_arrays(xp.asarray, x)
+def to_device(x, device=None, keep_grad=False):
+    """Copy an array, or a tuple/list/dict of them, to ``device``'s memory.
+
+    A thin wrapper over :func:`dsched.backends.to_device`: NumPy arrays become
+    CuPy arrays on a real GPU, torch and NEML2 tensors move to
+    :func:`dsched.backends.torch_device`; autograd is detached unless ``keep_grad``.
+    """
+    from . import backends  # backends imports this module
+
+    return backends.to_device(x, device, keep_grad=keep_grad)
 
 
-def to_host(x):
-    """Copy a CuPy array (or a container of them) back to a NumPy array."""
-    return _map_arrays(lambda a: a.get() if hasattr(a, "__cuda_array_interface__") else a, x)
+def to_host(x, keep_grad=False):
+    """Copy an array (or a container of them) back to host memory: CuPy gives NumPy, tensors stay tensors.
 
+    A thin wrapper over :func:`dsched.backends.to_host`.
+    """
+    from . import backends
 
-def _map_arrays(fn, x):
-    if isinstance(x, dict):
-        return {k: _map_arrays(fn, v) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(_map_arrays(fn, v) for v in x)
-    if hasattr(x, "__array__") or hasattr(x, "__cuda_array_interface__"):
-        return fn(x)
-    return x
+    return backends.to_host(x, keep_grad=keep_grad)

@@ -22,7 +22,11 @@ They play the part of NEML2's input files with their ``[Schedulers]`` section::
     threads_per_worker = 2
 
 Every key is checked before anything starts: an unknown key or a value of
-the wrong type is a :class:`GraphError` naming it.
+the wrong type is a :class:`GraphError` naming it. Two checks need the run's
+surroundings and are methods of :class:`Graph`, called before a cluster
+starts: :meth:`Graph.check_devices_present` (a CUDA device this machine lacks,
+without emulation) and :meth:`Graph.check_memory` (outputs that cannot fit in
+memory, unless they go to disk with ``options.output``).
 """
 
 from __future__ import annotations
@@ -97,13 +101,72 @@ class Graph:
     def emulate(self) -> bool:
         return self.options.get("emulate", False)
 
+    def check_devices_present(self, present=None) -> None:
+        """Refuse CUDA devices this machine lacks unless the graph emulates them (a :class:`GraphError`).
+
+        Only for runs on a cluster dsched starts here (or in sync mode): a
+        remote cluster's devices are checked against its workers instead.
+        """
+        if self.emulate:
+            return
+        present = visible_gpus() if present is None else [d for d in present if d.is_cuda]
+        for device in self.devices(present):
+            if device.is_cuda and device not in present and not (device.index is None and present):
+                shown = ", ".join(map(str, present)) or "none"
+                raise GraphError(
+                    f"{self._devices_field}: {device} is not present on this machine (visible GPUs: {shown}); "
+                    f"pass --emulate (options.emulate = true) to emulate it, for testing only, in {self.source}"
+                )
+
+    @property
+    def _devices_field(self) -> str:
+        return "scheduler.device" if "device" in self.scheduler else "scheduler.devices"
+
+    def output_bytes_per_item(self) -> int:
+        """Bytes of output per item, probed by running the model on two items on the CPU."""
+        from .devices import running_on
+        from .models import get_model
+
+        model = get_model(self.model)
+        with running_on("cpu"):
+            result = model.chunk(slice(0, 2), Device("cpu"), model.parameters_type(**self.parameters),
+                                 tangent=self.tangent)
+        return -(-_nbytes(result) // 2)
+
+    def check_memory(self, available=None) -> int:
+        """Refuse a run whose joined outputs cannot fit in memory; the bytes it needs.
+
+        The outputs are joined in the client's memory, where the chunks'
+        results and the joined arrays briefly coexist: twice the outputs.
+        A graph whose outputs go to disk (``options.output``) is not refused.
+        """
+        needed = 2 * self.output_bytes_per_item() * self.batch_size
+        if self.options.get("output"):
+            return needed
+        if available is None:
+            import psutil
+
+            available = psutil.virtual_memory().available
+        if needed > available:
+            raise GraphError(
+                f"batch.size: {self.batch_size:,} items need about {_human_bytes(needed)} of memory for their "
+                f"outputs ({_human_bytes(needed // (2 * self.batch_size))} per item, twice while joining) but "
+                f"{_human_bytes(available)} is available; lower batch.size or write the outputs to disk "
+                f"(--output, options.output) in {self.source}"
+            )
+        return needed
+
     def devices(self, present=None) -> list[Device]:
         """The devices the scheduler spreads over (``"all"`` resolved against ``present``)."""
         spec = self.scheduler.get("devices", self.scheduler.get("device", "all"))
         if spec == "all":
             gpus = visible_gpus() if present is None else [d for d in present if d.is_cuda]
             return [Device("cpu"), *gpus]
-        return parse_devices(spec, field="scheduler.devices")
+        field = self._devices_field
+        try:
+            return parse_devices(spec, field=field)
+        except ValueError as err:  # "field: device: 'gpu' ..." names the field once
+            raise ValueError(str(err).replace(f"{field}: device: ", f"{field}: ", 1)) from None
 
     def build_scheduler(self, present=None):
         """The scheduler the graph describes; ``auto`` means Simple on one device, StaticHybrid on more.
@@ -140,6 +203,38 @@ class Graph:
             self.scheduler.get("capacities", capacities or _doubled(sizes)),
             self.scheduler.get("priorities", [AUTO_PRIORITY[d.type] for d in devices]),
         )
+
+
+def _nbytes(result) -> int:
+    """Bytes of an array, or of the arrays in a tuple, list or dict."""
+    if isinstance(result, dict):
+        return sum(_nbytes(v) for v in result.values())
+    if isinstance(result, (tuple, list)):
+        return sum(_nbytes(v) for v in result)
+    return int(getattr(result, "nbytes", 0))
+
+
+def _human_bytes(n) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if n < 1024 or unit == "EiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+
+
+def _prefixed(field: str, err) -> str:
+    """``err``'s message under ``field``, without doubling a prefix the message already has.
+
+    ``scheduler.`` + ``devices: ...`` gives ``scheduler.devices: ...``;
+    ``model.name`` + ``model: unknown model`` gives ``model.name: unknown model``.
+    """
+    message = str(err)
+    head, sep, rest = message.partition(": ")
+    if sep and " " not in head:
+        if field.endswith("."):
+            return message if head.startswith(field) else f"{field}{message}"
+        if head == field or field.endswith("." + head) or field.startswith(head + "."):
+            return f"{field}: {rest}"
+    return f"{field.rstrip('.')}: {message}"
 
 
 def _doubled(sizes):
@@ -191,11 +286,11 @@ def parse_graph(data: dict, source: str = "<graph>") -> Graph:
     try:
         entry = get_model(model["name"])
     except ValueError as err:
-        raise GraphError(f"model.name: {err} in {source}") from None
+        raise GraphError(f"{_prefixed('model.name', err)} in {source}") from None
     try:
         entry.parameters_type(**parameters)
     except (TypeError, ValueError) as err:
-        raise GraphError(f"model.parameters: {err} in {source}") from None
+        raise GraphError(f"{_prefixed('model.parameters', err)} in {source}") from None
 
     size = data["batch"]["size"]
     if size < 1:
@@ -203,12 +298,19 @@ def parse_graph(data: dict, source: str = "<graph>") -> Graph:
     scheduler = dict(data.get("scheduler", {}))
     if scheduler.get("type", "auto") not in SCHEDULER_TYPES:
         raise GraphError(f"scheduler.type: {scheduler['type']!r} in {source}; expected one of {', '.join(SCHEDULER_TYPES)}")
+    if "device" in scheduler and "devices" in scheduler:
+        raise GraphError(
+            f"scheduler.device: {scheduler['device']!r} and scheduler.devices: {scheduler['devices']!r} are both "
+            f"set in {source}; give one"
+        )
     options = dict(data.get("options", {}))
     if options.get("mode", "async") not in ("sync", "async"):
         raise GraphError(f"options.mode: {options['mode']!r} in {source}; expected 'sync' or 'async'")
+    if options.get("threads_per_worker", 1) < 1:
+        raise GraphError(f"options.threads_per_worker: must be >= 1, got {options['threads_per_worker']} in {source}")
     graph = Graph(source, model["name"], dict(parameters), model.get("tangent", True), size, scheduler, options)
     try:
         graph.build_scheduler()  # every scheduler error surfaces now, before any cluster starts
     except ValueError as err:
-        raise GraphError(f"scheduler.{err} in {source}") from None
+        raise GraphError(f"{_prefixed('scheduler.', err)} in {source}") from None
     return graph
