@@ -54,7 +54,7 @@ import pytest  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
 
 from dsched import LocalHybridCluster, StaticHybridScheduler, dispatch  # noqa: E402
-from dsched.dashboard import COLUMNS, JSON_ROUTE, PAGE_ROUTE, register  # noqa: E402
+from dsched.dashboard import COLUMNS, JSON_ROUTE, PAGE_ROUTE, PLOT_ROUTES, register  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
@@ -147,6 +147,10 @@ def test_page_is_listed_in_the_more_menu(dashboard_cluster):
     _, base = dashboard_cluster
     plots = get_json(base + "/individual-plots.json")
     assert plots["Individual Dsched"] == PAGE_ROUTE
+    for part, route in PLOT_ROUTES.items():  # each plot alone, for the "More" menu and JupyterLab
+        assert plots[f"Individual Dsched {part.title()}"] == route
+        with urllib.request.urlopen(base + route, timeout=10) as response:
+            assert response.status == 200 and b"Bokeh.embed.embed_items" in response.read()
     with urllib.request.urlopen(base + PAGE_ROUTE, timeout=10) as response:
         assert response.status == 200
         assert b"Bokeh.embed.embed_items" in response.read()  # a Bokeh page inside the dashboard's frame
@@ -228,15 +232,23 @@ def test_page_renders_one_row_per_device_in_headless_chromium(dashboard_cluster,
     scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[4, 8], capacities=[8, 16])
     dispatch(np.negative, np.arange(64.0), scheduler=scheduler, client=client)
     expected = by_device(get_json(base + JSON_ROUTE))
-    table = render_table(base + route, until=lambda t: len(t["rows"]) == 2 and all(r[5] != "0" for r in t["rows"]))
-    assert table["headers"] == [title for _, title in COLUMNS]
-    rows = {row[0]: dict(zip([f for f, _ in COLUMNS], row)) for row in table["rows"]}
-    assert len(table["rows"]) == 2 and set(rows) == {"cpu", "cuda:0"}
+    fields = [f for f, _ in COLUMNS]
+
+    def device_rows(table):  # the page also has the hosts table (its rows start with a host)
+        return [r for r in table["rows"] if len(r) == len(fields) and r[0] in ("cpu", "cuda:0")]
+
+    done = fields.index("chunks_done")
+    table = render_table(base + route, until=lambda t: len(device_rows(t)) == 2
+                         and all(r[done] != "0" for r in device_rows(t)))
+    assert table["headers"][:len(COLUMNS)] == [title for _, title in COLUMNS]
+    rows = {row[0]: dict(zip(fields, row)) for row in device_rows(table)}
+    assert len(device_rows(table)) == 2 and set(rows) == {"cpu", "cuda:0"}
     for device in ("cpu", "cuda:0"):
         assert rows[device]["capacity"] == str(CAPACITY[device])
-        assert rows[device]["worker"] == expected[device]["worker"]
+        assert rows[device]["worker"] == expected[device]["worker"]  # whole, never cut
+        assert rows[device]["host"] == expected[device]["host"]
         assert rows[device]["load"] == "0"
-        assert int(rows[device]["chunks_done"]) == expected[device]["chunks_done"]
+        assert rows[device]["chunks_done"] == f"{expected[device]['chunks_done']:,}"
     assert rows["cpu"]["emulated"] == "no" and rows["cuda:0"]["emulated"] == "yes"
 
 
