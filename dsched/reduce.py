@@ -1,8 +1,12 @@
-"""Joining chunk results back into one batch, in dispatch order."""
+"""Joining chunk results back into one batch, in dispatch order.
+
+Arrays join through :mod:`dsched.backends`: NumPy, CuPy, torch tensors
+(``torch.cat``) and NEML2's typed tensors (rebuilt as their own type).
+"""
 
 from __future__ import annotations
 
-import numpy as np
+from .backends import backend_of, batch_shape, concatenate
 
 __all__ = ["concat_reduce", "derivative_reduce"]
 
@@ -13,18 +17,9 @@ def _concatenate(pieces, axis: int):
         # A nested container (a tuple holding a dict, say) joins entry by entry too,
         # instead of being mistaken for a batch-independent value.
         return concat_reduce(pieces, axis)
-    if getattr(first, "ndim", 0) <= axis:
+    if backend_of(first) is None or len(batch_shape(first)) <= axis:
         return first  # no batch axis: a batch-independent value, the same in every chunk
-    xp = _array_module_of(first)
-    return xp.concatenate(pieces, axis=axis)
-
-
-def _array_module_of(array):
-    if isinstance(array, np.ndarray) or not hasattr(array, "__cuda_array_interface__"):
-        return np
-    import cupy
-
-    return cupy
+    return concatenate(pieces, axis)
 
 
 def concat_reduce(results, axis: int = 0):
@@ -35,7 +30,7 @@ def concat_reduce(results, axis: int = 0):
 
     Examples
     --------
-    >>> import numpy as np
+    >>> from .backends import backend_of, batch_shape, concatenate
     >>> concat_reduce([{"y": np.zeros(2)}, {"y": np.ones(1)}])["y"].tolist()
     [0.0, 0.0, 1.0]
     """

@@ -10,6 +10,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from .backends import UnsupportedArrayError, backend_of, batch_shape, take
+
 __all__ = ["WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader"]
 
 
@@ -25,14 +27,18 @@ class WorkGenerator(ABC):
 
     def next(self, n: int):
         """The next ``(m, work)`` of at most ``n`` items."""
+        m = self._check_next(n)
+        work = self._take(self.offset, self.offset + m)
+        self.offset += m
+        return m, work
+
+    def _check_next(self, n: int):
+        """The size of the next chunk of at most ``n`` items; raises for a bad ``n`` or an empty batch."""
         if isinstance(n, bool) or int(n) != n or n < 1:
             raise ValueError(f"n: a chunk needs at least one item, got {n!r}")
         if not self.has_more():
             raise RuntimeError(f"{type(self).__name__} is exhausted ({self.total} items handed out)")
-        m = min(int(n), self.total - self.offset)
-        work = self._take(self.offset, self.offset + m)
-        self.offset += m
-        return m, work
+        return min(int(n), self.total - self.offset)
 
     @abstractmethod
     def _take(self, start: int, stop: int):
@@ -72,24 +78,35 @@ def _check_axis(axis):
         raise ValueError(f"axis: expected an integer >= 0, got {axis!r}")
 
 
-def _index(axis: int, start: int, stop: int):
-    return (slice(None),) * axis + (slice(start, stop),)
+def _batch_shape(value, field):
+    """The splittable shape of an entry; a clear error for an unsliceable object with shape and dtype."""
+    try:
+        backend_of(value)
+    except UnsupportedArrayError as err:
+        if not hasattr(value, "__getitem__"):  # sliceable ones (Zarr, memory maps) are cut by indexing
+            raise UnsupportedArrayError(f"{field}: {err}") from None
+    return batch_shape(value)
 
 
 class ArrayLoader(WorkGenerator):
-    """Hands out slices of one array along ``axis`` (NumPy, CuPy, or anything sliceable)."""
+    """Hands out slices of one array along ``axis``.
+
+    NumPy, CuPy, torch tensors and NEML2's typed tensors (split along their
+    dynamic batch axes, each chunk the same type), or anything else sliceable
+    with a ``shape`` (Zarr, memory maps).
+    """
 
     def __init__(self, array, axis: int = 0):
-        ndim = len(getattr(array, "shape", ()))
-        if not 0 <= axis < ndim:
+        shape = _batch_shape(array, "array")
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not 0 <= axis < len(shape):
             raise ValueError(f"axis: {axis} is out of range for an array of shape {getattr(array, 'shape', ())}")
-        if array.shape[axis] == 0:
-            raise ValueError(f"array: no items along axis {axis} (shape {array.shape})")
-        super().__init__(array.shape[axis])
+        if shape[axis] == 0:
+            raise ValueError(f"array: no items along axis {axis} (shape {tuple(array.shape)})")
+        super().__init__(shape[axis])
         self.array, self.axis = array, axis
 
     def _take(self, start, stop):
-        return self.array[_index(self.axis, start, stop)]
+        return take(self.array, self.axis, start, stop)
 
 
 class MappingLoader(WorkGenerator):
@@ -111,8 +128,8 @@ class MappingLoader(WorkGenerator):
     def __init__(self, mapping, axis: int = 0):
         _check_axis(axis)
         sizes = {}
-        for key, value in mapping.items():
-            shape = getattr(value, "shape", ())
+        shapes = {key: _batch_shape(value, f"mapping[{key!r}]") for key, value in mapping.items()}
+        for key, shape in shapes.items():
             if len(shape) > axis and shape[axis] != 1:
                 sizes[key] = shape[axis]
         distinct = set(sizes.values())
@@ -124,7 +141,7 @@ class MappingLoader(WorkGenerator):
             )
         if distinct:
             total = distinct.pop()
-        elif any(len(getattr(v, "shape", ())) > axis for v in mapping.values()):
+        elif any(len(shape) > axis for shape in shapes.values()):
             total = 1  # every batched entry has exactly one item
         else:
             raise ValueError(f"mapping: no entry has an axis {axis} to split along")
@@ -132,10 +149,7 @@ class MappingLoader(WorkGenerator):
             raise ValueError(f"mapping: no items along axis {axis}")
         super().__init__(total)
         self.mapping, self.axis = dict(mapping), axis
-        self._batched = set(sizes) if sizes else {
-            k for k, v in mapping.items() if len(getattr(v, "shape", ())) > axis
-        }
+        self._batched = set(sizes) if sizes else {k for k, shape in shapes.items() if len(shape) > axis}
 
     def _take(self, start, stop):
-        index = _index(self.axis, start, stop)
-        return {k: (v[index] if k in self._batched else v) for k, v in self.mapping.items()}
+        return {k: (take(v, self.axis, start, stop) if k in self._batched else v) for k, v in self.mapping.items()}

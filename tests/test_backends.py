@@ -1,0 +1,190 @@
+"""Array backends: NumPy, torch and NEML2's typed tensors through dsched.backends and dispatch.
+
+CuPy is covered by the GPU tests; torch and NEML2 come with the ``neml2``
+extra and these tests are skipped, with the reason, without them.
+"""
+
+import numpy as np
+import pytest
+
+import dsched
+from dsched import backends
+from dsched.devices import running_on
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'dsched[neml2]')")
+
+
+def _neml2_types():
+    neml2 = pytest.importorskip("neml2", reason="neml2 is not installed (pip install 'dsched[neml2]')")
+    return neml2.types
+
+
+# --- which backend ------------------------------------------------------------------
+
+
+def test_backend_of_names_each_kind_and_nothing_else():
+    assert backends.backend_of(np.zeros(3)).name == "numpy"
+    assert backends.backend_of(np.float64(1.0)).name == "numpy"
+    assert backends.backend_of(torch.zeros(3)).name == "torch"
+    for not_an_array in (1.0, "x", [1, 2], {"a": 1}, None):
+        assert backends.backend_of(not_an_array) is None
+
+
+def test_look_alikes_with_shape_and_dtype_get_a_clear_error():
+    import dask.array as da
+
+    with pytest.raises(backends.UnsupportedArrayError, match=r"a dask\.array\.core\.Array has shape and dtype"):
+        backends.backend_of(da.zeros(4))
+    with pytest.raises(ValueError, match=r"args\[1\]: a dask\.array\.core\.Array has shape and dtype"):
+        dsched.dispatch(np.add, np.zeros(4), da.zeros(4), scheduler=dsched.SimpleScheduler("cpu", 2), mode="sync")
+    with pytest.raises(ValueError, match=r"args\[0\]\['b'\]: a dask"):
+        dsched.dispatch(lambda d: d["a"], {"a": np.zeros(4), "b": da.zeros(4)},
+                        scheduler=dsched.SimpleScheduler("cpu", 2), mode="sync")
+
+
+# --- host views and rebuilding --------------------------------------------------------
+
+
+def test_host_view_of_a_tensor_shares_memory_and_drops_autograd():
+    x = torch.arange(6.0, dtype=torch.float64).reshape(3, 2).requires_grad_()
+    view = backends.host_view(x)
+    assert isinstance(view, np.ndarray) and view.shape == (3, 2)
+    view[1, 1] = -1.0
+    assert x[1, 1].item() == -1.0  # the same memory, no copy
+
+
+def test_from_host_rebuilds_a_cpu_tensor_around_the_same_memory():
+    a = np.zeros((4, 3), dtype=np.float32)
+    t = backends.from_host(a, torch.ones(1))
+    assert isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+    a[2, 0] = 5.0
+    assert t[2, 0].item() == 5.0
+    assert backends.from_host(a, np.zeros(1)) is a
+
+
+def test_torch_take_concatenate_and_empty_like():
+    x = torch.arange(12.0).reshape(4, 3)
+    piece = backends.take(x, 1, 1, 3)
+    assert piece.shape == (4, 2) and piece[0].tolist() == [1.0, 2.0]
+    joined = backends.concatenate([x[:1], x[1:]], 0)
+    assert torch.equal(joined, x)
+    out = backends.empty_like(x, 7, 0)
+    assert isinstance(out, torch.Tensor) and out.shape == (7, 3) and out.dtype == x.dtype
+
+
+def test_torch_device_follows_cuda_visible_devices(monkeypatch):
+    assert backends.torch_device("cpu") == torch.device("cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")  # a worker pinned to GPU 1, dask-cuda style
+    assert backends.torch_device("cuda:1") == torch.device("cuda", 0)
+    assert backends.torch_device("cuda:0") == torch.device("cuda", 1)
+    with running_on("cuda:1"):
+        assert backends.torch_device() == torch.device("cuda", 0)  # the running chunk's device
+
+
+def test_to_device_and_to_host_detach_unless_asked():
+    x = torch.ones(3, requires_grad=True) * 2.0  # a non-leaf with history
+    assert not backends.to_device(x, "cpu").requires_grad
+    assert backends.to_device(x, "cpu", keep_grad=True).grad_fn is not None
+    moved = dsched.devices.to_host({"y": (x, 1.0)})
+    assert not moved["y"][0].requires_grad and moved["y"][1] == 1.0
+    assert dsched.devices.to_host(x, keep_grad=True).requires_grad
+
+
+# --- NEML2 typed tensors ------------------------------------------------------------------
+
+
+def test_neml2_tensors_split_on_their_batch_axis_and_keep_their_type():
+    types = _neml2_types()
+    strain = types.SR2(torch.arange(30.0, dtype=torch.float64).reshape(5, 6))
+    assert backends.backend_of(strain).name == "neml2"
+    assert backends.batch_shape(strain) == (5,)
+    assert backends.batch_shape(types.SR2(torch.zeros(6, dtype=torch.float64))) == ()  # unbatched: no axis
+    piece = backends.take(strain, 0, 1, 3)
+    assert type(piece) is types.SR2 and piece.data.tolist() == strain.data[1:3].tolist()
+    joined = backends.concatenate([backends.take(strain, 0, 0, 2), backends.take(strain, 0, 2, 5)], 0)
+    assert type(joined) is types.SR2 and torch.equal(joined.data, strain.data)
+    with pytest.raises(ValueError, match=r"axis: 1 is out of range for a NEML2 SR2 with dynamic batch shape \(5,\)"):
+        backends.take(strain, 1, 0, 1)
+
+
+def test_neml2_host_view_and_rebuild_share_memory():
+    types = _neml2_types()
+    scalar = types.Scalar(torch.zeros(4, dtype=torch.float64))
+    view = backends.host_view(scalar)
+    assert view.shape == (4,)
+    rebuilt = backends.from_host(np.full(4, 2.5), scalar)
+    assert type(rebuilt) is types.Scalar and rebuilt.data.tolist() == [2.5] * 4
+    out = backends.empty_like(types.SR2(torch.zeros(3, 6, dtype=torch.float64)), 8, 0)
+    assert type(out) is types.SR2 and tuple(out.shape) == (8, 6)
+
+
+def test_loaders_split_neml2_tensors_and_pass_unbatched_ones_whole():
+    types = _neml2_types()
+    strain = types.SR2(torch.rand(7, 6, dtype=torch.float64))
+    direction = types.SR2(torch.rand(6, dtype=torch.float64))  # no batch axis, though its shape is (6,)
+    loader = dsched.MappingLoader({"strain": strain, "direction": direction})
+    assert loader.total == 7
+    sizes = []
+    while loader.has_more():
+        m, work = loader.next(3)
+        sizes.append(m)
+        assert type(work["strain"]) is types.SR2 and work["direction"] is direction
+    assert sizes == [3, 3, 1]
+    assert dsched.ArrayLoader(strain).total == 7
+
+
+# --- dispatch with tensors -------------------------------------------------------------
+
+
+def _square_and_sum(x):
+    return {"square": x * x, "sum": x.sum(dim=1)}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_dispatch_keeps_torch_tensors(mode, hybrid_client):
+    x = torch.arange(30.0, dtype=torch.float64).reshape(10, 3)
+    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [3, 4])  # cuda:0 emulated: placement only
+    out = dsched.dispatch(_square_and_sum, x, scheduler=s, mode=mode, client=hybrid_client)
+    assert isinstance(out["square"], torch.Tensor) and torch.equal(out["square"], x * x)
+    assert torch.equal(out["sum"], x.sum(dim=1))
+
+
+def test_dispatch_of_a_tensor_with_autograd_returns_plain_tensors(hybrid_client):
+    x = torch.rand(9, 2, dtype=torch.float64, requires_grad=True)
+    y = dsched.dispatch(lambda a: a * 3.0, x, scheduler=dsched.SimpleScheduler("cpu", 4), client=hybrid_client)
+    assert not y.requires_grad and torch.allclose(y, x.detach() * 3.0)
+
+
+def test_dispatch_keeps_the_graph_when_asked():
+    import dask
+
+    x = torch.rand(9, 2, dtype=torch.float64, requires_grad=True)
+    with dask.config.set({"dsched.keep-grad": True}):
+        y = dsched.dispatch(lambda a: a * a, x, scheduler=dsched.SimpleScheduler("cpu", 4), mode="sync")
+    y.sum().backward()
+    assert torch.allclose(x.grad, 2 * x.detach())
+
+
+def test_work_dispatcher_joins_torch_results():
+    x = torch.arange(10.0)
+    dispatcher = dsched.WorkDispatcher(
+        dsched.SimpleScheduler("cpu", 4), lambda w, d: w + 1, reduce=dsched.concat_reduce, mode="sync"
+    )
+    y = dispatcher.run(dsched.ArrayLoader(x))
+    assert isinstance(y, torch.Tensor) and torch.equal(y, x + 1)
+
+
+def test_dispatch_returns_neml2_types_on_worker_processes():
+    from distributed import Client
+
+    types = _neml2_types()
+    strain = types.SR2(torch.rand(11, 6, dtype=torch.float64))
+    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [4, 3])
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                                   dashboard_address=None) as cluster, Client(cluster) as client:
+        out = dsched.dispatch(_double, strain, scheduler=s, client=client)
+    assert type(out) is types.SR2 and torch.allclose(out.data, 2 * strain.data)
+
+
+def _double(x):
+    return x * 2.0
