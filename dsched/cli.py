@@ -157,7 +157,8 @@ def _check_cluster_devices(client, graph, field) -> None:
     if absent:
         raise GraphError(
             f"{graph._devices_field}: {', '.join(absent)} has no worker on the cluster at {client.scheduler.address} "
-            f"(its devices: {', '.join(map(str, owned))}) in {graph.source}"
+            f"(its devices: {', '.join(str(d) for d in sorted(owned, key=lambda d: (d.is_cuda, d.ordinal or 0)))}) "
+            f"in {graph.source}"
         )
 
 
