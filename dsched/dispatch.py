@@ -20,6 +20,7 @@ import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
+from . import backends
 from .devices import (
     Device,
     device_of_resources,
@@ -494,49 +495,98 @@ def _close_client_and_cluster(client, cluster):
 
 # --- the one-call form ------------------------------------------------------
 
-def _is_array(x) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
+def _is_array(x, field="args") -> bool:
+    """Whether ``x`` is an array of a known backend; a ValueError naming ``field`` for look-alikes."""
+    try:
+        return backends.is_array(x)
+    except backends.UnsupportedArrayError as err:
+        raise backends.UnsupportedArrayError(f"{field}: {err}") from None
 
 
-def _is_mapping_of_arrays(x) -> bool:
+def _is_mapping_of_arrays(x, field="args") -> bool:
     """A dict holding at least one array: split like a MappingLoader (non-arrays go whole)."""
-    return isinstance(x, dict) and any(_is_array(v) for v in x.values())
+    return isinstance(x, dict) and any([_is_array(v, f"{field}[{k!r}]") for k, v in x.items()])
+
+
+def _keep_grad(keep_grad) -> bool:
+    """``keep_grad`` if given, else the Dask config ``dsched.keep-grad`` (read on the client)."""
+    if keep_grad is None:
+        from dask import config
+
+        keep_grad = config.get("dsched.keep-grad", False)
+    return bool(keep_grad)
 
 
 class _ArgsLayout:
-    """Flattens ``args`` into a mapping of batched entries and rebuilds them per chunk."""
+    """Flattens ``args`` into a mapping of batched entries and rebuilds them per chunk.
 
-    def __init__(self, args):
-        self.args = args
+    Inputs keep their type (torch and NEML2 tensors stay tensors). Their
+    autograd history is dropped (``detach``, no copy) unless ``keep_grad``:
+    a graph cannot cross to a worker process, and slicing it per chunk
+    would only grow it.
+    """
+
+    def __init__(self, args, keep_grad=None):
+        # Per argument: _BATCHED, the keys of a mapping, or the argument itself. Never the
+        # arrays: the layout travels with every chunk's task, the batch must not.
+        self.skeleton = []
         self.mapping = {}
+        prepare = (lambda v: v) if _keep_grad(keep_grad) else backends.detach
         for i, arg in enumerate(args):
-            if _is_array(arg):
-                self.mapping[f"args[{i}]"] = arg
-            elif _is_mapping_of_arrays(arg):
+            if _is_array(arg, f"args[{i}]"):
+                self.mapping[f"args[{i}]"] = prepare(arg)
+                self.skeleton.append(_BATCHED)
+            elif _is_mapping_of_arrays(arg, f"args[{i}]"):
                 for k, v in arg.items():
-                    self.mapping[f"args[{i}][{k!r}]"] = v
+                    self.mapping[f"args[{i}][{k!r}]"] = prepare(v)
+                self.skeleton.append(_MappingKeys(tuple(arg)))
+            else:
+                self.skeleton.append(arg)
+
+    def __getstate__(self):
+        return {"skeleton": self.skeleton, "mapping": {}}  # the worker rebuilds from the chunk alone
 
     def rebuild(self, chunk):
         out = []
-        for i, arg in enumerate(self.args):
-            if _is_array(arg):
+        for i, arg in enumerate(self.skeleton):
+            if isinstance(arg, _Batched):
                 out.append(chunk[f"args[{i}]"])
-            elif _is_mapping_of_arrays(arg):
-                out.append({k: chunk[f"args[{i}][{k!r}]"] for k in arg})
+            elif isinstance(arg, _MappingKeys):
+                out.append({k: chunk[f"args[{i}][{k!r}]"] for k in arg.keys})
             else:
                 out.append(arg)
         return out
 
 
-class _CallOnChunk:
-    """``do_work`` for :func:`dispatch`: calls ``fn`` on the rebuilt, device-resident arguments."""
+class _Batched:
+    """Marks an argument that is split per chunk (compared by type: it survives pickling)."""
 
-    def __init__(self, fn, layout, kwargs):
-        self.fn, self.layout, self.kwargs = fn, layout, kwargs
+
+_BATCHED = _Batched()
+
+
+@dataclass(frozen=True)
+class _MappingKeys:
+    keys: tuple
+
+
+class _CallOnChunk:
+    """``do_work`` for :func:`dispatch`: calls ``fn`` on the rebuilt, device-resident arguments.
+
+    Arrays move to the chunk's device through :mod:`dsched.backends` (torch
+    tensors to the CUDA_VISIBLE_DEVICES-aware ``torch.device``), and the
+    result comes back to host memory as the type ``fn`` returned. Autograd
+    is kept only with ``keep_grad`` (default: the Dask config
+    ``dsched.keep-grad``), which works where chunks run in the caller's
+    process (sync mode, in-process workers).
+    """
+
+    def __init__(self, fn, layout, kwargs, keep_grad=None):
+        self.fn, self.layout, self.kwargs, self.keep_grad = fn, layout, kwargs, _keep_grad(keep_grad)
 
     def __call__(self, chunk, device):
-        args = self.layout.rebuild(to_device(chunk, device))
-        return to_host(self.fn(*args, **self.kwargs))
+        args = self.layout.rebuild(backends.to_device(chunk, device, keep_grad=self.keep_grad))
+        return backends.to_host(self.fn(*args, **self.kwargs), keep_grad=self.keep_grad)
 
 
 def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file=None, **kwargs):
