@@ -19,6 +19,7 @@ import uuid
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from . import backends
 from .devices import (
@@ -31,9 +32,11 @@ from .devices import (
     to_device,
     to_host,
 )
+from .dataplane import RunData, check_out, zarr_chunk_items
 from .errors import AggregateError
+from .outputs import OutputLayout
 from .report import ChunkRecord, RunReport
-from .reduce import concat_reduce
+from .store import resolve_work
 from .trace import DispatchTracer, check_trace_path
 from .work import MappingLoader
 
@@ -80,8 +83,21 @@ class _InitOnce:
                 self.done = True
 
 
-def _run_chunk(program: _ChunkProgram, device: Device, work):
-    """The task that runs on a device worker: initialise once, then compute one chunk."""
+class _InFlight(NamedTuple):
+    """A submitted chunk: its record, its future, and whether its worker writes its result in place."""
+
+    record: ChunkRecord
+    future: object
+    in_place: bool
+
+
+def _run_chunk(program: _ChunkProgram, device: Device, work, slot=None):
+    """The task that runs on a device worker: initialise once, then compute one chunk.
+
+    ``work`` may hold references into the run's store (resolved to views here);
+    with a ``slot`` the result is checked and written in place, and only the
+    timings travel back.
+    """
     from distributed import get_worker
 
     worker = get_worker()
@@ -91,7 +107,10 @@ def _run_chunk(program: _ChunkProgram, device: Device, work):
             once = registry.setdefault((program.dispatcher_id, device), _InitOnce())
         once(program.thread_init, device)
     start = time.time()
-    result = program.run(device, work)
+    result = program.run(device, resolve_work(work))
+    if slot is not None:
+        slot.write(result)
+        result = None
     return result, worker.address, start, time.time()
 
 
@@ -124,6 +143,22 @@ class WorkDispatcher:
     trace_file : str or path, optional
         Write a Chrome trace (NEML2's events; open it in Perfetto) of every run
         to this file; see :mod:`dsched.trace`. Off by default, at no cost.
+    join : {None, "concat"}
+        ``"concat"``: join the results along ``axis`` in place (instead of ``reduce``).
+        The outputs are allocated once and each chunk writes its own rows where it
+        runs; every result is checked against its chunk first. ``run`` returns the
+        joined outputs.
+    axis : int
+        The batch axis of the results for ``join="concat"``.
+    out : str, path, array or container of arrays, optional
+        With ``join="concat"``: a Zarr store to create (workers write their rows to it;
+        it must be reachable from every worker) or arrays to fill. Default: new arrays
+        in shared memory.
+    overwrite : bool
+        Replace an existing Zarr store at ``out``.
+    output_spec : dict, optional
+        ``{name: (item_shape, dtype)}``: the declared result of a chunk (a dict of arrays),
+        so that outputs are allocated before the first chunk returns.
 
     Examples
     --------
@@ -147,6 +182,11 @@ class WorkDispatcher:
         cluster_options=None,
         on_chunk_done=None,
         trace_file=None,
+        join=None,
+        axis=0,
+        out=None,
+        overwrite=False,
+        output_spec=None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode: expected 'sync' or 'async', got {mode!r}")
@@ -160,6 +200,9 @@ class WorkDispatcher:
                    if not hasattr(scheduler, m)]
         if missing:
             raise ValueError(f"scheduler: {scheduler!r} is not a scheduler (it lacks {', '.join(missing)})")
+        self._check_join(join, reduce, axis, out, output_spec)
+        self.join, self.axis, self.out, self.overwrite = join, axis, out, bool(overwrite)
+        self._layout = None if output_spec is None else OutputLayout.declared(output_spec, axis)
         self.trace_file = None if trace_file is None else check_trace_path(trace_file)
         self._tracer = None  # a DispatchTracer while a traced run is on
         self.scheduler = scheduler
@@ -176,6 +219,18 @@ class WorkDispatcher:
         self._runs = itertools.count()
         self._initialised_sync = set()
         self.last_run: RunReport | None = None
+
+    @staticmethod
+    def _check_join(join, reduce, axis, out, output_spec):
+        if join not in (None, "concat"):
+            raise ValueError(f"join: expected None or 'concat', got {join!r}")
+        if join is not None and reduce is not None:
+            raise ValueError("reduce: a reduce function cannot be combined with join='concat'")
+        if isinstance(axis, bool) or not isinstance(axis, int) or axis < 0:
+            raise ValueError(f"axis: expected an integer >= 0, got {axis!r}")
+        for name, value in (("out", out), ("output_spec", output_spec)):
+            if value is not None and join is None:
+                raise ValueError(f"{name}: only meaningful with join='concat'")
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -223,15 +278,25 @@ class WorkDispatcher:
 
     def run(self, generator):
         """Dispatch every item of ``generator``; the results in dispatch order, or ``reduce`` of them."""
+        out = None if self.join is None else check_out(self.out, generator.total, self.axis, self.overwrite)
         self.last_run = report = RunReport(self.mode, wall_start=time.time())
         self._tracer = None if self.trace_file is None else DispatchTracer(self.trace_file)
+        data = None
         try:
             if self.mode == "sync":
-                self._run_sync(generator, report)
+                data = self._open_data(generator, out)
+                self._run_sync(data, report)
             else:
-                self._run_async(generator, report)
+                client = self.client
+                check_devices_owned(client, self.scheduler)
+                data = self._open_data(generator, out, client)
+                self._run_async(client, data, report)
         finally:
             report.wall_stop = time.time()
+            if data is not None:
+                if data.outputs is not None:
+                    report.output = data.output()
+                data.close()
             if self._tracer is not None:  # even after a failure, so the file stays balanced
                 tracer, self._tracer = self._tracer, None
                 tracer.finish(report, self.scheduler)
@@ -240,7 +305,16 @@ class WorkDispatcher:
             raise errors[0]
         if errors:
             raise AggregateError(errors)
+        if self.join is not None:
+            return report.output
         return report.results if self.reduce is None else self.reduce(report.results)
+
+    def _open_data(self, generator, out, client=None):
+        """The run's data plane: inputs by reference (async), outputs in place (``join="concat"``)."""
+        owners = None if client is None else device_owners(client, self.scheduler.devices)
+        sizes = [s.batch_size for s in self.scheduler.status()]
+        return RunData(generator, client=client, owners=owners, concat_axis=None if self.join is None else self.axis,
+                       layout=self._layout, out=out, chunk_items=zarr_chunk_items(sizes))
 
     def _next_chunk(self, generator):
         if self._tracer is None:
@@ -252,27 +326,33 @@ class WorkDispatcher:
         device, n = choice
         if n < 1:
             raise RuntimeError(f"Scheduler returned a batch size of {n} for {device}")
+        offset = generator.offset
         m, work = generator.next(n)
-        return Device(device), m, work
+        return Device(device), m, work, offset
 
-    def _run_sync(self, generator, report):
-        program, records, results = self._program, report.records, report.results
+    def _run_sync(self, data, report):
+        program, records, results, generator = self._program, report.records, report.results, data.generator
         while generator.has_more():
             chunk = self._next_chunk(generator)
             if chunk is None:  # unreachable with validated schedulers: zero load always has room
                 raise RuntimeError(f"{self.scheduler!r} has no room at zero load")
-            device, m, work = chunk
+            device, m, work, offset = chunk
             if program.thread_init is not None and device not in self._initialised_sync:
                 with running_on(device):
                     program.thread_init(device)
                 self._initialised_sync.add(device)
-            record = ChunkRecord(len(records), device, m, None, time.time())
+            record = ChunkRecord(len(records), device, m, None, time.time(), offset=offset)
             records.append(record)
             results.append(None)
             try:
-                results[-1] = program.run(device, work)
+                result = program.run(device, resolve_work(work))
+                if self.join is not None:
+                    data.accept(record, result)
+                else:
+                    results[-1] = result
             except Exception as err:
                 record.error = err
+                data.failed(record)
                 break
             finally:
                 record.stop = time.time()
@@ -281,9 +361,8 @@ class WorkDispatcher:
             if self.on_chunk_done is not None:
                 self.on_chunk_done(record)
 
-    def _run_async(self, generator, report):
-        client = self.client
-        check_devices_owned(client, self.scheduler)
+    def _run_async(self, client, data, report):
+        generator = data.generator
         if self._tracer is not None:
             self._tracer.note_cluster(client)
         run_id = f"dsched-{self._program.dispatcher_id[:8]}-{next(self._runs)}"
@@ -299,19 +378,19 @@ class WorkDispatcher:
                     chunk = self._next_chunk(generator)
                     if chunk is None:
                         break
-                    device, m, work = chunk
+                    device, m, work, offset = chunk
                     if self._tracer is None:
                         self.scheduler.dispatched_work(device, m)
                     else:
                         self._tracer.dispatched(self.scheduler, device, m)
-                    record = ChunkRecord(len(report.records), device, m)
+                    record = ChunkRecord(len(report.records), device, m, offset=offset)
                     outstanding[record.index] = record
                     report.records.append(record)
                     report.results.append(None)
                     futures.append(None)
                     groups[device].append((record, work))
                 for device, chunks in groups.items():
-                    self._submit(client, run_id, device, chunks, in_flight, futures, done)
+                    self._submit(client, data, run_id, device, chunks, in_flight, futures, done)
                 if not in_flight:
                     if not failed and generator.has_more():
                         # Nothing of ours is running, so no completion of ours can make room:
@@ -323,7 +402,7 @@ class WorkDispatcher:
                     break
                 future = _wait_for_one(done, in_flight, client, self.scheduler.devices)
                 while future is not None:
-                    failed |= self._complete(future, in_flight, outstanding)
+                    failed |= self._complete(future, in_flight, outstanding, data)
                     try:
                         future = done.get_nowait()
                     except queue.Empty:
@@ -338,7 +417,7 @@ class WorkDispatcher:
             raise
         self._gather(client, report, futures)
 
-    def _submit(self, client, run_id, device, chunks, in_flight, futures, done):
+    def _submit(self, client, data, run_id, device, chunks, in_flight, futures, done):
         resource = device_resource(device)
         # One client.map per chunk size: a chunk requests as much of its device's
         # resource as it has items, which is how the worker bounds items in flight.
@@ -347,32 +426,45 @@ class WorkDispatcher:
             by_size[record.size].append((record, work))
         batch = []
         for size, group in by_size.items():
+            slots = [data.slot(device, r.offset, r.offset + r.size, r.index) for r, _ in group]
             futures_of_group = client.map(
                 _run_chunk,
                 [self._program] * len(group),
                 [device] * len(group),
-                [work for _, work in group],
+                [data.task_work(device, work) for _, work in group],
+                slots,
                 key=[f"{run_id}-{record.index}" for record, _ in group],
                 resources={resource: size},
                 pure=False,
             )
-            batch.extend(zip(group, futures_of_group))
-        for (record, _), future in batch:
-            in_flight[future.key] = (record, future)
+            batch.extend((record, slot is not None, future)
+                         for (record, _), slot, future in zip(group, slots, futures_of_group))
+        for record, in_place, future in batch:
+            in_flight[future.key] = _InFlight(record, future, in_place)
             futures[record.index] = future
-        _notify_when_done(client, [future for _, future in batch], done.put)
+        _notify_when_done(client, [future for _, _, future in batch], done.put)
 
-    def _complete(self, future, in_flight, outstanding) -> bool:
+    def _complete(self, future, in_flight, outstanding, data) -> bool:
         """Account for one finished future; whether it failed."""
         entry = in_flight.pop(future.key, None)
         if entry is None:
             return False
-        record, _ = entry
+        record, in_place = entry.record, entry.in_place
         del outstanding[record.index]
         self.scheduler.completed_work(record.device, record.size)
         if self._tracer is not None:
             self._tracer.completed(record.device, record.size)
         if future.status == "finished":
+            try:
+                if self.join is not None and not in_place:
+                    # A result the worker could not write in place: fetch it now and write it here,
+                    # so the client never holds more than one chunk's result at a time.
+                    result, record.worker, record.start, record.stop = future.result()
+                    data.accept(record, result)
+            except Exception as err:  # the result does not fit its chunk
+                record.error = err
+                data.failed(record)
+                return True
             if self.on_chunk_done is not None:
                 self.on_chunk_done(record)
             return False
@@ -382,10 +474,11 @@ class WorkDispatcher:
             record.error = err
         if record.error is None:
             record.error = RuntimeError(f"chunk {record.index} on {record.device} ended as {future.status}")
+        data.failed(record)
         return True
 
     def _gather(self, client, report, futures):
-        good = [i for i, r in enumerate(report.records) if r.error is None]
+        good = [i for i, r in enumerate(report.records) if r.error is None and r.worker is None]
         outputs = client.gather([futures[i] for i in good]) if good else []
         for i, (result, worker, start, stop) in zip(good, outputs):
             record = report.records[i]
@@ -438,7 +531,7 @@ def _wait_for_one(done, in_flight, client, devices, poll=1.0):
             return done.get(timeout=poll)
         except queue.Empty:
             pass
-        busy = {record.device for record, _ in in_flight.values()}
+        busy = {entry.record.device for entry in in_flight.values()}
         owned = device_capacities(client)
         orphaned = sorted(str(d) for d in busy if placement_device(d) not in owned)
         if not orphaned:
@@ -449,13 +542,24 @@ def _wait_for_one(done, in_flight, client, devices, poll=1.0):
 
         grace = config.get("dsched.lost-device-timeout", 30.0)
         if time.monotonic() - lost_since > grace:
-            for record, future in in_flight.values():
-                if str(record.device) in orphaned:
-                    future.cancel()
+            for entry in in_flight.values():
+                if str(entry.record.device) in orphaned:
+                    entry.future.cancel()
             raise RuntimeError(
                 f"no worker owns {', '.join(orphaned)} any more (lost for over {grace:g} s); "
                 "their chunks were cancelled"
             )
+
+
+def device_owners(client, devices) -> dict:
+    """``{Device: [address of each worker that owns it]}`` for ``devices``."""
+    wanted = {placement_device(d): Device(d) for d in devices}
+    owners = {Device(d): [] for d in devices}
+    for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
+        device = device_of_resources(info.get("resources"))
+        if device is not None and device in wanted:
+            owners[wanted[device]].append(address)
+    return owners
 
 
 def device_capacities(client) -> dict:
@@ -589,15 +693,21 @@ class _CallOnChunk:
         return backends.to_host(self.fn(*args, **self.kwargs), keep_grad=self.keep_grad)
 
 
-def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file=None, **kwargs):
+def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file=None, out=None, overwrite=False,
+             **kwargs):
     """Evaluate ``fn`` over a batch split along ``axis`` by ``scheduler``; the joined result.
 
     Arrays and dicts holding arrays in ``args`` are split (entries of size 1
     along ``axis``, and a dict's non-array entries, go whole into every chunk); other arguments and ``kwargs`` pass
     unchanged. ``fn`` returns an array, a tuple or a dict of arrays, joined
-    along ``axis`` in order. On a CUDA device the chunk is moved there (CuPy)
-    before ``fn`` and the result back to host memory after. ``trace_file``
-    writes a Chrome trace of the run (see :mod:`dsched.trace`).
+    along ``axis`` in order, in place: each chunk writes its own rows of the
+    outputs where it runs, after a check that its result fits its chunk. On
+    worker processes the inputs are placed once in shared memory and chunks
+    carry references to them. ``out`` sends the outputs to a Zarr store (a
+    path; ``overwrite`` replaces an existing one) or into arrays you provide.
+    On a CUDA device the chunk is moved there (CuPy) before ``fn`` and the
+    result back to host memory after. ``trace_file`` writes a Chrome trace of
+    the run (see :mod:`dsched.trace`).
 
     Examples
     --------
@@ -615,7 +725,10 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file
     dispatcher = WorkDispatcher(
         scheduler,
         _CallOnChunk(fn, layout, kwargs),
-        reduce=lambda results: concat_reduce(results, axis=axis),
+        join="concat",
+        axis=axis,
+        out=out,
+        overwrite=overwrite,
         mode=mode,
         client=client,
         trace_file=trace_file,

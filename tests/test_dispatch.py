@@ -470,29 +470,12 @@ def two_outputs(x):
 
 def along_axis1(x, y):
     assert x.shape[1] <= 7 and y.shape == (3, 1)
-    # "total" is 1-d, so it has no axis 1: batch-independent, taken from the first chunk.
-    return x + y, {"s": x.sum(axis=0, keepdims=True), "total": x.sum(axis=0)}
+    return x + y, {"s": x.sum(axis=0, keepdims=True)}
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_dispatch_splits_arrays_and_dicts(hybrid_client, mode):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(57, 3))
-    params = {"w": rng.normal(size=(57, 3)), "b": np.array([[0.5, 1.0, 1.5]])}  # b has size 1: whole
-    scheduler = StaticHybridScheduler(["cpu", "cuda:0"], [8, 5], [16, 10])
-    shift = np.array([-1.0, 0.0, 1.0])  # a keyword array passes unchanged, never split
-    out = dispatch(affine, x, params, 3.0, scheduler=scheduler, client=hybrid_client, mode=mode, shift=shift)
-    np.testing.assert_allclose(out, 3.0 * x * params["w"] + params["b"] + shift, rtol=1e-15)
-    assert all_idle(scheduler)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_dispatch_joins_tuples_and_dicts(hybrid_client, mode):
-    x = np.arange(60.0).reshape(20, 3)
-    total, parts = dispatch(two_outputs, x, scheduler=SimpleScheduler("cpu", 8), client=hybrid_client, mode=mode)
-    np.testing.assert_array_equal(total, x.sum(axis=1))
-    np.testing.assert_array_equal(parts["double"], 2 * x)
-    assert parts["rows"].tolist() == [8] * 16 + [4] * 4  # chunks of 8, 8, 4
+def per_chunk_total(x, y):
+    # "total" is 1-d, so it has no axis 1: joining it would keep only one chunk's value.
+    return x + y, {"total": x.sum(axis=0)}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -505,7 +488,16 @@ def test_dispatch_along_axis_one(hybrid_client, mode):
                              mode=mode, axis=1)
     np.testing.assert_array_equal(joined, x + y)
     np.testing.assert_array_equal(parts["s"], x.sum(axis=0, keepdims=True))
-    np.testing.assert_array_equal(parts["total"], x[:, :7].sum(axis=0))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dispatch_refuses_a_result_without_the_batch_axis(hybrid_client, mode):
+    from dsched.outputs import ChunkResultError
+
+    x, y = np.arange(60.0).reshape(3, 20), np.ones((3, 1))
+    with pytest.raises((ChunkResultError, AggregateError), match=r"returned result\[1\]\['total'\] of shape \(7,\); "
+                       r"expected 7 items along axis 1"):
+        dispatch(per_chunk_total, x, y, scheduler=SimpleScheduler("cpu", 7), client=hybrid_client, mode=mode, axis=1)
 
 
 def test_dispatch_names_the_argument_whose_size_disagrees():

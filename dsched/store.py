@@ -1,0 +1,352 @@
+"""The data plane's memory: a batch is placed once where workers read it, and chunks carry references.
+
+A run's :class:`RunStore` owns the memory of one dispatch. It puts each input
+array where the workers can read it without a copy, and hands out
+:class:`ArrayRef` descriptors (a name, a shape and a dtype: about a hundred
+bytes whatever the array's size):
+
+- workers in the client's own process (an in-process cluster) read the
+  client's array itself, through a registry keyed by the reference's token;
+- workers on the client's host map a shared-memory segment under
+  ``/dev/shm`` (one copy, made once per run) and slice it without copying;
+- workers on other hosts cannot map the client's memory: their chunks get
+  the slice's bytes straight from the client (``client.scatter(direct=True)``),
+  never through the Dask scheduler (see :func:`classify_workers`).
+
+Output arrays are allocated the same way, and each chunk writes its own rows
+where it runs (disjoint rows, so no lock).
+
+Lifetime: a segment lives while its run does. :meth:`RunStore.close` unlinks
+every segment, also after a failure or Ctrl-C; the client's mapping of an
+output keeps the memory alive for as long as the user holds the returned
+array, with no name left in ``/dev/shm``. Segments are registered with
+Python's resource tracker, a separate process that unlinks them should the
+client be killed. Names carry 128 random bits and files are created with mode
+0600 and ``O_EXCL``, so another client (or another run) cannot guess, read
+or overwrite a run's segments.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["ArrayRef", "RunStore", "classify_workers", "SHM_DIR"]
+
+SHM_DIR = "/dev/shm"
+_PREFIX = "dsched-"
+
+# Arrays of this process that in-process workers read directly, by token.
+_local_arrays: dict[str, np.ndarray] = {}
+_local_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ArrayRef:
+    """A reference to an array placed by a :class:`RunStore`: small, picklable, sliceable where it runs.
+
+    ``pid`` is the process that placed it, ``token`` its name (also the segment's
+    name under ``/dev/shm`` when ``shared`` is true).
+    """
+
+    token: str
+    shape: tuple
+    dtype: str
+    pid: int
+    shared: bool
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def rows(self, start: int, stop: int, *, writable: bool = False) -> np.ndarray:
+        """Rows ``start:stop`` (along axis 0) as a view: the client's own array, or a mapping of just those rows."""
+        if self.pid == os.getpid():
+            array = _local_arrays.get(self.token)
+            if array is not None:
+                view = array[start:stop]
+                if not writable:
+                    view = view.view()
+                    view.flags.writeable = False  # inputs are read-only, as in the other processes
+                return view
+        if not self.shared:
+            raise RuntimeError(f"array {self.token} lives in process {self.pid} and was not shared with this one")
+        per_row = int(np.prod(self.shape[1:], dtype=np.int64))
+        itemsize = np.dtype(self.dtype).itemsize
+        count = stop - start
+        buffer, delta = _map_range(self.token, start * per_row * itemsize, count * per_row * itemsize, writable)
+        return np.frombuffer(buffer, self.dtype, count=count * per_row, offset=delta).reshape(
+            (count,) + tuple(self.shape[1:]))
+
+    def whole(self, *, writable: bool = False) -> np.ndarray:
+        return self.rows(0, self.shape[0], writable=writable)
+
+    def take(self, axis: int, start: int, stop: int) -> np.ndarray:
+        """Items ``start:stop`` along ``axis`` (read-only); only axis 0 maps less than the whole array."""
+        if axis == 0:
+            return self.rows(start, stop)
+        return self.whole()[(slice(None),) * axis + (slice(start, stop),)]
+
+
+def _map_range(token: str, offset: int, length: int, writable: bool):
+    """Map ``length`` bytes of segment ``token`` from ``offset``; the mapping and the offset of the data in it."""
+    fd = os.open(os.path.join(SHM_DIR, token), os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        buffer = mmap.mmap(fd, max(length + offset - aligned, 1), flags=mmap.MAP_SHARED, prot=prot, offset=aligned)
+    finally:
+        os.close(fd)
+    return buffer, offset - aligned
+
+
+class _Segment:
+    """One shared-memory file of this process: created exclusively, mapped, unlinked at close."""
+
+    def __init__(self, nbytes: int):
+        self.token = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+        self.path = os.path.join(SHM_DIR, self.token)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            _track(self.token)
+            os.ftruncate(fd, max(nbytes, 1))
+            self.buffer = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            self.unlink()
+            raise
+        os.close(fd)
+
+    def unlink(self):
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        _untrack(self.token)
+
+
+def _track(token):
+    # The resource tracker is a separate process that unlinks what this one leaves behind
+    # if it dies without unlinking (SIGKILL): the same mechanism shared_memory uses.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.register("/" + token, "shared_memory")
+
+
+def _untrack(token):
+    from multiprocessing import resource_tracker
+
+    resource_tracker.unregister("/" + token, "shared_memory")
+
+
+class RunStore:
+    """The memory of one run: inputs shared once, outputs allocated once, all released at :meth:`close`.
+
+    Parameters
+    ----------
+    shared : bool
+        Whether other processes on this host read it (worker processes): arrays
+        then live in shared-memory segments; otherwise (an in-process cluster,
+        or sync mode) the client's arrays are used as they are, with no copy.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> with RunStore(shared=True) as store:
+    ...     ref = store.share(np.arange(6.0).reshape(3, 2))
+    ...     ref.rows(1, 3).tolist()
+    [[2.0, 3.0], [4.0, 5.0]]
+    """
+
+    def __init__(self, shared: bool):
+        self.shared = shared
+        self._segments: list[_Segment] = []
+        self._tokens: list[str] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def share(self, array) -> ArrayRef:
+        """A reference to ``array`` (NumPy, any layout) that workers can slice."""
+        array = np.asarray(array)
+        if not self.shared:
+            return self.register(array)
+        ref, target = self.allocate(array.shape, array.dtype)
+        np.copyto(target, array)  # the one copy of the batch; workers map it from here on
+        return ref
+
+    def allocate(self, shape, dtype):
+        """A new uninitialised array: ``(reference, the client's view of it)``."""
+        shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+        if dtype.hasobject:
+            raise TypeError(f"dtype {dtype}: arrays of Python objects cannot be shared")
+        if not self.shared:
+            array = np.empty(shape, dtype)
+            return self.register(array), array
+        segment = _Segment(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        self._segments.append(segment)
+        view = np.frombuffer(segment.buffer, dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape)
+        return ArrayRef(segment.token, shape, dtype.str, os.getpid(), True), view
+
+    def register(self, array) -> ArrayRef:
+        """A reference to this process's own ``array`` (no copy), for workers in this process."""
+        token = f"{_PREFIX}local-{secrets.token_hex(16)}"
+        with _local_lock:
+            _local_arrays[token] = array
+        self._tokens.append(token)
+        return ArrayRef(token, tuple(array.shape), array.dtype.str, os.getpid(), False)
+
+    @property
+    def segment_names(self) -> list:
+        return [s.token for s in self._segments]
+
+    def close(self):
+        """Release everything: unlink segments (the client's views stay valid) and drop registrations."""
+        segments, self._segments = self._segments, []
+        for segment in segments:
+            segment.unlink()
+        tokens, self._tokens = self._tokens, []
+        with _local_lock:
+            for token in tokens:
+                _local_arrays.pop(token, None)
+
+
+# --- which workers can read what ---------------------------------------------
+
+def _probe(token: str, expected: bytes):
+    """Run on each worker: its process id, and whether it reads the client's probe segment."""
+    try:
+        with open(os.path.join(SHM_DIR, token), "rb") as f:
+            sees = f.read() == expected
+    except OSError:
+        sees = False
+    return os.getpid(), sees
+
+
+_classified: dict = {}
+
+
+def classify_workers(client, addresses) -> dict:
+    """``{address: "process" | "host" | "remote"}``: whether each worker shares this process, this host's memory, or neither.
+
+    A worker is on this host when it can read a probe segment this process
+    writes, which is the test that matters (a container or another mount
+    namespace on the same machine does not share ``/dev/shm``). Cached per
+    worker address.
+    """
+    addresses = sorted(addresses)
+    missing = [a for a in addresses if (id(client), a) not in _classified]
+    if missing:
+        expected = secrets.token_bytes(32)
+        segment = _Segment(len(expected))
+        try:
+            segment.buffer[:] = expected
+            answers = client.run(_probe, segment.token, expected, workers=missing)
+        finally:
+            segment.unlink()
+        for address, (pid, sees) in answers.items():
+            kind = "process" if pid == os.getpid() and sees else ("host" if sees else "remote")
+            _classified[(id(client), address)] = kind
+    return {a: _classified.get((id(client), a), "remote") for a in addresses}
+
+
+# --- chunks of work made of references -----------------------------------------
+
+@dataclass(frozen=True)
+class SliceRef:
+    """Items ``start:stop`` along ``axis`` of a placed array."""
+
+    ref: ArrayRef
+    axis: int
+    start: int
+    stop: int
+
+    def resolve(self):
+        return self.ref.take(self.axis, self.start, self.stop)
+
+
+@dataclass(frozen=True)
+class SharedWork:
+    """A chunk's work whose arrays are :class:`SliceRef` (alone, or as values of a dict): resolved where it runs."""
+
+    payload: object
+
+    def resolve(self):
+        if isinstance(self.payload, SliceRef):
+            return self.payload.resolve()
+        return {k: (v.resolve() if isinstance(v, SliceRef) else v) for k, v in self.payload.items()}
+
+
+def resolve_work(work):
+    """The work a chunk's code sees: references resolved to array views, anything else unchanged."""
+    return work.resolve() if isinstance(work, SharedWork) else work
+
+
+def _shareable(array) -> bool:
+    return isinstance(array, np.ndarray) and not array.dtype.hasobject
+
+
+def share_generator(generator, store: RunStore):
+    """``generator`` handing out references instead of slices, its NumPy arrays placed in ``store`` once.
+
+    Array and mapping loaders over NumPy arrays are shared; any other generator
+    (slices, CuPy arrays, user generators) is returned unchanged.
+    """
+    from .work import ArrayLoader, MappingLoader
+
+    if isinstance(generator, ArrayLoader) and _shareable(generator.array):
+        return _SharedArrayLoader(generator, store.share(generator.array))
+    if isinstance(generator, MappingLoader):
+        batched = {k: generator.mapping[k] for k in generator._batched}
+        if batched and all(_shareable(v) for v in batched.values()):
+            return _SharedMappingLoader(generator, {k: store.share(v) for k, v in batched.items()})
+    return generator
+
+
+class _SharedLoaderBase:
+    """Hands out what the wrapped loader would, as references, from where it stands."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.total = loader.total
+
+    @property
+    def offset(self):
+        return self.loader.offset
+
+    def has_more(self):
+        return self.loader.has_more()
+
+    def next(self, n):
+        start = self.loader.offset
+        m = self.loader._check_next(n)
+        self.loader.offset += m
+        return m, SharedWork(self._payload(start, start + m))
+
+
+class _SharedArrayLoader(_SharedLoaderBase):
+    def __init__(self, loader, ref):
+        super().__init__(loader)
+        self.ref = ref
+
+    def _payload(self, start, stop):
+        return SliceRef(self.ref, self.loader.axis, start, stop)
+
+
+class _SharedMappingLoader(_SharedLoaderBase):
+    def __init__(self, loader, refs):
+        super().__init__(loader)
+        self.refs = refs
+
+    def _payload(self, start, stop):
+        axis = self.loader.axis
+        return {k: (SliceRef(self.refs[k], axis, start, stop) if k in self.refs else v)
+                for k, v in self.loader.mapping.items()}

@@ -1,0 +1,302 @@
+"""The data plane: inputs by reference, outputs in place, results on disk, and nothing left in /dev/shm.
+
+Worker processes are used throughout (in-process clusters are checked too): they are
+where copies and leaks hide. The CUDA device is emulated (a worker that claims
+cuda:0 and computes with NumPy); these tests check data movement, not a GPU.
+"""
+
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import dsched
+from dsched.outputs import ChunkResultError
+from dsched.store import SHM_DIR
+
+
+def shm_entries():
+    return {name for name in os.listdir(SHM_DIR) if name.startswith("dsched-")}
+
+
+@pytest.fixture(scope="module")
+def process_client():
+    """Worker processes: a CPU worker and an emulated cuda:0 worker, one thread each."""
+    from distributed import Client
+
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                                   dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            yield client
+
+
+def hybrid(batch=100, capacity=None):
+    return dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=batch, capacities=capacity or batch)
+
+
+def affine(x, params):
+    return {"y": 2.0 * x + params["b"], "n": np.linalg.norm(x, axis=1)}
+
+
+def test_processes_results_equal_numpy_and_leave_no_segment(process_client):
+    rng = np.random.default_rng(0)
+    x, b = rng.normal(size=(1000, 3)), rng.normal(size=(1000, 3))
+    before = shm_entries()
+    out = dsched.dispatch(affine, x, {"b": b}, scheduler=hybrid(128, 256), client=process_client)
+    assert out["y"].shape == (1000, 3) and out["n"].shape == (1000,)
+    np.testing.assert_array_equal(out["y"], 2.0 * x + b)
+    np.testing.assert_array_equal(out["n"], np.linalg.norm(x, axis=1))
+    assert shm_entries() == before  # unlinked at the end; the returned arrays stay valid
+    out["y"][0] = 1.0  # and writable, like any result
+
+
+@pytest.mark.parametrize("batch", [1_000, 100_000])
+def test_task_size_does_not_grow_with_the_chunk(process_client, batch):
+    """Each chunk's task (what the scheduler holds and forwards) is a small descriptor."""
+    from distributed.diagnostics.plugin import SchedulerPlugin
+
+    sizes = []
+
+    class TaskSizes(SchedulerPlugin):
+        def update_graph(self, scheduler, *, tasks, **kwargs):
+            for key in tasks:
+                ts = scheduler.tasks.get(key)
+                if ts is not None and str(key).startswith("dsched-"):
+                    sizes.append(len(pickle.dumps(ts.run_spec, protocol=5)))
+
+    scheduler = process_client.cluster.scheduler
+    plugin = TaskSizes()
+    scheduler.add_plugin(plugin, name="task-sizes")
+    try:
+        x = np.ones((4 * batch, 6))
+        out = dsched.dispatch(np.negative, x, scheduler=hybrid(batch), client=process_client)
+    finally:
+        scheduler.remove_plugin(name="task-sizes")
+    np.testing.assert_array_equal(out, -x)
+    assert len(sizes) == 4
+    assert max(sizes) <= 1024, sizes
+
+
+def test_in_process_cluster_shares_without_copy(hybrid_client):
+    """In-process workers read the client's arrays as they are: no segment is created."""
+    seen = []
+    x = np.arange(4000.0).reshape(1000, 4)
+    out = dsched.dispatch(lambda a: a * 3, x, scheduler=hybrid(100), client=hybrid_client)
+    np.testing.assert_array_equal(out, x * 3)
+
+    def record(_):
+        seen.append(shm_entries())
+
+    d = dsched.WorkDispatcher(hybrid(100), lambda w, dev: w + 1, join="concat", client=hybrid_client,
+                              on_chunk_done=record)
+    np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x)), x + 1)
+    assert seen and all(not entries for entries in seen)
+
+
+def test_inputs_arrive_read_only(process_client, hybrid_client):
+    def mutate(a):
+        a += 1
+        return a
+
+    for client in (process_client, hybrid_client):
+        x = np.zeros((10, 2))
+        with pytest.raises(ValueError, match="read-only"):
+            dsched.dispatch(mutate, x, scheduler=dsched.SimpleScheduler("cpu", 10), client=client)
+        assert not x.any()  # the caller's batch is untouched
+
+
+@pytest.mark.parametrize("model, message", [
+    (lambda a: a[:-1], r"returned result of shape \(\d+, 2\); expected \d+ items along axis 0"),
+    (lambda a: np.zeros(3), r"returned result of shape \(3,\); expected \d+ items along axis 0"),
+    (lambda a: None, r"returned result = NoneType None; expected an array"),
+    (lambda a: float(a.sum()), r"returned result = float .*; expected an array"),
+])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_results_that_do_not_fit_their_chunk_are_errors(hybrid_client, model, message, mode):
+    x = np.ones((1000, 2))
+    with pytest.raises((ChunkResultError, dsched.AggregateError)) as info:
+        dsched.dispatch(model, x, scheduler=hybrid(100), client=hybrid_client, mode=mode)
+    err = info.value
+    first = err.errors[0] if isinstance(err, dsched.AggregateError) else err
+    assert isinstance(first, ChunkResultError)
+    assert re.search(r"chunk \d+ on (cpu|cuda:0) " + message, str(first)), str(first)
+
+
+def test_a_later_chunk_with_another_dtype_is_an_error(process_client):
+    def flaky_dtype(a):
+        return a.astype(np.float32) if a[0, 0] >= 500 else a
+
+    x = np.arange(2000.0).reshape(1000, 2)
+    with pytest.raises(ChunkResultError, match=r"dtype float32; expected \(2,\) and float64"):
+        dsched.dispatch(flaky_dtype, x, scheduler=dsched.SimpleScheduler("cpu", 100), client=process_client)
+
+
+def test_failed_chunk_rows_are_nan_and_others_are_kept(process_client):
+    def fails_in_the_middle(a):
+        if a[0, 0] == 300:
+            raise dsched.RecoverableError("no convergence")
+        return a * 2
+
+    x = np.arange(1000.0)[:, None].repeat(2, axis=1)
+    d = dsched.WorkDispatcher(dsched.SimpleScheduler("cpu", 100, capacity=200),
+                              lambda w, dev: fails_in_the_middle(w), join="concat", client=process_client)
+    with pytest.raises(dsched.RecoverableError):
+        d.run(dsched.ArrayLoader(x))
+    output = d.last_run.output
+    assert np.isnan(output[300:400]).all()
+    np.testing.assert_array_equal(output[:300], x[:300] * 2)
+    # Chunks dispatched before the failure was seen finished and were written.
+    done = [r for r in d.last_run.records if r.error is None]
+    for r in done:
+        np.testing.assert_array_equal(output[r.offset:r.offset + r.size], x[r.offset:r.offset + r.size] * 2)
+
+
+def test_declared_outputs_are_written_in_place_from_the_first_chunk(process_client):
+    spec = {"y": ((2,), "f8")}
+    d = dsched.WorkDispatcher(hybrid(100), lambda w, dev: {"y": w * 5}, join="concat", client=process_client,
+                              output_spec=spec)
+    x = np.arange(600.0).reshape(300, 2)
+    np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x))["y"], x * 5)
+
+
+def test_out_zarr_store(process_client, tmp_path):
+    import zarr
+
+    x = np.random.default_rng(1).normal(size=(1000, 3))
+    path = tmp_path / "results.zarr"
+    out = dsched.dispatch(affine, x, {"b": np.ones((1, 3))}, scheduler=hybrid(128, 256), client=process_client,
+                          out=str(path))
+    stored = zarr.open_group(str(path), mode="r")
+    np.testing.assert_array_equal(stored["y"][:], 2.0 * x + 1.0)
+    np.testing.assert_array_equal(stored["n"][:], np.linalg.norm(x, axis=1))
+    assert stored["y"].chunks == (128, 3)  # one Zarr chunk per dispatch-chunk boundary: writers never share one
+    np.testing.assert_array_equal(out["y"][:], 2.0 * x + 1.0)
+
+
+def test_out_arrays_are_filled(process_client, hybrid_client):
+    x = np.arange(300.0)
+    for client in (process_client, hybrid_client):
+        target = np.zeros(300)
+        result = dsched.dispatch(np.sqrt, x, scheduler=hybrid(64), client=client, out=target)
+        assert result is target
+        np.testing.assert_array_equal(target, np.sqrt(x))
+
+
+def test_bad_out_is_refused_before_any_work(tmp_path, hybrid_client):
+    calls = []
+
+    def model(a):
+        calls.append(1)
+        return a
+
+    x = np.ones(10)
+    s = dsched.SimpleScheduler("cpu", 5)
+    with pytest.raises(ValueError, match=r"out: the folder .*missing of .* does not exist"):
+        dsched.dispatch(model, x, scheduler=s, mode="sync", out=str(tmp_path / "missing" / "r.zarr"))
+    (tmp_path / "exists.zarr").mkdir()
+    with pytest.raises(ValueError, match=r"out: .*exists.zarr already exists \(pass overwrite=True"):
+        dsched.dispatch(model, x, scheduler=s, mode="sync", out=str(tmp_path / "exists.zarr"))
+    with pytest.raises(ValueError, match=r"out: shape \(9,\) does not hold 10 items along axis 0"):
+        dsched.dispatch(model, x, scheduler=s, mode="sync", out=np.zeros(9))
+    assert not calls
+    with pytest.raises(ChunkResultError, match=r"out: shape \(10,\) and dtype int64 do not fit"):
+        dsched.dispatch(model, x, scheduler=s, mode="sync", out=np.zeros(10, dtype=np.int64))
+    dsched.dispatch(model, x, scheduler=s, mode="sync", out=str(tmp_path / "exists.zarr"), overwrite=True)
+
+
+def test_no_segment_left_after_failure_and_interrupt(process_client):
+    before = shm_entries()
+    x = np.ones((1000, 2))
+
+    def boom(a):
+        raise RuntimeError("model failed")
+
+    with pytest.raises((RuntimeError, dsched.AggregateError), match="model failed"):
+        dsched.dispatch(boom, x, scheduler=hybrid(100), client=process_client)
+    assert shm_entries() == before
+
+    def interrupt(record):
+        raise KeyboardInterrupt
+
+    d = dsched.WorkDispatcher(hybrid(100), lambda w, dev: w, join="concat", client=process_client,
+                              on_chunk_done=interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        d.run(dsched.ArrayLoader(x))
+    assert shm_entries() == before
+    # The cluster is still usable afterwards.
+    np.testing.assert_array_equal(dsched.dispatch(np.negative, x, scheduler=hybrid(100), client=process_client), -x)
+
+
+def test_killed_worker_loses_nothing_and_leaves_no_segment():
+    """SIGKILL the CPU worker mid-run: its chunks run again on its replacement, outputs complete."""
+    from distributed import Client
+
+    before = shm_entries()
+    with dsched.LocalHybridCluster(["cpu"], processes=True, threads_per_worker=1, dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            pid = list(client.run(os.getpid).values())[0]
+            killed = []
+
+            def kill_once(record):
+                if not killed:
+                    killed.append(pid)
+                    os.kill(pid, signal.SIGKILL)
+
+            def slow_square(w, dev):
+                time.sleep(0.05)
+                return w ** 2
+
+            x = np.arange(2000.0)
+            d = dsched.WorkDispatcher(dsched.SimpleScheduler("cpu", 100, capacity=400), slow_square, join="concat",
+                                      client=client, on_chunk_done=kill_once)
+            np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x)), x ** 2)
+            assert killed
+    assert shm_entries() == before
+
+
+def test_killed_client_leaves_no_segment(tmp_path):
+    """A client SIGKILLed mid-run: the resource tracker unlinks its segments."""
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        import numpy as np
+        import dsched
+        from distributed import Client
+
+        def slow(a):
+            time.sleep(0.2)
+            return a
+
+        if __name__ == "__main__":
+            with dsched.LocalHybridCluster(["cpu"], processes=True, threads_per_worker=1,
+                                           dashboard_address=None) as cluster, Client(cluster) as client:
+                def started(record):
+                    print("running", flush=True)
+                d = dsched.WorkDispatcher(dsched.SimpleScheduler("cpu", 10), lambda w, dev: slow(w),
+                                          join="concat", client=client, on_chunk_done=started)
+                d.run(dsched.ArrayLoader(np.ones((1000, 4))))
+    """))
+    before = shm_entries()
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == b"running"
+        assert shm_entries() - before  # the run's input segment exists while it runs
+        os.kill(proc.pid, signal.SIGKILL)  # the client alone, as the OOM killer would
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while shm_entries() - before and time.monotonic() < deadline:
+            time.sleep(0.1)  # the tracker notices the dead client and unlinks
+        assert not shm_entries() - before
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # its orphaned workers
+        except ProcessLookupError:
+            pass
