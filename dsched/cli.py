@@ -40,6 +40,9 @@ def _add_run(subparsers):
     run.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     run.add_argument("--trace-file", help="write a Chrome trace of the run (open it in Perfetto); overrides the graph's")
     run.add_argument("--performance-report", help="write Dask's performance report (HTML); overrides the graph's")
+    run.add_argument("--output", metavar="STORE.zarr",
+                     help="keep the outputs: workers write them to this new Zarr store (on disk, beyond memory)")
+    run.add_argument("--overwrite", action="store_true", help="replace an existing --output store")
     run.set_defaults(handler=_run)
 
 
@@ -53,7 +56,7 @@ def _run(args) -> int:
     graph = load_graph(args.graph)  # GraphError → status 2 in main, before any cluster starts
     if args.emulate:
         graph.options["emulate"] = True
-    for option in ("trace_file", "performance_report"):
+    for option in ("trace_file", "performance_report", "output", "overwrite"):
         if getattr(args, option, None):
             graph.options[option] = getattr(args, option)
     _set_verbosity(args.verbose)
@@ -98,6 +101,13 @@ def _connect(address, scheduler_file, timeout):
     if scheduler_file:
         address = _read_scheduler_file(scheduler_file, timeout)
     _check_address(field, address)
+    if address.startswith("tls://"):
+        import dask
+
+        if not dask.config.get("distributed.comm.tls.ca-file", None):
+            raise UsageError(f"{field}: the scheduler at {address} requires TLS; set Dask's TLS config "
+                             "(distributed.comm.tls.ca-file, .client.cert, .client.key, e.g. "
+                             "DASK_DISTRIBUTED__COMM__TLS__CA_FILE)")
     try:
         return Client(address, timeout=timeout, set_as_default=False)
     except (OSError, TimeoutError) as err:

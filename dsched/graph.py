@@ -71,6 +71,8 @@ _SCHEMA = {
         "processes": _BOOL,
         "trace_file": _STR,
         "performance_report": _STR,
+        "output": _STR,
+        "overwrite": _BOOL,
     },
 }
 _REQUIRED = {("model", "name"), ("batch", "size")}

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from .devices import Device, emulated_devices
 from .dispatch import WorkDispatcher
 from .report import RunReport
-from .reduce import concat_reduce
 from .work import SliceGenerator
 
 __all__ = ["run_graph", "JobResult", "format_report"]
@@ -36,6 +35,7 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
     from .cluster import LocalHybridCluster
     from .graph import GraphError
     from .models import get_model
+    from .outputs import check_out_path
     from .trace import check_trace_path
 
     model = get_model(graph.model)
@@ -49,6 +49,9 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
             trace_file = check_trace_path(trace_file, "options.trace_file")
         if report_file is not None:
             report_file = check_trace_path(report_file, "options.performance_report")
+        output = graph.options.get("output")
+        if output is not None:
+            output = check_out_path(output, graph.options.get("overwrite", False), "options.output")
     except ValueError as err:
         raise GraphError(f"{err} (in {graph.source})") from None
     with contextlib.ExitStack() as stack:
@@ -72,7 +75,10 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
         dispatcher = WorkDispatcher(
             scheduler,
             do_work,
-            reduce=concat_reduce,
+            join="concat",  # outputs written in place by the workers, to memory or to options.output
+            out=output,
+            overwrite=graph.options.get("overwrite", False),
+            output_spec=None if model.outputs is None else model.outputs(graph.tangent),
             mode=graph.mode,
             client=client,
             on_chunk_done=lambda record: bar.update(record.size),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from .j2 import J2Parameters, j2_chunk, j2_update, loading_strain
+from .j2 import J2Parameters, j2_chunk, j2_outputs, j2_update, loading_strain
 
 __all__ = [
     "J2Parameters",
@@ -27,6 +27,7 @@ class Model(NamedTuple):
     chunk: Callable
     parameters_type: type
     description: str
+    outputs: Callable | None = None  # outputs(tangent) -> {name: (item_shape, dtype)}, declared results
 
 
 MODELS = {
@@ -34,6 +35,7 @@ MODELS = {
         chunk=j2_chunk,
         parameters_type=J2Parameters,
         description="small-strain J2 plasticity, radial return with linear isotropic hardening",
+        outputs=j2_outputs,
     ),
 }
 

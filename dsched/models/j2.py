@@ -381,6 +381,20 @@ def _to_host(a):
     return a.get() if hasattr(a, "__cuda_array_interface__") else numpy.asarray(a)
 
 
+def j2_outputs(tangent=True):
+    """What :func:`j2_chunk` returns per point, ``{name: (item_shape, dtype)}``, so outputs are allocated up front.
+
+    Examples
+    --------
+    >>> sorted(j2_outputs(tangent=False))
+    ['alpha', 'plastic_strain', 'stress']
+    """
+    spec = {"stress": ((6,), "f8"), "plastic_strain": ((6,), "f8"), "alpha": ((), "f8")}
+    if tangent:
+        spec["tangent"] = ((6, 6), "f8")
+    return spec
+
+
 def j2_chunk(work, device=None, params=_DEFAULT_PARAMETERS, *, xp=None, tangent=True):
     """Run the J2 update on the points ``work`` (a slice of global indices).
 
