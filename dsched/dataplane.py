@@ -27,7 +27,18 @@ import numpy as np
 from .outputs import OutputLayout, OutputSlot, ZarrTarget, check_out_path, write_rows
 from .store import ArrayRef, RunStore, classify_workers, resolve_work, share_generator
 
-__all__ = ["RunData", "check_out"]
+__all__ = ["RunData", "check_out", "direct_to_workers", "zarr_chunk_items"]
+
+
+def direct_to_workers() -> bool:
+    """Whether results are fetched straight from the workers (Dask config ``dsched.direct-to-workers``, default true).
+
+    Dask's default relays them through the scheduler; turn this off only where
+    the client cannot open connections to the workers.
+    """
+    from dask import config
+
+    return bool(config.get("dsched.direct-to-workers", True))
 
 
 def check_out(out, total: int, axis: int, overwrite: bool = False):
@@ -103,7 +114,10 @@ class RunData:
         """What a chunk's task carries: references for local workers, scattered data for remote ones."""
         if device not in self.remote:
             return work
-        return self.client.scatter(resolve_work(work), workers=self.owners[device], direct=True, hash=False)
+        # In a list: scatter would send a dict's values under the dict's own keys, shared by every chunk.
+        [future] = self.client.scatter([resolve_work(work)], workers=self.owners[device], direct=direct_to_workers(),
+                                       hash=False)
+        return future
 
     def slot(self, device, start, stop, index):
         """The chunk's :class:`OutputSlot` when its worker can write in place; ``None`` to return the result."""
@@ -114,6 +128,10 @@ class RunData:
         if any(not isinstance(t, (ZarrTarget, ArrayRef)) for t in self.targets):
             return None  # the user's own arrays in the client's memory: written here
         return OutputSlot(self.layout, self.targets, start, stop, f"chunk {index} on {device}")
+
+    def fetch(self, future):
+        """A finished chunk's value, straight from its worker (not relayed by the scheduler)."""
+        return self.client.gather(future, direct=direct_to_workers())
 
     def accept(self, record, result):
         """Write a result that came back to the client (it had no slot); checks it like a worker would."""

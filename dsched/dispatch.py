@@ -32,7 +32,7 @@ from .devices import (
     to_device,
     to_host,
 )
-from .dataplane import RunData, check_out, zarr_chunk_items
+from .dataplane import RunData, check_out, direct_to_workers, zarr_chunk_items
 from .errors import AggregateError
 from .outputs import OutputLayout
 from .report import ChunkRecord, RunReport
@@ -459,7 +459,7 @@ class WorkDispatcher:
                 if self.join is not None and not in_place:
                     # A result the worker could not write in place: fetch it now and write it here,
                     # so the client never holds more than one chunk's result at a time.
-                    result, record.worker, record.start, record.stop = future.result()
+                    result, record.worker, record.start, record.stop = data.fetch(future)
                     data.accept(record, result)
             except Exception as err:  # the result does not fit its chunk
                 record.error = err
@@ -479,7 +479,8 @@ class WorkDispatcher:
 
     def _gather(self, client, report, futures):
         good = [i for i, r in enumerate(report.records) if r.error is None and r.worker is None]
-        outputs = client.gather([futures[i] for i in good]) if good else []
+        # Straight from the workers, not relayed by the scheduler (dsched.direct-to-workers).
+        outputs = client.gather([futures[i] for i in good], direct=direct_to_workers()) if good else []
         for i, (result, worker, start, stop) in zip(good, outputs):
             record = report.records[i]
             record.worker, record.start, record.stop = worker, start, stop
