@@ -193,7 +193,9 @@ class _Run:
 
     @property
     def active(self) -> bool:
-        return bool(self.in_flight) or (self.ended is None and self.total is not None)
+        # A run the client announced stays current until it ends or has all its items.
+        told = self.ended is None and self.total is not None and self.items_done < self.total
+        return bool(self.in_flight) or told
 
     def summary(self, now) -> dict:
         """The run as JSON: progress, rate (items over the time since its first chunk started), ETA."""

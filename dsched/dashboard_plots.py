@@ -9,6 +9,7 @@ tests, never a GPU measurement). Models carry names (``dsched-load``,
 
 from __future__ import annotations
 
+import itertools
 import math
 
 __all__ = ["dsched_doc", "plot_doc", "format_count", "format_seconds"]
@@ -84,6 +85,7 @@ class DschedPlots:
                         ("progress", "load", "throughput", "timeline", "devices", "hosts", "runs")}
         self.heading = self.progress = self.load = self.throughput = self.timeline = None
         self.tables = {}
+        self._ticks = itertools.count()
 
     # --- the parts --------------------------------------------------------------
 
@@ -206,7 +208,7 @@ class DschedPlots:
             self._update_progress(run)
         if self.load is not None:
             self.load.y_range.factors = factors
-            self.sources["load"].data = _load_data(rows, factors)
+            _set(self.sources["load"], _load_data(rows, factors))
         if self.throughput is not None or self.timeline is not None:
             self._update_run_plots(detail, rows, factors, emulated)
         if self.tables:
@@ -214,12 +216,12 @@ class DschedPlots:
 
     def _update_progress(self, run):
         percent = 100 * run["fraction"] if run and run["fraction"] is not None else 0.0
-        self.sources["progress"].data = {
+        _set(self.sources["progress"], {
             "y": ["run"], "whole": [100.0], "percent": [percent],
             "items_done": [run["items_done"] if run else 0], "total": [run["total"] if run else None],
             "fraction": [run["fraction"] if run else None], "items_per_s": [run["items_per_s"] if run else 0.0],
             "eta_s": [run["eta_s"] if run else None], "text": [_run_text(run)],
-        }
+        })
         self.progress.title.text = _run_text(run)
 
     def _update_run_plots(self, detail, rows, factors, emulated):
@@ -232,28 +234,28 @@ class DschedPlots:
                 factors = factors + [label]
         if self.throughput is not None:
             labels = list(series)
-            self.sources["throughput"].data = {
+            _set(self.sources["throughput"], {
                 "label": labels, "factor": [label_factor[lb] for lb in labels],
                 "xs": [series[lb][0] for lb in labels], "ys": [series[lb][1] for lb in labels],
                 "color": [_colour(lb.partition("@")[0]) for lb in labels],
-            }
+            })
         if self.timeline is not None:
             self.timeline.y_range.factors = factors
-            self.sources["timeline"].data = {
+            _set(self.sources["timeline"], {
                 "label": [c["label"] for c in chunks], "factor": [label_factor[c["label"]] for c in chunks],
                 "start": [c["start"] for c in chunks], "stop": [c["stop"] for c in chunks],
                 "duration": [c["stop"] - c["start"] for c in chunks], "items": [c["items"] for c in chunks],
                 "color": [_colour(c["device"]) for c in chunks],
                 "hatch": [EMULATED_HATCH if c["label"] in emulated else " " for c in chunks],
-            }
+            })
 
     def _update_tables(self, snapshot):
         from .dashboard import COLUMNS
 
         rows = snapshot["devices"]
-        self.sources["devices"].data = {f: [_cell(f, r[f]) for r in rows] for f, _ in COLUMNS}
+        changed = {"devices": _set(self.sources["devices"], {f: [_cell(f, r[f]) for r in rows] for f, _ in COLUMNS})}
         hosts = snapshot["hosts"]
-        self.sources["hosts"].data = {
+        changed["hosts"] = _set(self.sources["hosts"], {
             "host": [h["host"] for h in hosts], "devices": [", ".join(h["devices"]) for h in hosts],
             "workers": [str(h["workers"]) for h in hosts], "load": [format_count(h["load"]) for h in hosts],
             "capacity": [format_count(h["capacity"]) for h in hosts],
@@ -261,9 +263,9 @@ class DschedPlots:
             "items_done": [format_count(h["items_done"]) for h in hosts],
             "items_per_s": [format_count(h["items_per_s"]) for h in hosts],
             "emulated": [", ".join(h["emulated"]) or "none" for h in hosts],
-        }
+        })
         runs = snapshot["runs"]
-        self.sources["runs"].data = {
+        changed["runs"] = _set(self.sources["runs"], {
             "id": [r["id"] for r in runs], "number": [str(r["number"]) for r in runs],
             "name": [r["name"] for r in runs], "state": ["running" if r["active"] else "finished" for r in runs],
             "items_done": [format_count(r["items_done"]) for r in runs],
@@ -271,7 +273,30 @@ class DschedPlots:
             "progress": ["-" if r["fraction"] is None else f"{100 * r['fraction']:.1f} %" for r in runs],
             "items_per_s": [format_count(r["items_per_s"]) for r in runs],
             "elapsed": [format_seconds(r["elapsed_s"]) for r in runs], "client": [r["client"] or "-" for r in runs],
-        }
+        })
+        for name, count in (("devices", len(rows)), ("hosts", len(hosts)), ("runs", len(runs))):
+            if changed[name]:
+                _refresh(self.tables[name], count, self._ticks)
+
+
+def _set(source, data) -> bool:
+    """Replace a source's columns the way Dask's own plots do; whether anything changed."""
+    from distributed.dashboard.utils import update
+
+    if dict(source.data) == data:
+        return False
+    update(source, data)
+    return True
+
+
+def _refresh(table, rows, ticks):
+    """Make ``table`` draw its source's new rows, sized to them.
+
+    A DataTable redraws on a change of the number of rows, not of their
+    values (Bokeh 3.9), so a property of the table is touched to redraw it.
+    """
+    table.height = 32 + 26 * max(1, min(rows, 12))
+    table.tags = [next(ticks)]
 
 
 def _load_data(rows, factors) -> dict:

@@ -332,3 +332,265 @@ def test_dask_mpi_cluster_serves_the_page_and_the_json():
     [row] = result["status"]["devices"]
     assert (row["device"], row["capacity"], row["emulated"], row["chunks_done"], row["items_done"]) == (
         "cuda:0", 32, True, 10, 100)
+
+
+# --- many nodes: rows per device and host, the plots, progress, a screenshot --------------
+
+HOSTS = ("127.0.0.2", "127.0.0.3")  # loopback addresses stand in for two nodes
+HOST_CAPACITY = {"cpu": 8, "cuda:0": 16}  # per worker, so per device and host
+ARTIFACTS = Path(os.environ.get("DSCHED_TEST_ARTIFACTS", ROOT / "out" / "test-artifacts"))
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """A cpu and an emulated cuda:0 worker on each of two hosts: in-process on the first, worker processes on the second.
+
+    Emulated cuda:0 workers compute with NumPy: they test placement and the page, never a GPU.
+    """
+    from distributed import Nanny, Scheduler, SpecCluster, Worker
+
+    from dsched.dashboard import DashboardPlugin, register_page
+
+    register_page()  # before the scheduler builds its dashboard
+    workers = {}
+    for host, cls in zip(HOSTS, (Worker, Nanny)):
+        for device, extra in (("cpu", {}), ("cuda:0", {"dsched-emulated": 1})):
+            workers[f"{device}@{host}"] = {"cls": cls, "options": {
+                "host": host, "nthreads": 2, "dashboard": False, "name": f"{device}@{host}",
+                "resources": {f"dsched-{device}": HOST_CAPACITY[device], **extra}}}
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0",
+                                                "plugins": [DashboardPlugin()]}}
+    with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
+        client.wait_for_workers(4, timeout=60)
+        port = client.scheduler_info()["services"]["dashboard"]
+        yield client, f"http://127.0.0.1:{port}"
+
+
+def _two_host_scheduler():
+    # Client-side capacities: both hosts' workers together.
+    return StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[4, 8], capacities=[16, 32], priorities=[1, 2])
+
+
+def _wait_for_file(x, path):
+    """A chunk that holds its device until ``path`` exists (works across worker processes)."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the test never created {path}")
+        time.sleep(0.005)
+    return -x
+
+
+LABELS = {f"{device}@{host}" for host in HOSTS for device in HOST_CAPACITY}
+
+
+def test_rows_per_device_and_host_agree_with_the_run_report(two_hosts):
+    from dsched import WorkDispatcher
+    from dsched.dashboard import track_run
+    from dsched.report import DeviceOnHost
+    from dsched.work import ArrayLoader
+    from dsched.reduce import concat_reduce
+
+    client, base = two_hosts
+    before = {row["label"]: row for row in get_json(base + JSON_ROUTE)["devices"]}
+    dispatcher = WorkDispatcher(_two_host_scheduler(), lambda x, device: -x, reduce=concat_reduce, client=client)
+    with track_run(client, total=1000, name="four devices on two hosts"):
+        out = dispatcher.run(ArrayLoader(np.arange(1000.0)))
+    np.testing.assert_array_equal(out, -np.arange(1000.0))
+    status = get_json(base + JSON_ROUTE)
+    rows = {row["label"]: row for row in status["devices"]}
+    assert set(rows) == LABELS
+    assert [(r["host"], r["device"]) for r in status["devices"]] == sorted((h, d) for h in HOSTS for d in HOST_CAPACITY)
+    report = dispatcher.last_run.by_device()
+    assert {str(key) for key in report} <= LABELS and all(isinstance(k, DeviceOnHost) for k in report)
+    for label, row in rows.items():
+        done = row["items_done"] - (before[label]["items_done"] if label in before else 0)
+        mine = next((r for k, r in report.items() if str(k) == label), {"items": 0})
+        assert done == mine["items"], label
+        assert row["capacity"] == HOST_CAPACITY[row["device"]] and row["load"] == 0
+        assert row["worker_name"] == label and row["emulated"] == (row["device"] == "cuda:0")
+    hosts = {h["host"]: h for h in status["hosts"]}
+    by_host = dispatcher.last_run.by_host()
+    assert set(hosts) == set(HOSTS) and sum(r["items"] for r in by_host.values()) == 1000
+    for host in HOSTS:
+        assert hosts[host]["devices"] == ["cpu", "cuda:0"] and hosts[host]["capacity"] == 24
+        assert hosts[host]["emulated"] == ["cuda:0"]
+    run = status["run"]
+    assert (run["name"], run["total"], run["items_done"], run["fraction"], run["eta_s"], run["active"]) == (
+        "four devices on two hosts", 1000, 1000, 1.0, 0.0, False)
+    assert sum(run["items_by_device"].values()) == 1000 and set(run["items_by_device"]) <= LABELS
+    assert status["runs"][0]["id"] == run["id"]
+
+
+_SOURCES_JS = r"""(() => {
+  const doc = window.Bokeh && Bokeh.documents && Bokeh.documents[0];
+  if (!doc) return JSON.stringify(null);
+  const plain = v => (v !== null && typeof v === "object" && typeof v.length === "number") ? Array.from(v, plain) : v;
+  const out = {};
+  for (const name of ["progress", "load", "throughput", "timeline", "devices", "hosts", "runs"]) {
+    const model = doc.get_model_by_name("dsched-" + name);
+    if (!model) continue;
+    const data = {};
+    const entries = model.data instanceof Map ? model.data.entries() : Object.entries(model.data);
+    for (const [key, value] of entries) data[key] = plain(value);
+    out[name] = data;
+  }
+  const heading = doc.get_model_by_name("dsched-heading");
+  out.heading = heading ? heading.text : null;
+  return JSON.stringify(out);
+})()"""
+
+
+def browse(url, steps, timeout=60, screenshot=None):
+    """Drive headless Chromium on ``url``: evaluate ``_SOURCES_JS`` until each of ``steps`` (in order) holds.
+
+    ``steps`` are ``(predicate(data) -> bool, action() or None)``: once a predicate
+    holds its action runs and the next step starts. Returns every data seen.
+    The last entry is ``{"dom": tables as drawn}`` (see ``_TABLE_JS``), read
+    once more after the last step. Saves a PNG of the page to ``screenshot``.
+    """
+    from tornado.websocket import websocket_connect
+
+    profile = tempfile.mkdtemp(prefix="dsched-chromium-")
+    browser = subprocess.Popen(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1400,1900",
+         f"--user-data-dir={profile}", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", url],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + timeout
+    seen = []
+
+    async def drive():
+        port_file = Path(profile, "DevToolsActivePort")
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert time.monotonic() < deadline and browser.poll() is None, "Chromium did not start"
+            await asyncio.sleep(0.05)
+        port = int(port_file.read_text().split()[0])
+        while True:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as response:
+                pages = [t for t in json.load(response) if t["type"] == "page" and t["url"].startswith(url)]
+            if pages:
+                break
+            assert time.monotonic() < deadline, "Chromium opened no page"
+            await asyncio.sleep(0.05)
+        socket = await websocket_connect(pages[0]["webSocketDebuggerUrl"], max_message_size=2**26)
+        asks = iter(range(1, 10**6))
+
+        async def call(method, **params):
+            ask = next(asks)
+            socket.write_message(json.dumps({"id": ask, "method": method, "params": params}))
+            while True:
+                reply = json.loads(await socket.read_message())
+                if reply.get("id") == ask:
+                    return reply["result"]
+
+        for predicate, action in steps:
+            while True:
+                result = await call("Runtime.evaluate", expression=_SOURCES_JS, returnByValue=True)
+                data = json.loads(result["result"]["value"])
+                if data is not None:
+                    seen.append(data)
+                    if predicate(data):
+                        break
+                assert time.monotonic() < deadline, f"the page never reached step {predicate.__name__}: {data}"
+                await asyncio.sleep(0.1)
+            if action is not None:
+                action()
+        await asyncio.sleep(0.6)  # one more refresh, so the tables and the picture show what was checked
+        result = await call("Runtime.evaluate", expression=_TABLE_JS, returnByValue=True)
+        seen.append({"dom": json.loads(result["result"]["value"])})
+        if screenshot is not None:
+            shot = await call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+            screenshot.parent.mkdir(parents=True, exist_ok=True)
+            screenshot.write_bytes(__import__("base64").b64decode(shot["data"]))
+        socket.close()
+
+    try:
+        asyncio.run(drive())
+        return seen
+    finally:
+        browser.kill()
+        browser.wait(timeout=30)
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _column(data, source, field):
+    return data.get(source, {}).get(field, [])
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium; .ci/run does)")
+def test_page_plots_a_running_dispatch_on_two_hosts_in_headless_chromium(two_hosts, tmp_path):
+    import functools
+
+    from dsched.dashboard import track_run
+
+    client, base = two_hosts
+    gate = tmp_path / "open"
+    total = 800
+    box = {}
+
+    def run():
+        try:
+            with track_run(client, total=total, name="gated run"):
+                box["out"] = dispatch(functools.partial(_wait_for_file, path=str(gate)), np.arange(float(total)),
+                                      scheduler=_two_host_scheduler(), client=client)
+        except BaseException as err:  # surfaced below
+            box["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+
+    def devices_full(data):  # every chunk waits at the gate: each device on each host fills to its capacity
+        load = dict(zip(_column(data, "load", "label"), _column(data, "load", "load")))
+        return set(load) == LABELS and all(load[lb] == HOST_CAPACITY[lb.split("@")[0]] for lb in LABELS) and \
+            _column(data, "progress", "total") == [total]
+
+    def run_complete(data):
+        return _column(data, "progress", "fraction") == [1.0] and \
+            set(_column(data, "timeline", "label")) == LABELS and set(_column(data, "throughput", "label")) == LABELS
+
+    shot = ARTIFACTS / "dsched-dashboard-two-hosts.png"
+    try:
+        seen = browse(base + PAGE_ROUTE, [(devices_full, gate.touch), (run_complete, None)], screenshot=shot)
+    finally:
+        gate.touch()
+        thread.join(timeout=60)
+    assert "error" not in box, box.get("error")
+    np.testing.assert_array_equal(box["out"], -np.arange(float(total)))
+    drawn = seen.pop()["dom"]
+    full = next(d for d in seen if devices_full(d))
+    assert _column(full, "progress", "fraction") == [0.0] and _column(full, "progress", "percent") == [0.0]
+    last = seen[-1]
+    # Progress: every snapshot between 0 and 100 %, never going back, ending at all items with no time left.
+    fractions = [d["progress"]["fraction"][0] for d in seen if _column(d, "progress", "total") == [total]]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    assert (last["progress"]["items_done"], last["progress"]["eta_s"], last["progress"]["percent"]) == ([total], [0.0], [100.0])
+    # Each plot has data for every device and host; the timeline has every chunk of the run.
+    chunks = dict.fromkeys(LABELS, 0)
+    for label, start, stop in zip(last["timeline"]["label"], last["timeline"]["start"], last["timeline"]["stop"]):
+        chunks[label] += 1
+        assert 0 <= start <= stop
+    assert all(chunks.values()) and sum(last["timeline"]["items"]) == total
+    for label, ys in zip(last["throughput"]["label"], last["throughput"]["ys"]):
+        assert max(ys) > 0, label
+    emulated = {lb for lb, hatch in zip(last["load"]["label"], last["load"]["hatch"]) if hatch.strip()}
+    assert emulated == {lb for lb in LABELS if lb.startswith("cuda")}
+    assert all(f.endswith("(emulated)") == f.startswith("cuda") for f in last["load"]["factor"])
+    # Tables: one device row per device and host, the hosts, this run first in the history.
+    assert sorted(zip(last["devices"]["device"], last["devices"]["host"])) == sorted(
+        (lb.split("@")[0], lb.split("@")[1]) for lb in LABELS)
+    assert last["hosts"]["host"] == list(HOSTS)
+    assert (last["runs"]["name"][0], last["runs"]["progress"][0], last["runs"]["total"][0]) == (
+        "gated run", "100.0 %", f"{total:,}")
+    assert "dsched: 4 devices on 2 hosts" in last["heading"]
+    # The tables as drawn (not only their data): final counts, thousands separators, whole worker addresses.
+    fields = [f for f, _ in COLUMNS]
+    drawn_rows = [dict(zip(fields, r)) for r in drawn["rows"] if len(r) == len(fields) and r[0] in HOST_CAPACITY]
+    assert [(r["device"], r["host"], r["load"], r["chunks_in_flight"]) for r in drawn_rows] == [
+        (lb.split("@")[0], lb.split("@")[1], "0", "0") for lb in sorted(LABELS, key=lambda lb: lb.split("@")[::-1])]
+    workers = {r["label"]: r for r in get_json(base + JSON_ROUTE)["devices"]}
+    assert [r["worker"] for r in drawn_rows] == [workers[f"{r['device']}@{r['host']}"]["worker"] for r in drawn_rows]
+    expected_items = [workers[f"{r['device']}@{r['host']}"]["items_done"] for r in drawn_rows]
+    assert [r["items_done"] for r in drawn_rows] == [f"{n:,}" for n in expected_items]
+    assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
