@@ -10,6 +10,7 @@ import time
 
 __all__ = ["main"]
 
+DEFAULT_DASHBOARD = "127.0.0.1:8787"  # `dsched run --dashboard`: loopback unless an address is given
 DEFAULT_CONNECT_TIMEOUT = 30.0  # seconds to wait for a scheduler file to appear, then for the scheduler to answer
 
 
@@ -43,6 +44,9 @@ def _add_run(subparsers):
     run.add_argument("--output", metavar="STORE.zarr",
                      help="keep the outputs: workers write them to this new Zarr store (on disk, beyond memory)")
     run.add_argument("--overwrite", action="store_true", help="replace an existing --output store")
+    run.add_argument("--dashboard", nargs="?", const=DEFAULT_DASHBOARD, metavar="HOST:PORT",
+                     help=f"serve the Dask dashboard (default {DEFAULT_DASHBOARD}, loopback) and print the link to "
+                          "its dsched page; on --scheduler-address/--scheduler-file, print that cluster's link")
     run.set_defaults(handler=_run)
 
 
@@ -61,6 +65,7 @@ def _run(args) -> int:
             graph.options[option] = getattr(args, option)
     _set_verbosity(args.verbose)
     remote = bool(args.scheduler_address or args.scheduler_file)
+    dashboard = _dashboard_option(args.dashboard, graph)
     if graph.mode == "sync" or not remote:  # devices of this machine; a remote cluster's are checked below
         graph.check_devices_present()
     graph.check_memory()
@@ -72,12 +77,56 @@ def _run(args) -> int:
             client = _connect(args.scheduler_address, args.scheduler_file, args.connect_timeout)
             stack.callback(client.close)
             _check_cluster_devices(client, graph, "--scheduler-file" if args.scheduler_file else "--scheduler-address")
+        elif dashboard is not None and graph.mode == "async":
+            client = _dashboard_cluster(stack, graph, dashboard)
+        if dashboard is not None and client is not None:
+            _show_dashboard(stack, client, graph)
         stack.enter_context(emulating(missing))
         result = run_graph(graph, client=client, progress=not args.no_progress)
     result.emulated.update({device: True for device in missing})
     print(f"graph: {graph.source}  model: {graph.model}  batch: {graph.batch_size:,}")
     print(format_report(result))
     return 0
+
+
+def _dashboard_option(value, graph) -> str | None:
+    """The dashboard address of ``--dashboard`` or ``options.dashboard``; None for none; UsageError if unusable."""
+    if value is None and graph.options.get("dashboard", False):
+        value = DEFAULT_DASHBOARD
+    if value is None:
+        return None
+    if graph.mode == "sync":
+        raise UsageError("--dashboard: a sync run (options.mode = 'sync') starts no cluster, so it has no dashboard")
+    host, _, port = str(value).rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise UsageError(f"--dashboard: expected HOST:PORT such as {DEFAULT_DASHBOARD}, got {value!r}")
+    return value
+
+
+def _dashboard_cluster(stack, graph, address):
+    """The cluster run_graph would start, with its dashboard at ``address``; a client of it."""
+    from distributed import Client
+
+    from .cluster import LocalHybridCluster
+
+    cluster = stack.enter_context(LocalHybridCluster(
+        graph.build_scheduler().devices, emulate=graph.emulate,
+        threads_per_worker=graph.options.get("threads_per_worker", 2), processes=graph.options.get("processes"),
+        dashboard_address=address))
+    return stack.enter_context(Client(cluster))
+
+
+def _show_dashboard(stack, client, graph):
+    """Print the link to the dsched page, and tell the page the run's total (for its progress and ETA)."""
+    from .dashboard import dashboard_link, track_run
+
+    link = dashboard_link(client)
+    if link is None:
+        print("dashboard: the cluster serves no dashboard", flush=True)
+        return
+    print(f"dashboard: {link} (open it while the run goes on; a cluster dsched run started closes with the run)",
+          flush=True)
+    stack.enter_context(track_run(client, graph.batch_size, name=f"{graph.model} ({graph.source})"))
 
 
 def _set_verbosity(verbose: int) -> None:

@@ -20,6 +20,7 @@ They play the part of NEML2's input files with their ``[Schedulers]`` section::
     mode = "async"              # or "sync"
     emulate = false             # emulate CUDA devices that are not present
     threads_per_worker = 2
+    dashboard = false           # true: `dsched run` serves the dashboard on loopback and prints its link
 
 Every key is checked before anything starts: an unknown key or a value of
 the wrong type is a :class:`GraphError` naming it. Two checks need the run's
@@ -71,6 +72,7 @@ _SCHEMA = {
         "processes": _BOOL,
         "trace_file": _STR,
         "performance_report": _STR,
+        "dashboard": _BOOL,  # `dsched run`: serve the dashboard on loopback and print the dsched page's link
         "output": _STR,
         "overwrite": _BOOL,
     },

@@ -594,3 +594,69 @@ def test_page_plots_a_running_dispatch_on_two_hosts_in_headless_chromium(two_hos
     expected_items = [workers[f"{r['device']}@{r['host']}"]["items_done"] for r in drawn_rows]
     assert [r["items_done"] for r in drawn_rows] == [f"{n:,}" for n in expected_items]
     assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- dsched run --dashboard ------------------------------------------------------------
+
+GRAPH = """[model]
+name = "j2"
+tangent = false
+[batch]
+size = 60000
+[scheduler]
+devices = ["cpu", "cuda:0"]
+batch_sizes = [5000, 10000]
+[options]
+emulate = true
+"""
+
+
+def test_dsched_run_dashboard_serves_the_page_during_the_run(tmp_path, monkeypatch, capsys):
+    """In-process ``dsched run --dashboard``: the page answers while the run is told, and shows it complete."""
+    import contextlib
+
+    import dsched.dashboard
+    from dsched.cli import main
+
+    graph = tmp_path / "j2.toml"
+    graph.write_text(GRAPH)
+    port = _free_port()
+    real_track_run = dsched.dashboard.track_run
+    seen = {}
+
+    @contextlib.contextmanager
+    def spy(client, total, name=None):  # the cluster is up on both sides of the run
+        base = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(base + PAGE_ROUTE, timeout=10) as response:
+            seen["page"] = response.status
+        with real_track_run(client, total, name):
+            yield
+        seen["after"] = get_json(base + JSON_ROUTE)
+
+    monkeypatch.setattr(dsched.dashboard, "track_run", spy)
+    assert main(["run", str(graph), "--dashboard", f"127.0.0.1:{port}", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"dashboard: http://127.0.0.1:{port}{PAGE_ROUTE} " in out
+    assert seen["page"] == 200
+    run = seen["after"]["run"]
+    assert (run["total"], run["items_done"], run["fraction"], run["active"]) == (60000, 60000, 1.0, False)
+    assert run["name"] == f"j2 ({graph})"
+    assert sorted(r["device"] for r in seen["after"]["devices"]) == ["cpu", "cuda:0"]
+    assert sum(r["items_done"] for r in seen["after"]["devices"]) == 60000
+
+
+@pytest.mark.parametrize("extra, options, message", [
+    (["--dashboard", "8787"], "", "--dashboard: expected HOST:PORT such as 127.0.0.1:8787, got '8787'"),
+    (["--dashboard", "127.0.0.1:99999"], "", "--dashboard: expected HOST:PORT such as 127.0.0.1:8787, got '127.0.0.1:99999'"),
+    (["--dashboard"], 'mode = "sync"\n', "--dashboard: a sync run (options.mode = 'sync') starts no cluster"),
+    ([], 'mode = "sync"\ndashboard = true\n', "--dashboard: a sync run (options.mode = 'sync') starts no cluster"),
+    ([], 'dashboard = "yes"\n', "options.dashboard: 'yes' has the wrong type"),
+])
+def test_dsched_run_dashboard_refuses_bad_input_before_any_cluster(tmp_path, capsys, extra, options, message):
+    from dsched.cli import main
+
+    graph = tmp_path / "j2.toml"
+    graph.write_text(GRAPH + options)
+    assert main(["run", str(graph), "--no-progress", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
