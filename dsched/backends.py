@@ -263,28 +263,36 @@ class TorchBackend(Backend):
 
 
 class NEML2Backend(Backend):
-    """NEML2's typed tensors: a torch tensor ``data`` of shape ``(*K, *dynamic batch, *sub-batch, *base)``."""
+    """NEML2's typed tensors (``SR2``, ``Scalar``, ...: ``TensorWrapper``) and its dynamic-base ``Tensor``.
+
+    Both hold a torch tensor ``data`` of shape ``(*K, *batch, *sub-batch, *base)``;
+    the batch axes are a wrapper's dynamic batch axes, or a ``Tensor``'s
+    ``batch_ndim`` leading axes (Jacobian blocks).
+    """
 
     name = "neml2"
 
     def owns(self, x):
         if "neml2" not in sys.modules:
             return False
-        from neml2.types import TensorWrapper
+        from neml2.types import Tensor, TensorWrapper
 
-        return isinstance(x, TensorWrapper)
+        return isinstance(x, (TensorWrapper, Tensor))
 
     @staticmethod
     def _rewrap(like, data):
+        if hasattr(like, "batch_ndim"):  # a dynamic-base Tensor inherits every field
+            return like._rewrap(data)
         return like._rewrap(data, sub_batch_ndim=like.sub_batch_ndim)
 
-    @staticmethod
-    def _data_axis(x, axis):
-        batch = len(x.dynamic_batch_shape)
-        if not 0 <= axis < batch:
+    def batch_shape(self, x):
+        return tuple(x.batch_shape if hasattr(x, "batch_ndim") else x.dynamic_batch_shape)
+
+    def _data_axis(self, x, axis):
+        batch = self.batch_shape(x)
+        if not 0 <= axis < len(batch):
             raise ValueError(
-                f"axis: {axis} is out of range for a NEML2 {type(x).__name__} with dynamic batch shape "
-                f"{tuple(x.dynamic_batch_shape)}"
+                f"axis: {axis} is out of range for a NEML2 {type(x).__name__} with batch shape {batch}"
             )
         return x.k_ndim + axis
 
@@ -299,9 +307,6 @@ class NEML2Backend(Backend):
 
     def to_host(self, x, keep_grad=False):
         return self._rewrap(x, TORCH.to_host(x.data, keep_grad))
-
-    def batch_shape(self, x):
-        return tuple(x.dynamic_batch_shape)
 
     def take(self, x, axis, start, stop):
         return self._rewrap(x, x.data[_index(self._data_axis(x, axis), start, stop)])

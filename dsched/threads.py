@@ -1,0 +1,116 @@
+"""Compute threads per worker: torch's intra-op pool and the BLAS pools sized to each worker's share of the cores.
+
+Every worker thread that runs a chunk calls into torch or BLAS, and each of
+those would start one compute thread per core: three workers of two threads
+on two cores would run a dozen threads on two cores. :class:`ThreadLimits`
+gives every worker ``cores // (workers x threads per worker)`` compute threads
+(at least one) when it starts, unless the user has set ``OMP_NUM_THREADS``
+in the process that built the cluster. :class:`~dsched.LocalHybridCluster`
+installs it on every worker.
+
+torch's count belongs to each thread (OpenMP keeps it per thread), so it is
+applied in the threads that run chunks: by :func:`limit_this_thread`, which
+:func:`dsched.dispatch`'s chunks, :class:`~dsched.PerThread` models and the
+NEML2 adapter call (once per thread; call it in your own ``do_work`` that uses
+torch). In a worker's own process the environment also says it before torch
+is imported, so every thread starts with it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+__all__ = ["ThreadLimits", "thread_share", "apply_thread_limit", "limit_this_thread"]
+
+_share = None  # compute threads per chunk thread in this process, set by ThreadLimits
+_applied = threading.local()
+
+# What the user may set to keep their own thread counts: torch reads the first two at import.
+USER_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def thread_share(worker_threads: int, cores: int | None = None) -> int:
+    """Compute threads for each chunk: this host's cores over the worker threads running chunks, at least 1.
+
+    Examples
+    --------
+    >>> thread_share(4, cores=2), thread_share(2, cores=16)
+    (1, 8)
+    """
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, worker_threads))
+
+
+def apply_thread_limit(threads: int, *, own_process: bool) -> dict:
+    """Limit torch's intra-op pool (and NumPy's BLAS, where threadpoolctl is installed) to ``threads``.
+
+    torch not yet imported: in a worker's own process the environment says
+    it for the later import; in the caller's process nothing is changed.
+    Returns what was set, for logs and tests.
+    """
+    done = {}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
+        done["torch"] = threads
+    elif own_process:
+        for name in USER_VARIABLES:
+            os.environ[name] = str(threads)
+        done["environment"] = threads
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        pass  # worker processes already get 1 BLAS thread from Dask's nanny environment
+    else:
+        threadpool_limits(threads)
+        done["blas"] = threads
+    return done
+
+
+class ThreadLimits(WorkerPlugin):
+    """Give each worker ``threads`` compute threads when it starts (see the module docs).
+
+    Parameters
+    ----------
+    threads : int
+        Compute threads per chunk, usually :func:`thread_share`.
+    """
+
+    name = "dsched-thread-limits"
+    idempotent = True
+
+    def __init__(self, threads: int):
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads: expected an integer >= 1, got {threads!r}")
+        self.threads = threads
+        # Read where the cluster is built: the user's choice, not what Dask's nanny sets in its children.
+        self.user_set = {name: os.environ[name] for name in USER_VARIABLES if name in os.environ}
+        self.creator_pid = os.getpid()
+        self.applied = None
+
+    def setup(self, worker):
+        global _share
+        if self.user_set:
+            self.applied = {}
+            return
+        _share = self.threads
+        self.applied = apply_thread_limit(self.threads, own_process=os.getpid() != self.creator_pid)
+
+
+def limit_this_thread() -> None:
+    """Give the calling thread this worker's share of torch threads, once per thread (a no-op elsewhere).
+
+    Cheap after the first call; does nothing outside a worker with
+    :class:`ThreadLimits`, or before torch is imported.
+    """
+    if _share is None or getattr(_applied, "threads", None) == _share:
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(_share)
+        _applied.threads = _share
