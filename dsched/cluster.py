@@ -184,7 +184,11 @@ class LocalHybridCluster(SpecCluster):
         }
         from .placement import DeviceWorkerPlugin
 
-        options["plugins"] = set(options.get("plugins", ())) | {DeviceWorkerPlugin()}
+        from .threads import ThreadLimits, thread_share
+
+        # torch and BLAS threads per worker: this host's cores over all workers' chunk threads.
+        limits = ThreadLimits(thread_share(len(self.devices) * threads))
+        options["plugins"] = set(options.get("plugins", ())) | {DeviceWorkerPlugin(), limits}
         if not processes:
             return {"cls": Worker, "options": options}
         if device.is_cuda and not self.emulated[device]:

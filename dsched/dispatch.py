@@ -690,6 +690,9 @@ class _CallOnChunk:
         self.fn, self.layout, self.kwargs, self.keep_grad = fn, layout, kwargs, _keep_grad(keep_grad)
 
     def __call__(self, chunk, device):
+        from .threads import limit_this_thread
+
+        limit_this_thread()  # torch's thread count is per thread: give this one the worker's share
         args = self.layout.rebuild(backends.to_device(chunk, device, keep_grad=self.keep_grad))
         return backends.to_host(self.fn(*args, **self.kwargs), keep_grad=self.keep_grad)
 
