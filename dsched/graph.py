@@ -196,7 +196,9 @@ class Graph:
         if kind == "SimpleScheduler" or (kind == "auto" and len(devices) == 1):
             if len(devices) != 1:
                 raise ValueError(f"devices: SimpleScheduler takes one device, got {[str(d) for d in devices]}")
-            size = self.scheduler.get("batch_size", sizes[0])
+            listed = self.scheduler.get("batch_sizes")  # one device: a list of one size, or a scalar, is its size
+            size = self.scheduler.get("batch_size", (listed[0] if isinstance(listed, list) and len(listed) == 1 else listed)
+                                      if listed is not None else sizes[0])
             default_capacity = capacities[0] if capacities and "batch_size" not in self.scheduler else 2 * size
             return SimpleScheduler(devices[0], size, self.scheduler.get("capacity", default_capacity))
         if "batch_sizes" in self.scheduler:

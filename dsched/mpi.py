@@ -21,7 +21,12 @@ worker ranks than devices is a ValueError on every rank before anything
 starts. Several nodes each own their ``cuda:0``: a client's ``cuda:0`` then
 means "the cuda:0 of any node", and each chunk runs on one of them (see
 ``docs/mpi.md``). Everything binds to the loopback interface unless
-``interface`` names another (``ib0`` for a real multi-node job).
+``interface`` names another (``ib0`` for a real multi-node job): a job whose
+ranks span hosts on loopback is refused on every rank, and workers that have
+not joined within ``join_timeout`` end the job with a message naming
+``--interface``. With TLS configured (Dask's ``distributed.comm.tls.*``
+settings, or ``--tls-ca-file/--tls-cert/--tls-key``), every connection of the
+cluster is TLS and clients need the same settings.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ from .devices import (
 )
 from .schedulers.mpi import NodePlacement, check_ranks_fit, place_on_nodes
 
-__all__ = ["initialize", "serve", "main", "WorkerPlacement", "cluster_layout", "format_layout"]
+__all__ = ["initialize", "serve", "main", "WorkerPlacement", "WorkersMissing", "cluster_layout", "format_layout",
+           "use_tls"]
 
 SCHEDULER_RANK = 0
 CLIENT_RANK = 1  # in initialize(); serve() has no client rank
@@ -101,7 +107,7 @@ def _plan_rank(role, placement: NodePlacement, devices, capacities, emulate, mul
     return WorkerPlacement(placement.host, placement.rank, role, str(device), capacities[device], emulated, name), None
 
 
-def _plan(comm, roles, devices, capacities, emulate) -> tuple[list[WorkerPlacement], WorkerPlacement]:
+def _plan(comm, roles, devices, capacities, emulate, interface=None) -> tuple[list[WorkerPlacement], WorkerPlacement]:
     """Collective: every rank's placement, the same on all ranks; raises the same error on all ranks."""
     rank = comm.Get_rank()
     role = roles(rank)
@@ -111,11 +117,38 @@ def _plan(comm, roles, devices, capacities, emulate) -> tuple[list[WorkerPlaceme
                     hint="each worker rank owns one device, so start at most {n} worker ranks per node or list more devices")
     worker_nodes = [host for host, ranks in placement.nodes.items() if ranks]
     mine, problem = _plan_rank(role, placement, devices, capacities, emulate, len(worker_nodes) > 1)
+    if interface is not None and _is_loopback(interface):  # collective: every rank calls it, whatever its problem
+        across_hosts = _loopback_across_hosts(comm, interface)
+        problem = problem or across_hosts
     everyone = comm.allgather((mine, problem))
     problems = [p for _, p in everyone if p is not None]
     if problems:
         raise ValueError(problems[0])
     return [p for p, _ in everyone], mine
+
+
+def _is_loopback(interface) -> bool:
+    from distributed.utils import get_ip_interface
+
+    try:
+        return get_ip_interface(interface).startswith("127.")
+    except ValueError:
+        return False  # Dask names the unknown interface itself when it binds
+
+
+def _loopback_across_hosts(comm, interface) -> str | None:
+    """Collective: why loopback cannot work here (ranks on several real hosts), or ``None``.
+
+    Real host names, not ``$DSCHED_NODE_NAME``: fake nodes on one machine share loopback.
+    """
+    import socket
+
+    hosts = list(dict.fromkeys(comm.allgather(socket.gethostname())))
+    if len(hosts) < 2:
+        return None
+    return (f"--interface: {interface} is loopback, but the job's ranks run on {len(hosts)} hosts "
+            f"({', '.join(hosts)}), which cannot reach each other through it; pass the interface that connects "
+            "them (--interface eth0, ib0, ...)")
 
 
 def _worker_options(mine: WorkerPlacement, nthreads: int) -> dict:
@@ -327,7 +360,7 @@ def initialize(
     def roles(rank):
         return {SCHEDULER_RANK: "scheduler", CLIENT_RANK: "client"}.get(rank, "worker")
 
-    layout, mine = _plan(comm, roles, devices, capacities, emulate)
+    layout, mine = _plan(comm, roles, devices, capacities, emulate, interface)
     if verbose and comm.Get_rank() == SCHEDULER_RANK:
         print(f"dsched.mpi cluster (dask-mpi, interface {interface}):\n{format_layout(layout, devices)}", flush=True)
     options = _worker_options(mine, nthreads) if mine.role == "worker" else {}
@@ -345,24 +378,48 @@ def initialize(
         worker_options=options,
         comm=comm,
         exit=exit,
+        protocol=_protocol(),
     )
     if is_client:
         import dask
 
         address = dask.config.get("scheduler_address")
-        plugins = _prepare_cluster(address, sum(p.role == "worker" for p in layout))
+        plugins = _prepare_cluster(address, sum(p.role == "worker" for p in layout), layout=layout, interface=interface)
         if verbose:
             print(f"dsched.mpi cluster ready at {address} (plugins: {', '.join(plugins) or 'none'})", flush=True)
     return is_client
 
 
-def _prepare_cluster(address, n_workers, timeout=120) -> list[str]:
-    """Wait until every worker rank has joined, then install the plugins; their names."""
+class WorkersMissing(RuntimeError):
+    """Worker ranks did not join the scheduler in time: the job cannot start."""
+
+
+def _prepare_cluster(address, n_workers, timeout=120, layout=None, interface=None) -> list[str]:
+    """Wait until every worker rank has joined, then install the plugins; their names.
+
+    Raises :class:`WorkersMissing`, naming the missing ranks and the likely
+    cause, when they have not all joined within ``timeout`` seconds.
+    """
     from distributed import Client
 
-    with Client(address, timeout=timeout) as client:
-        client.wait_for_workers(n_workers, timeout=timeout)
+    with Client(address, timeout=timeout, security=_security()) as client:
+        try:
+            client.wait_for_workers(n_workers, timeout=timeout)
+        except TimeoutError:
+            joined = {str(info.get("name")) for info in client.scheduler_info(n_workers=-1)["workers"].values()}
+            raise WorkersMissing(_missing_workers_message(address, n_workers, joined, timeout, layout, interface)) from None
         return install_plugins(client)
+
+
+def _missing_workers_message(address, n_workers, joined, timeout, layout, interface) -> str:
+    missing = [p for p in layout or () if p.role == "worker" and p.name not in joined]
+    shown = "; missing: " + ", ".join(f"rank {p.rank} ({p.device} on {p.host})" for p in missing) if missing else ""
+    head = f"only {len(joined)} of {n_workers} worker ranks joined the scheduler at {address} within {timeout:g} s{shown}"
+    if interface is not None and _is_loopback(interface):
+        return (f"{head}. --interface {interface} is loopback: ranks on other hosts cannot reach it; the likely cause. "
+                "Pass the interface that connects the hosts (--interface eth0, ib0, ...)")
+    return (f"{head}. Check that every host reaches {address} through --interface {interface} "
+            "(firewall, a wrong interface, or TLS settings that differ between ranks)")
 
 
 def _set_log_level(level):
@@ -372,6 +429,40 @@ def _set_log_level(level):
     if not isinstance(value, int):
         raise ValueError(f"log_level: expected a logging level such as 'warning' or 'info', got {level!r}")
     logging.getLogger("distributed").setLevel(value)
+
+
+def _protocol():
+    """``"tls://"`` when Dask's config asks for TLS (a CA file, or required encryption), else Dask's default."""
+    import dask
+
+    wanted = dask.config.get("distributed.comm.tls.ca-file", None) or dask.config.get(
+        "distributed.comm.require-encryption", False)
+    return "tls://" if wanted else None
+
+
+def _security():
+    """Dask's security settings (``distributed.comm.tls.*``): TLS for every connection when a CA is set."""
+    from distributed import Security
+
+    return Security()
+
+
+def use_tls(ca_file, cert, key=None) -> dict:
+    """Dask config that makes every connection of this process TLS with ``cert`` signed by ``ca_file``.
+
+    The same certificate serves the scheduler, the workers and the internal
+    client; a client outside the job needs ``distributed.comm.tls.ca-file``,
+    ``.client.cert`` and ``.client.key`` (for example through
+    ``DASK_DISTRIBUTED__COMM__TLS__CA_FILE`` and friends).
+    """
+    for field, path in (("--tls-ca-file", ca_file), ("--tls-cert", cert), ("--tls-key", key)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{field}: {path} is not a readable file")
+    config = {"distributed.comm.tls.ca-file": ca_file, "distributed.comm.require-encryption": True}
+    for role in ("scheduler", "worker", "client"):
+        config[f"distributed.comm.tls.{role}.cert"] = cert
+        config[f"distributed.comm.tls.{role}.key"] = key
+    return config
 
 
 def _check_nthreads(nthreads) -> int:
@@ -401,13 +492,17 @@ def serve(
     comm=None,
     verbose=True,
     log_level="warning",
+    join_timeout=120.0,
 ) -> None:
     """Run a device cluster under ``mpiexec`` until a client shuts it down (``client.shutdown()``).
 
     Rank 0 runs the scheduler; every other rank is a device worker, the
     k-th worker rank of a node owning ``devices[k]``. ``scheduler_file`` is
     written once every worker has joined and the plugins are installed, so
-    a client that finds it finds the whole cluster. Arguments as for
+    a client that finds it finds the whole cluster. Worker ranks that have
+    not joined within ``join_timeout`` seconds raise :class:`WorkersMissing`
+    on rank 0 (``python -m dsched.mpi`` then ends the job). TLS follows
+    Dask's security config (see :func:`use_tls`). Other arguments as for
     :func:`initialize`.
     """
     comm = _comm(comm)
@@ -423,26 +518,30 @@ def serve(
     def roles(rank):
         return "scheduler" if rank == SCHEDULER_RANK else "worker"
 
-    layout, mine = _plan(comm, roles, devices, capacities, emulate)
+    layout, mine = _plan(comm, roles, devices, capacities, emulate, interface)
     if mine.role == "scheduler":
         if os.path.exists(scheduler_file):
             os.remove(scheduler_file)  # a stale file would send clients to a dead scheduler
         asyncio.run(_run_scheduler(comm, layout, devices, scheduler_file, interface, scheduler_port,
-                                   dashboard_address, _http_address(dashboard_address, interface), verbose))
+                                   dashboard_address, _http_address(dashboard_address, interface), verbose,
+                                   join_timeout))
     else:
         asyncio.run(_run_worker(comm, _worker_options(mine, nthreads), interface, memory_limit, local_directory))
 
 
 async def _run_scheduler(comm, layout, devices, scheduler_file, interface, port, dashboard_address, http_address,
-                         verbose):
+                         verbose, join_timeout=120.0):
     from distributed import Scheduler
 
     _list_dashboard_page(dashboard_address is not None)
+    security = _security()
     async with Scheduler(interface=interface, port=port, dashboard=dashboard_address is not None,
-                         dashboard_address=http_address) as scheduler:
+                         dashboard_address=http_address, security=security,
+                         protocol=_protocol()) as scheduler:
         comm.bcast(scheduler.address, root=SCHEDULER_RANK)
         # A synchronous client in a thread, so plugin installers need not be async-aware.
-        plugins = await asyncio.to_thread(_prepare_cluster, scheduler.address, sum(p.role == "worker" for p in layout))
+        plugins = await asyncio.to_thread(_prepare_cluster, scheduler.address, sum(p.role == "worker" for p in layout),
+                                          join_timeout, layout, interface)
         partial = f"{scheduler_file}.partial"
         with open(partial, "w") as f:
             json.dump(scheduler.identity(), f, indent=2)
@@ -460,8 +559,10 @@ async def _run_worker(comm, options, interface, memory_limit, local_directory):
     from distributed import Worker
 
     address = comm.bcast(None, root=SCHEDULER_RANK)
-    async with Worker(address, interface=interface, memory_limit=memory_limit,
-                      local_directory=local_directory, **options) as worker:
+    security = _security()
+    async with Worker(address, interface=interface, memory_limit=memory_limit, local_directory=local_directory,
+                      security=security, protocol=_protocol(),
+                      **options) as worker:
         await worker.finished()
 
 
@@ -500,15 +601,37 @@ def main(argv=None) -> int:
     parser.add_argument("--local-directory", default=None, help="directory for worker files")
     parser.add_argument("--quiet", action="store_true", help="do not print the layout")
     parser.add_argument("--log-level", default="warning", help="level of Dask's logs (default warning; info shows them all)")
+    parser.add_argument("--join-timeout", type=float, default=120.0,
+                        help="seconds for every worker rank to join the scheduler before the job ends (default 120)")
+    parser.add_argument("--tls-ca-file", help="TLS for every connection: the CA that signed the certificates "
+                        "(or set Dask's distributed.comm.tls.* config)")
+    parser.add_argument("--tls-cert", help="TLS certificate of the scheduler and workers (PEM; may include the key)")
+    parser.add_argument("--tls-key", help="TLS private key, if not in --tls-cert")
     args = parser.parse_args(argv)
     devices = [d for d in (args.devices or "").split(",") if d.strip()] or None
+    comm = _comm(None)
     try:
-        _serve_from_args(devices, args)
+        if bool(args.tls_ca_file) != bool(args.tls_cert):
+            raise ValueError("--tls-ca-file and --tls-cert: give both (or neither, to use Dask's TLS config)")
+        import dask
+
+        with dask.config.set(use_tls(args.tls_ca_file, args.tls_cert, args.tls_key) if args.tls_ca_file else {}):
+            _serve_from_args(devices, args)
     except ValueError as err:
         # Every rank raises the same error: print it once, not once per rank.
-        if _comm(None).Get_rank() == SCHEDULER_RANK:
+        if comm.Get_rank() == SCHEDULER_RANK:
             print(f"python -m dsched.mpi: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except WorkersMissing as err:
+        # Only rank 0 knows; the worker ranks would retry forever: end the whole job.
+        print(f"python -m dsched.mpi: error: {err}", file=sys.stderr, flush=True)
+        comm.Abort(2)
+    except Exception:
+        # A failure on one rank leaves the others waiting on it: show it, then end the whole job.
+        import traceback
+
+        traceback.print_exc()
+        comm.Abort(1)
     return 0
 
 
@@ -526,6 +649,7 @@ def _serve_from_args(devices, args):
         local_directory=args.local_directory,
         verbose=not args.quiet,
         log_level=args.log_level,
+        join_timeout=args.join_timeout,
     )
 
 

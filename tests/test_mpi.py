@@ -445,3 +445,171 @@ def test_command_line_missing_gpu_without_emulate_is_an_error(tmp_path):
     assert done.returncode != 0
     assert "devices: cuda:0 is not present on host" in done.stderr
     assert "(rank 2; visible GPUs: none); pass emulate=True (--emulate) to emulate it" in done.stderr
+
+
+# --- across hosts for real: network namespaces on a bridge --------------------------------
+#
+# Each "host" is a network namespace with its own address on a bridge (10.213.<n>.0/24) and,
+# through ``unshare --uts``, its own host name; Hydra starts its proxies in them through a
+# launcher script (its ssh launcher with ``ip netns exec`` in place of ssh), and its control
+# connection runs over the bridge (``-iface``). Needs root, ``ip`` and ``unshare``.
+
+def _can_make_namespaces() -> bool:
+    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("unshare") is not None
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    """Two hosts on one bridge: ``{"a": "10.213.N.1", "b": "10.213.N.2"}``, the bridge, and a launcher."""
+    if not _can_make_namespaces():
+        pytest.skip("needs root, ip and unshare for network namespaces")
+    tag = f"{os.getpid() % 10000}"
+    subnet = f"10.213.{os.getpid() % 250}"
+    bridge, names = f"dsbr{tag}", {"a": f"ds{tag}a", "b": f"ds{tag}b"}
+
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    made = []
+    try:
+        ip("link", "add", bridge, "type", "bridge")
+        made.append(("link", "del", bridge))
+        ip("addr", "add", f"{subnet}.254/24", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        for i, (host, ns) in enumerate(names.items(), start=1):
+            ip("netns", "add", ns)
+            made.append(("netns", "del", ns))
+            ip("link", "add", f"{ns}v", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("link", "set", f"{ns}v", "master", bridge, "up")
+            ip("-n", ns, "addr", "add", f"{subnet}.{i}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "route", "add", "default", "via", f"{subnet}.254")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
+        for undo in reversed(made):
+            subprocess.run(["ip", *undo], capture_output=True)
+        pytest.skip(f"cannot make network namespaces here: {err}")
+    folder = tmp_path_factory.mktemp("hosts")
+    launchers = {}
+    for same_name in (False, True):
+        # Hydra's ssh launcher calls: LAUNCHER [-x] HOST "COMMAND"; HOST is the namespace's address.
+        cases = "\n".join(f'  {subnet}.{i}) ns={ns}; name={"vm-shared" if same_name else f"host-{host}"};;'
+                          for i, (host, ns) in enumerate(names.items(), start=1))
+        script = folder / f"launch{'-same-name' if same_name else ''}.sh"
+        script.write_text(f'#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift; done\nhost=$1; shift\n'
+                          f'case "$host" in\n{cases}\n  *) echo "unknown host $host" >&2; exit 1;;\nesac\n'
+                          f'exec ip netns exec "$ns" unshare --uts bash -c "hostname $name && exec $*"\n')
+        script.chmod(0o755)
+        launchers[same_name] = script
+    yield {"a": f"{subnet}.1", "b": f"{subnet}.2", "bridge": bridge, "launchers": launchers}
+    for undo in reversed(made):
+        subprocess.run(["ip", *undo], capture_output=True)
+
+
+def _serve_across(hosts, layout, scheduler_file, *extra, same_name=False):
+    """``python -m dsched.mpi`` over the namespaces: ``layout`` is ``[(host, ranks), ...]``, rank 0 first."""
+    spec = ",".join(f"{hosts[h]}:{n}" for h, n in layout)
+    command = [MPIEXEC, "-launcher", "ssh", "-launcher-exec", str(hosts["launchers"][same_name]),
+               "-iface", hosts["bridge"], "-hosts", spec, "-n", str(sum(n for _, n in layout)),
+               sys.executable, "-m", "dsched.mpi", "--scheduler-file", str(scheduler_file), "--no-dashboard", *extra]
+    return subprocess.Popen(command, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _error_lines(err) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("python -m dsched.mpi: error:")]
+
+
+def test_loopback_across_hosts_is_refused_on_every_rank_naming_interface(two_hosts, tmp_path):
+    proc = _serve_across(two_hosts, [("a", 1), ("b", 1)], tmp_path / "sf.json", "--devices", "cpu")
+    with _job(proc):
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out + err
+    assert _error_lines(err) == [
+        "python -m dsched.mpi: error: --interface: lo is loopback, but the job's ranks run on 2 hosts (host-a, "
+        "host-b), which cannot reach each other through it; pass the interface that connects them (--interface "
+        "eth0, ib0, ...)"]
+
+
+def test_workers_that_cannot_join_end_the_job_naming_interface(two_hosts, tmp_path):
+    # Hosts that share a name (containers) pass the host check; the worker on b then cannot reach loopback on a.
+    proc = _serve_across(two_hosts, [("a", 1), ("b", 1)], tmp_path / "sf.json", "--devices", "cpu",
+                         "--join-timeout", "3", same_name=True)
+    with _job(proc):
+        out, err = proc.communicate(timeout=90)
+    assert proc.returncode != 0, out + err  # MPI_Abort ended every rank
+    [line] = _error_lines(err)
+    assert line.startswith("python -m dsched.mpi: error: only 0 of 1 worker ranks joined the scheduler at "
+                           "tcp://127.0.0.1:")
+    assert line.endswith(" within 3 s; missing: rank 1 (cpu on vm-shared). --interface lo is loopback: ranks on other "
+                         "hosts cannot reach it; the likely cause. Pass the interface that connects the hosts "
+                         "(--interface eth0, ib0, ...)")
+    assert not (tmp_path / "sf.json").exists()
+
+
+def _self_signed(folder) -> tuple[Path, Path]:
+    """A self-signed certificate (its own CA) and its key, as Dask's TLS tests use."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dsched-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+def test_tls_cluster_across_hosts_serves_a_tls_client_only(two_hosts, tmp_path):
+    from distributed import Client, Security
+
+    cert, key = _self_signed(tmp_path)
+    sf = tmp_path / "sf.json"
+    # Host a: the scheduler and a cpu worker; host b: a cpu worker (each node's first worker rank owns its cpu).
+    proc = _serve_across(two_hosts, [("a", 2), ("b", 1)], sf, "--devices", "cpu",
+                         "--interface", "eth0", "--tls-ca-file", str(cert), "--tls-cert", str(cert),
+                         "--tls-key", str(key))
+    _wait_for_file(sf, proc, timeout=90)
+    with _job(proc):
+        address = json.loads(sf.read_text())["address"]
+        assert address.startswith(f"tls://{two_hosts['a']}:")
+        graph = tmp_path / "graph.toml"
+        graph.write_text("[model]\nname = 'j2'\n[batch]\nsize = 2000\n[scheduler]\ndevices = ['cpu']\n"
+                         "batch_size = 250\n")
+        run = [sys.executable, "-m", "dsched", "run", str(graph), "--no-progress", "--scheduler-file", str(sf)]
+        # Without TLS settings a client is refused, in one line.
+        plain = subprocess.run(run, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert plain.returncode == 2
+        assert plain.stderr.splitlines() == [
+            f"dsched: error: --scheduler-file: the scheduler at {address} requires TLS; set Dask's TLS config "
+            "(distributed.comm.tls.ca-file, .client.cert, .client.key, e.g. DASK_DISTRIBUTED__COMM__TLS__CA_FILE)"]
+        tls_env = dict(_env(), DASK_DISTRIBUTED__COMM__TLS__CA_FILE=str(cert),
+                       DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT=str(cert),
+                       DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY=str(key))
+        done = subprocess.run(run, env=tls_env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "total: 2,000 items" in done.stdout
+        security = Security(tls_ca_file=str(cert), tls_client_cert=str(cert), tls_client_key=str(key),
+                            require_encryption=True)
+        with Client(address, security=security, timeout=30) as client:
+            workers = client.scheduler_info(n_workers=-1)["workers"]
+            # Every worker listens with TLS on its own host's address, and runs on that host.
+            hosts = {str(w["name"]): a.rsplit(":", 1)[0] for a, w in workers.items()}
+            assert hosts == {"cpu@host-a": f"tls://{two_hosts['a']}", "cpu@host-b": f"tls://{two_hosts['b']}"}
+            import socket
+
+            assert sorted(client.run(socket.gethostname).values()) == ["host-a", "host-b"]
+            client.shutdown()
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out + err
