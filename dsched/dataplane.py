@@ -127,7 +127,7 @@ class RunData:
             return None  # a custom size that would share a Zarr chunk with a neighbour: the client writes it
         if any(not isinstance(t, (ZarrTarget, ArrayRef)) for t in self.targets):
             return None  # the user's own arrays in the client's memory: written here
-        return OutputSlot(self.layout, self.targets, start, stop, f"chunk {index} on {device}")
+        return OutputSlot(self.layout, self.targets, start, stop, index)
 
     def fetch(self, future):
         """A finished chunk's value, straight from its worker (not relayed by the scheduler)."""
@@ -174,7 +174,7 @@ class RunData:
             # In this process the workers write into the user's arrays; other processes cannot, so the client does.
             self.targets = tuple(self.outputs) if self.store.shared else tuple(map(self.store.register, self.outputs))
         else:
-            allocated = [self.store.allocate(shapes[leaf.path], leaf.dtype) for leaf in layout.leaves]
+            allocated = self.store.allocate_many([(shapes[leaf.path], leaf.dtype) for leaf in layout.leaves])
             self.targets = tuple(ref for ref, _ in allocated)
             self.outputs = [view for _, view in allocated]
 

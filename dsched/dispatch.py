@@ -109,7 +109,7 @@ def _run_chunk(program: _ChunkProgram, device: Device, work, slot=None):
     start = time.time()
     result = program.run(device, resolve_work(work))
     if slot is not None:
-        slot.write(result)
+        slot.write(result, device)
         result = None
     return result, worker.address, start, time.time()
 

@@ -49,6 +49,9 @@ class _Leaf:
     item_shape: tuple  # the shape without the batch axis
     dtype: str
 
+    def __reduce__(self):  # positional: every chunk's task carries the layout
+        return _Leaf, (self.path, self.item_shape, self.dtype)
+
 
 @dataclass(frozen=True)
 class OutputLayout:
@@ -65,6 +68,9 @@ class OutputLayout:
     skeleton: object  # the result with every array replaced by None
     leaves: tuple
     axis: int = 0
+
+    def __reduce__(self):
+        return OutputLayout, (self.skeleton, self.leaves, self.axis)
 
     @classmethod
     def of(cls, result, size: int, axis: int = 0, *, where: str = "chunk 0") -> "OutputLayout":
@@ -192,10 +198,13 @@ class OutputSlot:
     targets: tuple
     start: int
     stop: int
-    where: str
+    index: int
 
-    def write(self, result):
-        arrays = self.layout.check(result, self.stop - self.start, self.where)
+    def __reduce__(self):
+        return OutputSlot, (self.layout, self.targets, self.start, self.stop, self.index)
+
+    def write(self, result, device):
+        arrays = self.layout.check(result, self.stop - self.start, f"chunk {self.index} on {device}")
         for target, array in zip(self.targets, arrays):
             write_rows(target, self.layout.axis, self.start, self.stop, array)
 

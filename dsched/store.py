@@ -51,7 +51,8 @@ class ArrayRef:
     """A reference to an array placed by a :class:`RunStore`: small, picklable, sliceable where it runs.
 
     ``pid`` is the process that placed it, ``token`` its name (also the segment's
-    name under ``/dev/shm`` when ``shared`` is true).
+    name under ``/dev/shm`` when ``shared`` is true), ``offset`` where its bytes
+    start in that segment (the arrays of one call share a segment).
     """
 
     token: str
@@ -59,6 +60,11 @@ class ArrayRef:
     dtype: str
     pid: int
     shared: bool
+    offset: int = 0
+
+    def __reduce__(self):
+        # Positional, without field names: a chunk's task carries several of these.
+        return ArrayRef, (self.token, self.shape, self.dtype, self.pid, self.shared, self.offset)
 
     @property
     def nbytes(self) -> int:
@@ -79,7 +85,8 @@ class ArrayRef:
         per_row = int(np.prod(self.shape[1:], dtype=np.int64))
         itemsize = np.dtype(self.dtype).itemsize
         count = stop - start
-        buffer, delta = _map_range(self.token, start * per_row * itemsize, count * per_row * itemsize, writable)
+        buffer, delta = _map_range(self.token, self.offset + start * per_row * itemsize, count * per_row * itemsize,
+                                   writable)
         return np.frombuffer(buffer, self.dtype, count=count * per_row, offset=delta).reshape(
             (count,) + tuple(self.shape[1:]))
 
@@ -109,7 +116,7 @@ class _Segment:
     """One shared-memory file of this process: created exclusively, mapped, unlinked at close."""
 
     def __init__(self, nbytes: int):
-        self.token = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+        self.token = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
         self.path = os.path.join(SHM_DIR, self.token)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -176,25 +183,43 @@ class RunStore:
 
     def share(self, array) -> ArrayRef:
         """A reference to ``array`` (NumPy, any layout) that workers can slice."""
-        array = np.asarray(array)
+        return self.share_many([array])[0]
+
+    def share_many(self, arrays) -> list:
+        """References to ``arrays``, copied once into one segment (or registered as they are, in-process)."""
+        arrays = [np.asarray(a) for a in arrays]
         if not self.shared:
-            return self.register(array)
-        ref, target = self.allocate(array.shape, array.dtype)
-        np.copyto(target, array)  # the one copy of the batch; workers map it from here on
-        return ref
+            return [self.register(a) for a in arrays]
+        placed = self.allocate_many([(a.shape, a.dtype) for a in arrays])
+        for array, (_, target) in zip(arrays, placed):
+            np.copyto(target, array)  # the one copy of the batch; workers map it from here on
+        return [ref for ref, _ in placed]
 
     def allocate(self, shape, dtype):
         """A new uninitialised array: ``(reference, the client's view of it)``."""
-        shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
-        if dtype.hasobject:
-            raise TypeError(f"dtype {dtype}: arrays of Python objects cannot be shared")
+        return self.allocate_many([(shape, dtype)])[0]
+
+    def allocate_many(self, specs) -> list:
+        """New uninitialised arrays ``[(shape, dtype)]`` in one segment: ``[(reference, the client's view)]``."""
+        specs = [(tuple(int(n) for n in shape), np.dtype(dtype)) for shape, dtype in specs]
+        for _, dtype in specs:
+            if dtype.hasobject:
+                raise TypeError(f"dtype {dtype}: arrays of Python objects cannot be shared")
         if not self.shared:
-            array = np.empty(shape, dtype)
-            return self.register(array), array
-        segment = _Segment(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+            arrays = [np.empty(shape, dtype) for shape, dtype in specs]
+            return [(self.register(a), a) for a in arrays]
+        offsets, end = [], 0
+        for shape, dtype in specs:
+            offsets.append(end)
+            end += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // 64) * 64  # 64-byte aligned
+        segment = _Segment(end)
         self._segments.append(segment)
-        view = np.frombuffer(segment.buffer, dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape)
-        return ArrayRef(segment.token, shape, dtype.str, os.getpid(), True), view
+        placed = []
+        for (shape, dtype), offset in zip(specs, offsets):
+            count = int(np.prod(shape, dtype=np.int64))
+            view = np.frombuffer(segment.buffer, dtype, count=count, offset=offset).reshape(shape)
+            placed.append((ArrayRef(segment.token, shape, dtype.str, os.getpid(), True, offset), view))
+        return placed
 
     def register(self, array) -> ArrayRef:
         """A reference to this process's own ``array`` (no copy), for workers in this process."""
@@ -269,6 +294,9 @@ class SliceRef:
     start: int
     stop: int
 
+    def __reduce__(self):
+        return SliceRef, (self.ref, self.axis, self.start, self.stop)
+
     def resolve(self):
         return self.ref.take(self.axis, self.start, self.stop)
 
@@ -278,6 +306,9 @@ class SharedWork:
     """A chunk's work whose arrays are :class:`SliceRef` (alone, or as values of a dict): resolved where it runs."""
 
     payload: object
+
+    def __reduce__(self):
+        return SharedWork, (self.payload,)
 
     def resolve(self):
         if isinstance(self.payload, SliceRef):
@@ -307,7 +338,7 @@ def share_generator(generator, store: RunStore):
     if isinstance(generator, MappingLoader):
         batched = {k: generator.mapping[k] for k in generator._batched}
         if batched and all(_shareable(v) for v in batched.values()):
-            return _SharedMappingLoader(generator, {k: store.share(v) for k, v in batched.items()})
+            return _SharedMappingLoader(generator, dict(zip(batched, store.share_many(list(batched.values())))))
     return generator
 
 
