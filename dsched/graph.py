@@ -52,7 +52,9 @@ AUTO_PRIORITY = {"cpu": 1.0, "cuda": 2.0}
 
 _INT, _FLOAT, _BOOL, _STR = int, (int, float), bool, str
 _SCHEMA = {
-    "model": {"name": _STR, "tangent": _BOOL, "parameters": dict},
+    # input, model, inputs and outputs: name = "neml2" only (dsched.models.neml2.graph_parameters)
+    "model": {"name": _STR, "tangent": _BOOL, "parameters": dict, "input": _STR, "model": _STR, "inputs": dict,
+              "outputs": list},
     "batch": {"size": _INT},
     "scheduler": {
         "type": _STR,
@@ -127,24 +129,34 @@ class Graph:
         return "scheduler.device" if "device" in self.scheduler else "scheduler.devices"
 
     def output_bytes_per_item(self) -> int:
-        """Bytes of output per item, probed by running the model on two items on the CPU."""
+        """Bytes of output per item: the model's declared outputs, else probed on two items on the CPU."""
         from .devices import running_on
         from .models import get_model
 
         model = get_model(self.model)
+        if model.outputs is not None:
+            import numpy as np
+
+            return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                       for shape, dtype in model.outputs(self.tangent).values())
         with running_on("cpu"):
             result = model.chunk(slice(0, 2), Device("cpu"), model.parameters_type(**self.parameters),
                                  tangent=self.tangent)
         return -(-_nbytes(result) // 2)
 
     def check_memory(self, available=None) -> int:
-        """Refuse a run whose joined outputs cannot fit in memory; the bytes it needs.
+        """Refuse a run whose outputs cannot fit in memory (a :class:`GraphError`); the bytes it needs.
 
-        The outputs are joined in the client's memory, where the chunks'
-        results and the joined arrays briefly coexist: twice the outputs.
-        A graph whose outputs go to disk (``options.output``) is not refused.
+        Declared outputs are allocated once and written in place; a model
+        that declares none has its chunks' results joined, and the pieces
+        and the joined arrays briefly coexist: twice the outputs. A graph
+        whose outputs go to disk (``options.output``) is never refused.
         """
-        needed = 2 * self.output_bytes_per_item() * self.batch_size
+        from .models import get_model
+
+        declared = get_model(self.model).outputs is not None
+        per_item = self.output_bytes_per_item()
+        needed = (1 if declared else 2) * per_item * self.batch_size
         if self.options.get("output"):
             return needed
         if available is None:
@@ -152,11 +164,11 @@ class Graph:
 
             available = psutil.virtual_memory().available
         if needed > available:
+            how = "" if declared else ", twice while joining"
             raise GraphError(
                 f"batch.size: {self.batch_size:,} items need about {_human_bytes(needed)} of memory for their "
-                f"outputs ({_human_bytes(needed // (2 * self.batch_size))} per item, twice while joining) but "
-                f"{_human_bytes(available)} is available; lower batch.size or write the outputs to disk "
-                f"(--output, options.output) in {self.source}"
+                f"outputs ({_human_bytes(per_item)} per item{how}) but {_human_bytes(available)} is available; "
+                f"lower batch.size or write the outputs to disk (--output, options.output) in {self.source}"
             )
         return needed
 
@@ -289,6 +301,16 @@ def parse_graph(data: dict, source: str = "<graph>") -> Graph:
 
     model = data["model"]
     parameters = model.get("parameters", {})
+    neml2_keys = [key for key in ("input", "model", "inputs", "outputs") if key in model]
+    if model["name"] == "neml2":
+        from .models.neml2 import graph_parameters
+
+        try:
+            parameters = graph_parameters(model, source)
+        except ValueError as err:
+            raise GraphError(f"{err} in {source}") from None
+    elif neml2_keys:
+        raise GraphError(f"model.{neml2_keys[0]}: only for name = 'neml2' in {source}")
     try:
         entry = get_model(model["name"])
     except ValueError as err:

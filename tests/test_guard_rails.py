@@ -118,10 +118,11 @@ def test_enormous_batch_is_refused_saying_what_it_needs_and_what_there_is(tmp_pa
     path = graph_file(tmp_path, "[model]\nname = 'j2'\n[batch]\nsize = 10_000_000_000_000\n")
     assert main(["run", str(path), "--no-progress"]) == 2
     line = one_error_line(capsys)
-    # J2 with its tangent: stress (6) + plastic strain (6) + alpha (1) + tangent (36) float64 = 392 bytes a point.
+    # J2 with its tangent: stress (6) + plastic strain (6) + alpha (1) + tangent (36) float64 = 392 bytes a point,
+    # declared by the model, so allocated once.
     assert line.startswith(
-        "dsched: error: batch.size: 10,000,000,000,000 items need about 7.0 PiB of memory for their outputs "
-        "(392 B per item, twice while joining) but "
+        "dsched: error: batch.size: 10,000,000,000,000 items need about 3.5 PiB of memory for their outputs "
+        "(392 B per item) but "
     )
     available = line.split(" but ")[1].split(" is available")[0]
     value, unit = available.split()
@@ -129,15 +130,27 @@ def test_enormous_batch_is_refused_saying_what_it_needs_and_what_there_is(tmp_pa
     assert line.endswith(f"is available; lower batch.size or write the outputs to disk (--output, options.output) in {path}")
 
 
-def test_memory_estimate_from_the_models_outputs():
+def test_memory_estimate_from_the_models_declared_outputs():
     graph = parse_graph({"model": {"name": "j2", "tangent": False}, "batch": {"size": 1000}})
     assert graph.output_bytes_per_item() == (6 + 6 + 1) * 8  # no tangent
-    assert graph.check_memory(available=2 * 104 * 1000) == 2 * 104 * 1000  # fits exactly
-    with pytest.raises(GraphError, match=r"^batch\.size: 1,000 items need about 203\.1 KiB .* but 203\.1 KiB is"):
-        graph.check_memory(available=2 * 104 * 1000 - 1)
+    assert graph.check_memory(available=104 * 1000) == 104 * 1000  # fits exactly
+    with pytest.raises(GraphError, match=r"^batch\.size: 1,000 items need about 101\.6 KiB of memory for their "
+                                         r"outputs \(104 B per item\) but 101\.6 KiB is available"):
+        graph.check_memory(available=104 * 1000 - 1)
     # Outputs that go to disk (options.output, --output) are not held in memory: not refused.
     graph.options["output"] = "outputs.zarr"
-    assert graph.check_memory(available=0) == 2 * 104 * 1000
+    assert graph.check_memory(available=0) == 104 * 1000
+
+
+def test_memory_estimate_of_a_model_without_declared_outputs_is_probed_and_doubled(monkeypatch):
+    from dsched import models
+
+    undeclared = models.MODELS["j2"]._replace(outputs=None)
+    monkeypatch.setitem(models.MODELS, "j2", undeclared)
+    graph = parse_graph({"model": {"name": "j2"}, "batch": {"size": 1000}})
+    assert graph.output_bytes_per_item() == 392  # probed: two points through the real model
+    with pytest.raises(GraphError, match=r"\(392 B per item, twice while joining\) but 765\.6 KiB is available"):
+        graph.check_memory(available=2 * 392 * 1000 - 1)
 
 
 # --- reaching a cluster ------------------------------------------------------------
