@@ -67,6 +67,7 @@ __all__ = [
     "register_page",
     "track_run",
     "dashboard_link",
+    "scheduler_page_link",
     "dask_setup",
     "PLUGIN_NAME",
     "JSON_ROUTE",
@@ -482,29 +483,30 @@ def track_run(client, total: int, name: str | None = None):
             client.run_on_scheduler(_end_run, client.id)
 
 
-def _http_sockets(dask_scheduler=None):
-    """The ``(host, port)`` pairs the scheduler's HTTP server listens on."""
-    server = getattr(dask_scheduler, "http_server", None)
-    return sorted({tuple(sock.getsockname()[:2]) for sock in getattr(server, "_sockets", {}).values()})
-
-
-def dashboard_link(client) -> str | None:
-    """The address of the dsched page on ``client``'s scheduler, or ``None`` without a dashboard.
+def scheduler_page_link(dask_scheduler=None) -> str | None:
+    """The address of the dsched page of a scheduler (in its process), or ``None`` without a dashboard.
 
     Built from where the scheduler's HTTP server really listens (a loopback
     dashboard gives a loopback link); a server on every interface gets the
     host of the scheduler's address.
     """
-    port = client.scheduler_info(n_workers=0).get("services", {}).get("dashboard")
-    if port is None:
+    port = dask_scheduler.identity().get("services", {}).get("dashboard")
+    server = getattr(dask_scheduler, "http_server", None)
+    if port is None or server is None:
         return None
-    hosts = [host for host, p in client.run_on_scheduler(_http_sockets) if p == port]
-    host = next((h for h in hosts if h not in ("0.0.0.0", "::")), None)
+    hosts = [sock.getsockname()[0] for sock in getattr(server, "_sockets", {}).values()
+             if sock.getsockname()[1] == port]
+    host = next((h for h in sorted(hosts) if h not in ("0.0.0.0", "::")), None)
     if host is None:
-        address = str(client.scheduler.address)
+        address = str(dask_scheduler.address)
         host = "127.0.0.1" if address.startswith("inproc://") or "://" not in address else worker_host(address)
     host = f"[{host}]" if ":" in host else host
     return f"http://{host}:{port}{PAGE_ROUTE}"
+
+
+def dashboard_link(client) -> str | None:
+    """The address of the dsched page on ``client``'s scheduler, or ``None`` without a dashboard."""
+    return client.run_on_scheduler(scheduler_page_link)
 
 
 # --- HTTP: the JSON route and the plain page ---------------------------------

@@ -387,6 +387,8 @@ def initialize(
         plugins = _prepare_cluster(address, sum(p.role == "worker" for p in layout), layout=layout, interface=interface)
         if verbose:
             print(f"dsched.mpi cluster ready at {address} (plugins: {', '.join(plugins) or 'none'})", flush=True)
+            if dashboard_address is not None:
+                _print_page_link(address)
     return is_client
 
 
@@ -420,6 +422,23 @@ def _missing_workers_message(address, n_workers, joined, timeout, layout, interf
                 "Pass the interface that connects the hosts (--interface eth0, ib0, ...)")
     return (f"{head}. Check that every host reaches {address} through --interface {interface} "
             "(firewall, a wrong interface, or TLS settings that differ between ranks)")
+
+
+def _print_page_link(address=None, scheduler=None):
+    """Print the link to the dsched dashboard page (the scheduler's, or the one at ``address``)."""
+    try:
+        from .dashboard import dashboard_link, scheduler_page_link
+    except ImportError:  # a checkout without dsched.dashboard
+        return
+    if scheduler is not None:
+        link = scheduler_page_link(scheduler)
+    else:
+        from distributed import Client
+
+        with Client(address, timeout=30) as client:
+            link = dashboard_link(client)
+    if link is not None:
+        print(f"dsched.mpi dashboard: {link}", flush=True)
 
 
 def _set_log_level(level):
@@ -552,6 +571,8 @@ async def _run_scheduler(comm, layout, devices, scheduler_file, interface, port,
                 f"plugins: {', '.join(plugins) or 'none'}):\n{format_layout(layout, devices)}",
                 flush=True,
             )
+            if dashboard_address is not None:
+                _print_page_link(scheduler=scheduler)
         await scheduler.finished()
 
 

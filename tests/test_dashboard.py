@@ -31,7 +31,7 @@ def _mpi_program():
     from dsched import SimpleScheduler, dispatch
 
     if not dsched.mpi.initialize(devices=["cuda:0"], capacities={"cuda:0": 32}, emulate=True,
-                                 dashboard_address="127.0.0.1:0", verbose=False):
+                                 dashboard_address="127.0.0.1:0", verbose=True):
         return
     from distributed import Client
 
@@ -41,7 +41,7 @@ def _mpi_program():
         port = client.scheduler_info()["services"]["dashboard"]
         status = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/dsched/status.json", timeout=10))
         plots = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/individual-plots.json", timeout=10))
-        print("RESULT " + json.dumps({"status": status, "plots": plots}), flush=True)
+        print("RESULT " + json.dumps({"status": status, "plots": plots, "port": port}), flush=True)
 
 
 if __name__ == "__main__":
@@ -329,6 +329,7 @@ def test_dask_mpi_cluster_serves_the_page_and_the_json():
     assert lines, done.stdout + done.stderr
     result = json.loads(lines[0][len("RESULT "):])
     assert result["plots"].get("Individual Dsched") == PAGE_ROUTE
+    assert f"dsched.mpi dashboard: http://127.0.0.1:{result['port']}{PAGE_ROUTE}\n" in done.stdout  # the link, printed
     [row] = result["status"]["devices"]
     assert (row["device"], row["capacity"], row["emulated"], row["chunks_done"], row["items_done"]) == (
         "cuda:0", 32, True, 10, 100)
