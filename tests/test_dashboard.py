@@ -661,3 +661,85 @@ def test_dsched_run_dashboard_refuses_bad_input_before_any_cluster(tmp_path, cap
     assert main(["run", str(graph), "--no-progress", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+# --- the run table: rows per device and host -----------------------------------------------
+
+def _records():
+    from dsched.devices import Device
+    from dsched.report import ChunkRecord
+
+    cpu, gpu = Device("cpu"), Device("cuda:0")
+    return [  # (index, device, size, worker, start, stop): cuda:0 on two nodes, the cpu on one
+        ChunkRecord(0, gpu, 400, "tcp://10.0.0.3:4001", 0.0, 1.0),
+        ChunkRecord(1, cpu, 100, "tcp://10.0.0.3:4000", 0.0, 2.0),
+        ChunkRecord(2, gpu, 400, "tcp://10.0.0.4:4001", 0.5, 1.5),
+        ChunkRecord(3, gpu, 400, "tcp://10.0.0.3:4001", 0.5, 2.0),  # overlaps chunk 0: busy 2 s, not 2.5
+        ChunkRecord(4, gpu, 200, "tcp://10.0.0.4:4002", 1.5, 2.5),  # a second worker owning cuda:0 on node 4
+    ]
+
+
+def test_run_report_rows_per_device_and_host():
+    from dsched.devices import Device
+    from dsched.report import DeviceOnHost, RunReport
+
+    report = RunReport("async", _records(), [None] * 5, wall_start=0.0, wall_stop=2.5)
+    rows = report.by_device()
+    assert [str(key) for key in rows] == ["cuda:0@10.0.0.3", "cpu@10.0.0.3", "cuda:0@10.0.0.4"]
+    assert list(rows) == [DeviceOnHost(Device("cuda:0"), "10.0.0.3"), DeviceOnHost(Device("cpu"), "10.0.0.3"),
+                          DeviceOnHost(Device("cuda:0"), "10.0.0.4")]
+    assert [(r["chunks"], r["items"], r["busy"], r["items_per_s"]) for r in rows.values()] == [
+        (2, 800, 2.0, 400.0), (1, 100, 2.0, 50.0), (2, 600, 2.0, 300.0)]
+    node4 = rows[DeviceOnHost(Device("cuda:0"), "10.0.0.4")]
+    assert (node4["worker"], node4["workers"]) == ("tcp://10.0.0.4:4001", ["tcp://10.0.0.4:4001", "tcp://10.0.0.4:4002"])
+    hosts = report.by_host()
+    assert list(hosts) == ["10.0.0.3", "10.0.0.4"]
+    assert [(h["devices"], h["chunks"], h["items"], h["busy"], h["items_per_s"]) for h in hosts.values()] == [
+        ([Device("cuda:0"), Device("cpu")], 3, 900, 2.0, 450.0), ([Device("cuda:0")], 2, 600, 2.0, 300.0)]
+
+
+def test_run_table_has_a_row_per_device_and_host_and_a_host_summary():
+    from dsched.devices import Device
+    from dsched.job import JobResult, format_report
+    from dsched.report import RunReport
+
+    report = RunReport("async", _records(), [None] * 5, wall_start=0.0, wall_stop=2.5)
+    text = format_report(JobResult({}, report, {Device("cpu"): False, Device("cuda:0"): True}))
+    lines = text.splitlines()
+    table = [line.split() for line in lines if "@" in line]
+    assert table == [
+        ["cpu@10.0.0.3", "no", "1", "100", "2.000", "50"],
+        ["cuda:0@10.0.0.3", "yes", "2", "800", "2.000", "400"],
+        ["cuda:0@10.0.0.4", "yes", "2", "600", "2.000", "300"],
+    ]
+    start = next(i for i, line in enumerate(lines) if line.startswith("host "))
+    assert [line.split() for line in lines[start + 1:start + 3]] == [
+        ["10.0.0.3", "2", "3", "900", "2.000", "450"], ["10.0.0.4", "1", "2", "600", "2.000", "300"]]
+    assert "total: 1,500 items in 2.500 s = 600 items/s (async mode) on 2 hosts" in text
+    # One host: the device alone labels its row, and no host summary.
+    one = RunReport("async", _records()[:2], [None] * 2, wall_start=0.0, wall_stop=2.0)
+    text = format_report(JobResult({}, one, {Device("cpu"): False, Device("cuda:0"): True}))
+    assert [line.split()[0] for line in text.splitlines()[2:4]] == ["cuda:0", "cpu"] and "host " not in text
+
+
+def test_items_per_second_series_keeps_every_item_and_the_formats():
+    from dsched.dashboard import DashboardPlugin, _throughput_series, track_run
+    from dsched.dashboard_plots import format_count, format_seconds
+
+    chunks = [("cpu@a", "cpu", 10.0, 11.0, 100), ("cpu@a", "cpu", 11.0, 13.0, 100),
+              ("cuda:0@b", "cuda:0", 10.5, 10.5, 50)]  # the last has no measured duration
+    series = _throughput_series(chunks, origin=10.0, end=14.0, bins=8)
+    assert list(series) == ["cpu@a", "cuda:0@b"]
+    times, rates = series["cpu@a"]
+    assert times == [0.25 + 0.5 * i for i in range(8)]
+    assert rates == [100.0, 100.0, 50.0, 50.0, 50.0, 50.0, 0.0, 0.0]  # items/s: 100 then 50, then idle
+    assert sum(r * 0.5 for r in series["cuda:0@b"][1]) == 50
+    assert (format_count(1234567.8), format_count(None), format_count("unlimited"), format_count(float("nan"))) == (
+        "1,234,568", "-", "unlimited", "-")
+    assert (format_seconds(None), format_seconds(0.42), format_seconds(200), format_seconds(7300)) == (
+        "-", "0.4 s", "3 min 20 s", "2 h 1 min")
+    with pytest.raises(ValueError, match=r"^total: expected a positive number of items, got 0$"):
+        DashboardPlugin().begin_run("client", total=0)
+    with pytest.raises(ValueError, match=r"^total: expected a positive number of items, got 2.5$"):
+        with track_run(None, total=2.5):
+            pass
