@@ -613,3 +613,28 @@ def test_tls_cluster_across_hosts_serves_a_tls_client_only(two_hosts, tmp_path):
             client.shutdown()
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, out + err
+
+
+def test_dask_mpi_job_with_tls_from_dasks_config(tmp_path):
+    # initialize() (dask-mpi's layout) takes TLS from Dask's config alone, here through the environment.
+    cert, key = _self_signed(tmp_path)
+    env = {"DASK_DISTRIBUTED__COMM__TLS__CA_FILE": str(cert)}
+    for role in ("SCHEDULER", "WORKER", "CLIENT"):
+        env |= {f"DASK_DISTRIBUTED__COMM__TLS__{role}__CERT": str(cert), f"DASK_DISTRIBUTED__COMM__TLS__{role}__KEY": str(key)}
+    done = subprocess.run([MPIEXEC, "-n", "4", sys.executable, "examples/dask_mpi_job.py", "--devices", "cpu,cuda:0",
+                           "--emulate", "--no-dashboard", "--points", "3000"], env=dict(_env(), **env), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "dsched.mpi cluster ready at tls://127.0.0.1:" in done.stdout
+    assert "J2 over 3000 points: result matches the direct evaluation" in done.stdout
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--tls-ca-file", "ca.pem"], "--tls-ca-file and --tls-cert: give both (or neither, to use Dask's TLS config)"),
+    (["--tls-ca-file", "absent.pem", "--tls-cert", "absent.pem"], "--tls-ca-file: absent.pem is not a readable file"),
+])
+def test_command_line_tls_options_are_checked_before_anything_starts(tmp_path, args, line):
+    done = _mpiexec(["-n", "2", sys.executable, "-m", "dsched.mpi", "--scheduler-file", str(tmp_path / "sf.json"),
+                     "--devices", "cpu", "--no-dashboard", *args], timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"python -m dsched.mpi: error: {line}"]
