@@ -269,7 +269,7 @@ def _client_map_overhead(client, devices, tasks, gather):
 
 
 def _chunk_task_overhead(client, devices, chunks):
-    """dsched's chunk tasks (``_run_chunk`` with its program, device and slice) through plain client.map + gather.
+    """dsched's chunk tasks (``run_chunk`` with its program, device and slice) through plain client.map + gather.
 
     The same Dask tasks an async dispatch sends, without the dispatcher: the
     difference to ``client.map + gather`` is the chunk's own cost, the rest of
@@ -277,15 +277,15 @@ def _chunk_task_overhead(client, devices, chunks):
     """
     import uuid
 
-    from .dispatch import _ChunkProgram, _run_chunk
+    from .chunk import ChunkProgram, run_chunk
     from .devices import device_resource
 
-    program = _ChunkProgram(uuid.uuid4().hex, _noop)
+    program = ChunkProgram(uuid.uuid4().hex, _noop)
     start = time.perf_counter()
     futures = []
     for i, d in enumerate(devices):
         index = range(i, chunks, len(devices))
-        futures += client.map(_run_chunk, [program] * len(index), [Device(d.device)] * len(index),
+        futures += client.map(run_chunk, [program] * len(index), [Device(d.device)] * len(index),
                               [slice(j, j + 1) for j in index], resources={device_resource(d.device): 1}, pure=False)
     client.gather(futures)
     per_chunk = (time.perf_counter() - start) / chunks

@@ -10,7 +10,6 @@ worker, not assignment to it.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import queue
 import threading
@@ -19,22 +18,15 @@ import uuid
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from . import backends
-from .devices import (
-    Device,
-    device_of_resources,
-    device_resource,
-    placement_device,
-    running_on,
-    selected,
-    to_device,
-    to_host,
-)
+from .chunk import ChunkProgram, InFlight, run_chunk
+from .completion import notify_when_done, wait_for_one
 from .dataplane import RunData, check_out, direct_to_workers, zarr_chunk_items
+from .devices import Device, device_resource, running_on
 from .errors import AggregateError
 from .outputs import OutputLayout
+from .ownership import check_devices_owned, device_owners
 from .report import ChunkRecord, RunReport
 from .store import resolve_work
 from .trace import DispatchTracer, check_trace_path
@@ -43,75 +35,6 @@ from .work import MappingLoader
 __all__ = ["WorkDispatcher", "dispatch", "ChunkRecord", "RunReport"]
 
 MODES = ("sync", "async")
-
-
-@dataclass(frozen=True)
-class _ChunkProgram:
-    """Everything a worker needs to run a chunk; shipped with each chunk."""
-
-    dispatcher_id: str
-    do_work: object
-    preprocess: object = None
-    postprocess: object = None
-    thread_init: object = None
-
-    def run(self, device, work):
-        with running_on(device), selected(device):
-            if self.preprocess is not None:
-                work = self.preprocess(work, device)
-            result = self.do_work(work, device)
-            if self.postprocess is not None:
-                result = self.postprocess(result)
-        return result
-
-
-_init_registry_lock = threading.Lock()
-
-
-class _InitOnce:
-    """Runs a dispatcher's ``thread_init`` once per device on one worker."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.done = False
-
-    def __call__(self, fn, device):
-        with self.lock:  # a second chunk waits until the first has initialised the device
-            if not self.done:
-                with running_on(device):
-                    fn(device)  # on failure ``done`` stays False, so the next chunk tries again
-                self.done = True
-
-
-class _InFlight(NamedTuple):
-    """A submitted chunk: its record, its future, and whether its worker writes its result in place."""
-
-    record: ChunkRecord
-    future: object
-    in_place: bool
-
-
-def _run_chunk(program: _ChunkProgram, device: Device, work, slot=None):
-    """The task that runs on a device worker: initialise once, then compute one chunk.
-
-    ``work`` may hold references into the run's store (resolved to views here);
-    with a ``slot`` the result is checked and written in place, and only the
-    timings travel back.
-    """
-    from distributed import get_worker
-
-    worker = get_worker()
-    if program.thread_init is not None:
-        with _init_registry_lock:
-            registry = worker.__dict__.setdefault("_dsched_thread_init", {})
-            once = registry.setdefault((program.dispatcher_id, device), _InitOnce())
-        once(program.thread_init, device)
-    start = time.time()
-    result = program.run(device, resolve_work(work))
-    if slot is not None:
-        slot.write(result, device)
-        result = None
-    return result, worker.address, start, time.time()
 
 
 class WorkDispatcher:
@@ -209,7 +132,7 @@ class WorkDispatcher:
         self.reduce = reduce
         self.mode = mode
         self.on_chunk_done = on_chunk_done
-        self._program = _ChunkProgram(uuid.uuid4().hex, do_work, preprocess, postprocess, thread_init)
+        self._program = ChunkProgram(uuid.uuid4().hex, do_work, preprocess, postprocess, thread_init)
         self._client = client
         self._cluster_options = dict(cluster_options or {})
         self._own_cluster = None
@@ -400,7 +323,7 @@ class WorkDispatcher:
                             "a scheduler cannot be shared by dispatchers running at the same time"
                         )
                     break
-                future = _wait_for_one(done, in_flight, client, self.scheduler.devices)
+                future = wait_for_one(done, in_flight, client, self.scheduler.devices)
                 while future is not None:
                     failed |= self._complete(future, in_flight, outstanding, data)
                     try:
@@ -428,7 +351,7 @@ class WorkDispatcher:
         for size, group in by_size.items():
             slots = [data.slot(device, r.offset, r.offset + r.size, r.index) for r, _ in group]
             futures_of_group = client.map(
-                _run_chunk,
+                run_chunk,
                 [self._program] * len(group),
                 [device] * len(group),
                 [data.task_work(device, work) for _, work in group],
@@ -440,9 +363,9 @@ class WorkDispatcher:
             batch.extend((record, slot is not None, future)
                          for (record, _), slot, future in zip(group, slots, futures_of_group))
         for record, in_place, future in batch:
-            in_flight[future.key] = _InFlight(record, future, in_place)
+            in_flight[future.key] = InFlight(record, future, in_place)
             futures[record.index] = future
-        _notify_when_done(client, [future for _, _, future in batch], done.put)
+        notify_when_done(client, [future for _, _, future in batch], done.put)
 
     def _complete(self, future, in_flight, outstanding, data) -> bool:
         """Account for one finished future; whether it failed."""
@@ -488,109 +411,6 @@ class WorkDispatcher:
         for future in futures:
             if future is not None:
                 future.release()
-
-
-def _notify_when_done(client, futures, put):
-    """Call ``put(future)`` on the client's event loop as each of ``futures`` finishes (or fails, or is cancelled).
-
-    One loop callback per submitted batch, and the put straight from the loop:
-    ``Future.add_done_callback`` wakes the loop once per future and hops through
-    Dask's callback thread once per completion, which cost about 90 us of client
-    CPU per chunk on two cores (docs/benchmarks.md).
-    """
-    if futures:
-        client.loop.add_callback(_watch_futures, futures, put)
-
-
-_watchers = set()  # running watcher tasks: asyncio keeps only weak references to tasks
-
-
-async def _watch_futures(futures, put):
-    for future in futures:
-        task = asyncio.ensure_future(_watch_future(future, put))
-        _watchers.add(task)
-        task.add_done_callback(_watchers.discard)
-
-
-async def _watch_future(future, put):
-    # What Future.add_done_callback awaits (distributed.client.done_callback), without its thread hop.
-    # ``_state`` is distributed's own; should a release rename it, fall back to the public callback.
-    state = getattr(future, "_state", None)
-    if state is None or not hasattr(state, "wait"):
-        future.add_done_callback(put)
-        return
-    while future.status == "pending":
-        await state.wait()
-    put(future)
-
-
-def _wait_for_one(done, in_flight, client, devices, poll=1.0):
-    """The next finished future; raises if a device with chunks in flight lost every worker."""
-    lost_since = None
-    while True:
-        try:
-            return done.get(timeout=poll)
-        except queue.Empty:
-            pass
-        busy = {entry.record.device for entry in in_flight.values()}
-        owned = device_capacities(client)
-        orphaned = sorted(str(d) for d in busy if placement_device(d) not in owned)
-        if not orphaned:
-            lost_since = None
-            continue
-        lost_since = lost_since or time.monotonic()
-        from dask import config
-
-        grace = config.get("dsched.lost-device-timeout", 30.0)
-        if time.monotonic() - lost_since > grace:
-            for entry in in_flight.values():
-                if str(entry.record.device) in orphaned:
-                    entry.future.cancel()
-            raise RuntimeError(
-                f"no worker owns {', '.join(orphaned)} any more (lost for over {grace:g} s); "
-                "their chunks were cancelled"
-            )
-
-
-def device_owners(client, devices) -> dict:
-    """``{Device: [address of each worker that owns it]}`` for ``devices``."""
-    wanted = {placement_device(d): Device(d) for d in devices}
-    owners = {Device(d): [] for d in devices}
-    for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
-        device = device_of_resources(info.get("resources"))
-        if device is not None and device in wanted:
-            owners[wanted[device]].append(address)
-    return owners
-
-
-def device_capacities(client) -> dict:
-    """``{Device: smallest capacity in items among the workers that own it}``."""
-    capacities = {}
-    for info in client.scheduler_info(n_workers=-1)["workers"].values():
-        device = device_of_resources(info.get("resources"))
-        if device is not None:
-            amount = info["resources"][device_resource(device)]
-            capacities[device] = min(amount, capacities.get(device, amount))
-    return capacities
-
-
-def check_devices_owned(client, scheduler):
-    """A ValueError, before any work, for a device no worker owns or whose capacity is below its batch size."""
-    capacities = device_capacities(client)
-    missing = [str(s.device) for s in scheduler.status() if placement_device(s.device) not in capacities]
-    if missing:
-        have = ", ".join(sorted(map(str, capacities))) or "none"
-        raise ValueError(
-            f"devices: no worker of the cluster owns {', '.join(missing)} (owned devices: {have}); "
-            f"start one with LocalHybridCluster or `dask worker --resources {device_resource(missing[0])}=<capacity>`"
-        )
-    for s in scheduler.status():
-        held = capacities[placement_device(s.device)]
-        if held < s.batch_size:
-            raise ValueError(
-                f"batch_sizes: {s.batch_size} for {s.device} exceeds the {held:g} items its worker may run at once "
-                f"(the worker's {device_resource(s.device)} resource)"
-            )
 
 
 def _close_client_and_cluster(client, cluster):
