@@ -283,10 +283,15 @@ def _set(source, data) -> bool:
     """Replace a source's columns the way Dask's own plots do; whether anything changed."""
     from distributed.dashboard.utils import update
 
-    if dict(source.data) == data:
+    old = source.data
+    if set(old) == set(data) and all(_as_list(old[k]) == _as_list(v) for k, v in data.items()):
         return False
-    update(source, data)
+    update(source, data)  # turns long numeric columns into NumPy arrays, hence _as_list
     return True
+
+
+def _as_list(column) -> list:
+    return column.tolist() if hasattr(column, "tolist") else list(column)
 
 
 def _refresh(table, rows, ticks):

@@ -743,3 +743,28 @@ def test_items_per_second_series_keeps_every_item_and_the_formats():
     with pytest.raises(ValueError, match=r"^total: expected a positive number of items, got 2.5$"):
         with track_run(None, total=2.5):
             pass
+
+
+def test_the_page_updates_again_and_again_on_a_long_run(dashboard_cluster):
+    """The page's refresh, run in Python: long columns (Dask stores them as NumPy arrays) compare and update."""
+    from dsched.dashboard import install
+    from dsched.dashboard_plots import DschedPlots
+
+    client, _ = dashboard_cluster
+    plots = DschedPlots(install(client.cluster.scheduler))
+    plots.build_tables()
+    for build in (plots.build_heading, plots.build_progress, plots.build_load, plots.build_throughput,
+                  plots.build_timeline):
+        build()
+    scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[2, 4], capacities=[8, 16])
+    for n in (120, 60):
+        dispatch(np.negative, np.arange(float(n)), scheduler=scheduler, client=client)
+        plots.update()
+        plots.update()  # nothing changed: compares NumPy columns with lists
+        timeline = plots.sources["timeline"].data
+        assert len(timeline["start"]) > 10 and sum(timeline["items"]) == n
+        assert plots.sources["runs"].data["items_done"][0] == f"{n:,}"
+    plots.pinned_run = plots.sources["runs"].data["id"][1]  # an earlier run, picked in the history
+    plots.update()
+    assert sum(plots.sources["timeline"].data["items"]) == 120
+    assert "Showing earlier run" in plots.heading.text
