@@ -28,15 +28,20 @@ batch size with a short last chunk.
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import numbers
+from functools import partial
+from itertools import product
 
 import numpy as np
 
 from .devices import device_entries, placement_device
-from .placement import PlannedBlock
+from .placement import PlannedBlock, run_block
 
-__all__ = ["plan", "as_batched", "map_blocks", "default_speeds"]
+__all__ = ["plan", "plan_blocks", "as_batched", "map_blocks", "default_speeds"]
+
+logger = logging.getLogger(__name__)
 
 
 # --- the plan ------------------------------------------------------------------
@@ -108,20 +113,62 @@ def plan(n, scheduler, *, speeds=None) -> list:
     """
     if isinstance(n, bool) or not isinstance(n, (numbers.Integral,)) or int(n) < 1:
         raise ValueError(f"n: expected an integer number of items >= 1, got {n!r}")
+    status, speed = _policy(scheduler, speeds)
+    n = int(n)
+    fewest = -(-n // max(s.batch_size for s in status))  # chunks if every one were of the largest size
+    if fewest > MAX_PLAN_CHUNKS:
+        raise ValueError(
+            f"n: {n} items make at least {fewest} chunks of at most {max(s.batch_size for s in status)} items, "
+            f"more than a plan holds ({MAX_PLAN_CHUNKS}); raise the batch sizes"
+        )
+    return _simulate(status, speed, n=n)
+
+
+def plan_blocks(sizes, scheduler, *, speeds=None) -> list:
+    """The device of each block of a batch already cut into ``sizes`` (items per block, in order).
+
+    The same greedy policy in simulated time as :func:`plan`, with the blocks
+    given instead of cut: each block goes to the highest-priority device with
+    room, so faster devices take more blocks and all finish together. For
+    blocks of the plan's own sizes it gives the plan's devices.
+
+    Examples
+    --------
+    >>> from dsched import StaticHybridScheduler
+    >>> s = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[2, 4], priorities=[1, 2])
+    >>> [str(d) for d in plan_blocks([4, 2, 4, 2], s)]
+    ['cuda:0', 'cpu', 'cuda:0', 'cpu']
+    """
+    sizes = [int(m) for m in sizes]
+    if any(m < 0 for m in sizes):
+        raise ValueError(f"sizes: expected block sizes >= 0, got {sizes!r}")
+    if len(sizes) > MAX_PLAN_CHUNKS:
+        raise ValueError(f"sizes: {len(sizes)} blocks, more than a plan holds ({MAX_PLAN_CHUNKS})")
+    status, speed = _policy(scheduler, speeds)
+    return [device for device, _ in _simulate(status, speed, blocks=sizes)]
+
+
+# A plan is a list of chunks: past this many, building it (and a graph of as many
+# tasks) would take minutes, so plan() refuses up front rather than run for them.
+MAX_PLAN_CHUNKS = 1_000_000
+
+
+def _policy(scheduler, speeds):
     if not hasattr(scheduler, "status"):
         raise ValueError(f"scheduler: expected a WorkScheduler, got {scheduler!r}")
     status = scheduler.status()
     speed = _check_speeds(speeds, status) if speeds is not None else default_speeds(scheduler)[0]
-    return _simulate(int(n), status, speed)
+    return status, speed
 
 
-def _simulate(n, status, speed) -> list:
+def _simulate(status, speed, *, n=None, blocks=None) -> list:
+    """Replay the greedy policy: ``n`` items cut by batch size, or the given ``blocks``."""
     load = [0] * len(status)
     free_at = [0.0] * len(status)  # when each device finishes the chunks it already holds
     events = []  # (finish time, dispatch order, device position, size)
     chunks = []
     now = 0.0
-    remaining = n
+    remaining = n if blocks is None else len(blocks)
     while remaining:
         while remaining:
             # schedule_work's rule: highest priority with room, first listed on ties.
@@ -131,8 +178,15 @@ def _simulate(n, status, speed) -> list:
                     best = i
             if best is None:
                 break
-            m = min(status[best].batch_size, remaining)
-            remaining -= m
+            if blocks is None:
+                m = min(status[best].batch_size, remaining)
+                remaining -= m
+            else:
+                m = blocks[len(chunks)]
+                remaining -= 1
+            if len(chunks) >= MAX_PLAN_CHUNKS:
+                raise ValueError(f"n: {n} items make more chunks than a plan holds ({MAX_PLAN_CHUNKS}); "
+                                 "raise the batch sizes")
             load[best] += m
             free_at[best] = max(now, free_at[best]) + m / speed[status[best].device]
             heapq.heappush(events, (free_at[best], len(chunks), best, m))
@@ -213,37 +267,51 @@ def as_batched(x, scheduler, *, speeds=None):
     return _chunk_as_planned(x, tuple(m for _, m in chunks)), chunks
 
 
-def map_blocks(fn, *args, scheduler, to_device=True, to_host=True, speeds=None, **kwargs):
-    """``dask.array.map_blocks`` over a batch cut by ``scheduler``, each block on its planned device.
+def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True, speeds=None, name=None, token=None,
+               dtype=None, chunks=None, drop_axis=None, new_axis=None, enforce_ndim=False, meta=None,
+               **kwargs):
+    """``dask.array.map_blocks``, with the batch blocks along axis 0 cut and placed by ``scheduler``.
 
-    Every NumPy or Dask array in ``args`` is a batch input: all must have the
-    same length along axis 0, and they are chunked by :func:`plan` along
-    axis 0 (other axes whole). Other positional arguments and ``kwargs`` pass
-    to ``fn`` unchanged, as do ``dask.array.map_blocks``'s own arguments
-    (``dtype``, ``chunks``, ``drop_axis``, ``new_axis``, ``meta``, ``name``,
-    ``block_info``...). Computed on a cluster where the placement plugins are
-    installed (``LocalHybridCluster``, :func:`dsched.register`, or the preload
-    modules), every block runs on a worker that owns its planned device.
+    Every semantic of ``dask.array.map_blocks`` holds: Dask arrays are the
+    blocked inputs, aligned on their last axes and broadcast as Dask does;
+    everything else (NumPy arrays, constants, delayed objects) passes whole to
+    every call; ``name``, ``token``, ``dtype``, ``chunks``, ``drop_axis``,
+    ``new_axis``, ``enforce_ndim``, ``meta``, ``block_id`` and ``block_info``
+    mean what they mean there. One thing is added: the *batch axis* (axis 0
+    of the inputs with the most dimensions) is cut by :func:`plan`, and each
+    output block runs on the device planned for it (with the placement
+    plugins installed: ``LocalHybridCluster``, :func:`dsched.register`, or
+    the preload modules). Other axes keep their chunks.
+
+    Where Dask's semantics and the plan conflict, Dask wins and a
+    :class:`dsched.PlacementWarning` says what was not planned:
+
+    - ``chunks`` gives the batch axis other sizes than the input's (a
+      function that changes the length along axis 0): the input's blocks are
+      kept, each on the device the plan gives most of its items;
+    - ``drop_axis`` drops the batch axis: every output block reads the whole
+      batch, and no block is placed.
+
+    Inputs of length 1 along the batch axis, or with fewer axes, broadcast
+    as in Dask and are not cut. An output block whose shape differs from the
+    declared one (``chunks``) raises a ``ValueError`` when computed.
 
     Parameters
     ----------
     fn : callable
         ``fn(*blocks, **kwargs)``, one call per block.
     *args
-        Batch arrays and constants.
+        Dask arrays (blocked), and anything else (passed whole).
     scheduler : WorkScheduler
-        Decides the chunks: ``SimpleScheduler`` or ``StaticHybridScheduler``.
-    to_device : bool
-        On a real GPU, pass the blocks to ``fn`` as CuPy arrays on that GPU.
-    to_host : bool
-        On a real GPU, copy ``fn``'s CuPy result back to NumPy. With
-        ``False`` the result stays a CuPy array (give ``meta`` accordingly).
+        Decides the batch blocks: ``SimpleScheduler`` or ``StaticHybridScheduler``.
+    to_device, to_host : bool
+        On a real GPU, pass the blocks to ``fn`` as CuPy arrays on that GPU,
+        and copy a CuPy result back to NumPy (``False``: it stays CuPy; give
+        ``meta`` accordingly).
     speeds : dict, optional
         ``{device: items_per_s}`` for the plan.
     **kwargs
-        ``dask.array.map_blocks`` arguments and keyword arguments for ``fn``.
-        In ``chunks``, the batch axis (axis 0 of the output) always takes the
-        plan's sizes: an integer given there is replaced by them.
+        ``dask.array.map_blocks``'s keyword arguments and ``fn``'s.
 
     Returns
     -------
@@ -251,111 +319,243 @@ def map_blocks(fn, *args, scheduler, to_device=True, to_host=True, speeds=None, 
 
     Examples
     --------
-    >>> import numpy as np
+    >>> import dask.array as da
     >>> from dsched import SimpleScheduler
-    >>> y = map_blocks(np.sqrt, np.arange(10.0), scheduler=SimpleScheduler("cpu", 4))
+    >>> y = map_blocks(np.sqrt, da.arange(10.0, chunks=5), scheduler=SimpleScheduler("cpu", 4))
     >>> y.chunks, float(y.sum().compute(scheduler="sync"))
     (((4, 4, 2),), 19.30600052603572)
     """
     import dask.array as da
-    from dask._task_spec import Task, TaskRef
-    from dask.base import tokenize
-    from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
-    from dask.utils import funcname
+    from dask.array.core import map_blocks as dask_map_blocks  # the module's own, however `da` is patched
 
     if not callable(fn):
-        raise ValueError(f"fn: expected a callable, got {fn!r}")
-    positions = [i for i, a in enumerate(args) if _is_array(a)]
-    if not positions:
-        raise ValueError("args: map_blocks needs at least one NumPy or Dask array to cut into blocks")
-    fields = [f"args[{i}]" for i in positions]
-    n = _batch_length([args[i] for i in positions], fields)
-    drop_axis = kwargs.get("drop_axis")
-    if drop_axis is not None and 0 in ([drop_axis] if isinstance(drop_axis, numbers.Integral) else list(drop_axis)):
-        raise ValueError("drop_axis: axis 0 is the batch axis the plan cuts; it cannot be dropped")
-    chunks = plan(n, scheduler, speeds=speeds)
-    sizes = tuple(m for _, m in chunks)
-    batched = {i: _chunk_as_planned(args[i], sizes) for i in positions}
-    # dask.array.map_blocks aligns inputs of different ndim on their *last*
-    # axes (NumPy broadcasting); a batch aligns them on axis 0. So inputs with
-    # fewer axes get trailing axes of length 1, removed again before fn sees them.
-    ndim = max(x.ndim for x in batched.values())
-    padded = {i: x.ndim for i, x in batched.items() if x.ndim < ndim}
-    for i in padded:
-        batched[i] = batched[i][(Ellipsis,) + (None,) * (ndim - batched[i].ndim)]
-    call_args = [batched.get(i, a) for i, a in enumerate(args)]
-    mapped = _Unpadded(fn, padded) if padded else fn
-    out_chunks = kwargs.get("chunks")
-    if (
-        out_chunks is not None and kwargs.get("new_axis") is None
-        and isinstance(out_chunks, tuple) and out_chunks and isinstance(out_chunks[0], numbers.Integral)
-    ):
-        kwargs["chunks"] = (sizes,) + out_chunks[1:]
-
-    # dask.array.map_blocks builds the blocks (meta, block_info, broadcasting of
-    # the other axes); each block's task is then wrapped in a PlannedBlock.
-    user_name = kwargs.pop("name", None)
-    plain = da.map_blocks(mapped, *call_args, **kwargs)
-    block_of = {}  # an input block's key -> its index along axis 0
-    for x in batched.values():
-        for key in _flat_keys(x.__dask_keys__()):
-            block_of[key] = key[1]
-    prefix = kwargs.get("token") or funcname(fn)
-    name = user_name or f"{prefix}-dsched-{tokenize(plain.name, [(str(d), m) for d, m in chunks], to_device, to_host)}"
-    layer = {}
-    for key, task in dict(plain.dask.layers[plain.name]).items():
-        indices = {block_of[k] for k in task.dependencies if k in block_of}
-        if len(indices) != 1:
-            raise ValueError(
-                f"fn: block {key[1:]} of the output reads {len(indices)} batch blocks; "
-                "every output block must come from exactly one block of the batch"
-            )
-        index = indices.pop()
-        device, size = chunks[index]
-        dep_keys = tuple(sorted(task.dependencies, key=str))
-        new_key = (name,) + tuple(key[1:])
-        block = PlannedBlock(task, dep_keys, device, size, to_device=to_device, to_host=to_host)
-        layer[new_key] = Task(new_key, block, *(TaskRef(k) for k in dep_keys))
-    layers = dict(plain.dask.layers)
-    dependencies = dict(plain.dask.dependencies)
-    del layers[plain.name]
-    layers[name] = MaterializedLayer(layer)
-    dependencies[name] = dependencies.pop(plain.name)
-    graph = HighLevelGraph(layers, dependencies)
-    return da.Array(graph, name, plain.chunks, meta=plain._meta)
+        raise TypeError(f"fn: expected a callable, got {fn!r}")
+    if not hasattr(scheduler, "status"):
+        raise ValueError(f"scheduler: expected a WorkScheduler, got {scheduler!r}")
+    drop_axis = [drop_axis] if isinstance(drop_axis, numbers.Number) else list(drop_axis or [])
+    new_axis = [new_axis] if isinstance(new_axis, numbers.Number) else (None if new_axis is None else list(new_axis))
+    out_ind = _output_indices(args, drop_axis, new_axis, chunks)
+    layout = _BatchLayout.of(args, scheduler, speeds, chunks, out_ind, rechunk)
+    args, chunks = layout.apply(args, chunks, out_ind)
+    # Dask builds the array once (meta, dtype, chunks and all its checks), then
+    # the layer is rebuilt with one more per-block argument: the block's plan.
+    first = dask_map_blocks(fn, *args, name=name, token=token, dtype=dtype, chunks=chunks, drop_axis=drop_axis,
+                          new_axis=new_axis, enforce_ndim=enforce_ndim, meta=meta, **kwargs)
+    inner = partial(apply_and_enforce, _func=fn, expected_ndim=len(out_ind)) if enforce_ndim else fn
+    call = _BlockCall(inner, [i for i, a in enumerate(args) if isinstance(a, da.Array)], to_device, to_host)
+    return _rebuild(first, fn, call, args, out_ind, drop_axis, layout, name, token, kwargs)
 
 
-class _Unpadded:
-    """``fn`` called with the padded inputs (positions -> original ndim) reshaped back."""
+def funcname_of(fn) -> str:
+    from dask.utils import funcname
 
-    def __init__(self, fn, ndims):
-        self.fn = fn
-        self.ndims = dict(ndims)
-        try:  # dask passes block_info / block_id only if the signature asks for them
-            import inspect
+    try:
+        return funcname(fn)
+    except Exception:  # an exotic callable: a name is only for messages
+        return type(fn).__name__
 
-            self.__signature__ = inspect.signature(fn)
-        except (TypeError, ValueError):
-            pass
 
-    def __call__(self, *args, **kwargs):
-        args = list(args)
-        for i, ndim in self.ndims.items():
-            args[i] = args[i].reshape(args[i].shape[:ndim])
-        return self.fn(*args, **kwargs)
+def apply_and_enforce(*args, **kwargs):
+    from dask.array.core import apply_and_enforce as dask_apply_and_enforce
+
+    return dask_apply_and_enforce(*args, **kwargs)
+
+
+def _output_indices(args, drop_axis, new_axis, chunks) -> tuple:
+    """The output's index labels, as ``dask.array.map_blocks`` computes them.
+
+    Inputs are labelled by their axes counted from the last (``ndim - 1`` for
+    axis 0 of the inputs with the most axes); new axes take fresh labels.
+    """
+    import dask.array as da
+
+    ndims = [a.ndim for a in args if isinstance(a, da.Array)]
+    out_ind = tuple(range(max(ndims)))[::-1] if ndims else ()
+    if drop_axis:
+        dropped = {i % len(out_ind) for i in drop_axis}
+        out_ind = tuple(x for i, x in enumerate(out_ind) if i not in dropped)
+    if new_axis is None and chunks is not None and len(out_ind) < len(chunks):
+        new_axis = range(len(chunks) - len(out_ind))
+    if new_axis:
+        out_ind = list(out_ind)
+        for ax in sorted(new_axis):
+            out_ind.insert(ax, len(out_ind) + len(drop_axis))
+        out_ind = tuple(out_ind)
+    return out_ind
+
+
+class _BatchLayout:
+    """The batch axis of a call, its blocks, and the device planned for each.
+
+    ``label`` is the batch axis's index label (see :func:`_output_indices`),
+    ``None`` when there is no batch to place; ``devices[b]`` and
+    ``sizes[b]`` are the device and the items of batch block ``b``;
+    ``rechunked`` maps argument positions to the arrays re-chunked by the plan
+    (``rechunk=True``); ``note`` says what could not be placed, and why.
+    """
+
+    def __init__(self, label=None, devices=(), sizes=(), rechunked=None, note=None):
+        self.label, self.devices, self.sizes = label, list(devices), tuple(sizes)
+        self.rechunked, self.note = dict(rechunked or {}), note
+
+    @classmethod
+    def of(cls, args, scheduler, speeds, chunks, out_ind, rechunk):
+        import dask.array as da
+
+        arrays = [(i, a) for i, a in enumerate(args) if isinstance(a, da.Array)]
+        ndim = max((a.ndim for _, a in arrays), default=0)
+        if ndim == 0:
+            return cls()  # no blocked input with an axis: no batch
+        label = ndim - 1
+        if label not in out_ind:
+            return cls(note="drop_axis drops the batch axis (axis 0), so every output block reads the whole "
+                            "batch; its blocks are not placed")
+        batch = [(i, a) for i, a in arrays if a.ndim == ndim]
+        # Dask pairs blocks by position and broadcasts a single block: the batch blocks
+        # are those of the inputs with the most blocks along axis 0.
+        source = max(batch, key=lambda ia: ia[1].numblocks[0])[1]
+        declared = None if chunks is None else chunks[out_ind.index(label)]
+        if rechunk:
+            n = source.shape[0]
+            if isinstance(n, float) and math.isnan(n):
+                note = "rechunk=True: the batch length is unknown (call compute_chunk_sizes() first)"
+            elif declared is not None and declared != source.chunks[0]:
+                note = (f"rechunk=True: chunks= declares {declared!r} along the batch axis, so the input's "
+                        f"blocks {source.chunks[0]} are kept (a function that changes the length along axis 0)")
+            elif n > 0:
+                planned = plan(int(n), scheduler, speeds=speeds)
+                sizes = tuple(m for _, m in planned)
+                rechunked = {i: a.rechunk({0: sizes}) for i, a in batch if a.shape[0] == n}
+                return cls(label, [d for d, _ in planned], sizes, rechunked)
+            else:
+                note = None
+            layout = cls.of(args, scheduler, speeds, chunks, out_ind, rechunk=False)
+            layout.note = note
+            return layout
+        sizes = tuple(1 if isinstance(m, float) and math.isnan(m) else int(m) for m in source.chunks[0])
+        return cls(label, plan_blocks(sizes, scheduler, speeds=speeds), sizes)
+
+    def apply(self, args, chunks, out_ind):
+        """The arguments (re-chunked where ``rechunk=True`` did), and the declared chunks to match."""
+        if not self.rechunked:
+            return args, chunks
+        args = tuple(self.rechunked.get(i, a) for i, a in enumerate(args))
+        if chunks is not None:  # they declared the input's blocks along the batch axis: now the plan's
+            chunks = tuple(self.sizes if ind == self.label else c for ind, c in zip(out_ind, chunks))
+        return args, chunks
+
+    def block_plan(self, index):
+        """``(device, size)`` of batch block ``index``, or ``(None, None)``."""
+        if self.label is None or index >= len(self.devices):
+            return None, None
+        return self.devices[index], self.sizes[index]
+
+
+def _rebuild(first, fn, call, args, out_ind, drop_axis, layout, name, token, kwargs):
+    """``first``'s layer again, every block given its plan (device, size, declared shape)."""
+    from dask.array.core import _pass_extra_kwargs, blockwise
+    from dask.layers import ArrayBlockIdDep, ArrayValuesDep
+    from dask.utils import has_keyword
+
+    argpairs = _argpairs(args)
+    batch_pos = out_ind.index(layout.label) if layout.label in out_ind else None
+    blocks = {}
+    for block_id in product(*(range(len(c)) for c in first.chunks)):
+        device, size = layout.block_plan(block_id[batch_pos]) if batch_pos is not None else (None, None)
+        shape = tuple(c[j] for c, j in zip(first.chunks, block_id))
+        blocks[block_id] = PlannedBlock(device, size, shape=shape, name=first.name, block_id=block_id)
+    extra_names, extra_pairs = ["_dsched_block"], [(ArrayValuesDep(first.chunks, blocks), out_ind)]
+    if has_keyword(fn, "block_id"):
+        extra_names.append("block_id")
+        extra_pairs.append((ArrayBlockIdDep(first.chunks), out_ind))
+    if has_keyword(fn, "_overlap_trim_info"):  # dask's map_overlap asks for it
+        trim = {b: (b, first.numblocks) for b in product(*(range(len(c)) for c in first.chunks))}
+        extra_names.append("_overlap_trim_info")
+        extra_pairs.append((ArrayValuesDep(first.chunks, trim), out_ind))
+    if has_keyword(fn, "block_info"):
+        extra_names.append("block_info")
+        info = _block_info(argpairs, out_ind, first, drop_axis)
+        extra_pairs.append((ArrayValuesDep(first.chunks, info), out_ind))
+    if layout.note:  # logged, not warned: Dask's own callers expect map_blocks to stay silent
+        logger.warning("dsched.map_blocks(%s): %s", funcname_of(fn), layout.note)
+    return blockwise(
+        _pass_extra_kwargs, out_ind, call, None, tuple(extra_names), None,
+        *(x for pair in extra_pairs for x in pair), *(x for pair in argpairs for x in pair),
+        name=name, token=token or funcname_of(fn), dtype=first.dtype, concatenate=True, align_arrays=False,
+        adjust_chunks=dict(zip(out_ind, first.chunks)), meta=first._meta, **kwargs,
+    )
+
+
+def _argpairs(args) -> list:
+    """Each argument with its index labels, as ``dask.array.map_blocks`` pairs them."""
+    from dask.blockwise import BlockwiseDep
+
+    pairs = []
+    for a in args:
+        if _is_dask_array(a):
+            pairs.append((a, tuple(range(a.ndim))[::-1]))
+        elif isinstance(a, BlockwiseDep):  # per-block values (``da.store`` passes slices so)
+            pairs.append((a, tuple(range(args[0].ndim))[::-1]))
+        else:
+            pairs.append((a, None))
+    return pairs
+
+
+def _block_info(argpairs, out_ind, out, drop_axis) -> dict:
+    """``block_info`` of every output block, exactly as ``dask.array.map_blocks`` builds it.
+
+    Adapted from dask/array/core.py (dask 2026.8.0, BSD-3-Clause, Copyright (c) Anaconda, Inc. and
+    contributors): it is inlined there, and the layer is rebuilt here.
+    """
+    from dask.utils import cached_cumsum
+
+    starts, num_chunks, shapes = {}, {}, {}
+    for i, (arg, in_ind) in enumerate(argpairs):
+        if in_ind is None:
+            continue
+        shapes[i] = arg.shape
+        if drop_axis:  # dropped axes are concatenated: one chunk each
+            starts[i] = [cached_cumsum(arg.chunks[j], initial_zero=True) if ind in out_ind else [0, arg.shape[j]]
+                         for j, ind in enumerate(in_ind)]
+            num_chunks[i] = tuple(len(s) - 1 for s in starts[i])
+        else:
+            starts[i] = [cached_cumsum(c, initial_zero=True) for c in arg.chunks]
+            num_chunks[i] = arg.numblocks
+    out_starts = [cached_cumsum(c, initial_zero=True) for c in out.chunks]
+    result = {}
+    for block_id in product(*(range(len(c)) for c in out.chunks)):
+        location = {out_ind[i]: loc for i, loc in enumerate(block_id)}
+        info = {}
+        for i, shape in shapes.items():
+            # A dimension with a single chunk is taken as broadcast, as Dask does.
+            arr_k = tuple(location.get(ind, 0) if num_chunks[i][j] > 1 else 0 for j, ind in enumerate(argpairs[i][1]))
+            info[i] = {"shape": shape, "num-chunks": num_chunks[i],
+                       "array-location": [(starts[i][ij][j], starts[i][ij][j + 1]) for ij, j in enumerate(arr_k)],
+                       "chunk-location": arr_k}
+        info[None] = {"shape": out.shape, "num-chunks": out.numblocks,
+                      "array-location": [(out_starts[ij][j], out_starts[ij][j + 1]) for ij, j in enumerate(block_id)],
+                      "chunk-location": block_id,
+                      "chunk-shape": tuple(out.chunks[ij][j] for ij, j in enumerate(block_id)),
+                      "dtype": out.dtype}
+        result[block_id] = info
+    return result
+
+
+class _BlockCall:
+    """``fn`` as one block calls it: on the block's device, its output shape checked."""
+
+    def __init__(self, fn, positions, to_device, to_host):
+        self.fn, self.positions = fn, tuple(positions)
+        self.to_device, self.to_host = bool(to_device), bool(to_host)
+
+    def __call__(self, *args, _dsched_block, **kwargs):
+        return run_block(_dsched_block, self.fn, args, kwargs, self.positions,
+                         to_device=self.to_device, to_host=self.to_host)
 
     def __dask_tokenize__(self):
         from dask.base import tokenize
 
-        return ("dsched-unpadded", tokenize(self.fn), sorted(self.ndims.items()))
+        return ("dsched-block-call", tokenize(self.fn), self.positions, self.to_device, self.to_host)
 
     def __reduce__(self):
-        return (_Unpadded, (self.fn, self.ndims))
-
-
-def _flat_keys(keys):
-    if isinstance(keys, list):
-        for k in keys:
-            yield from _flat_keys(k)
-    else:
-        yield keys
+        return (_BlockCall, (self.fn, self.positions, self.to_device, self.to_host))

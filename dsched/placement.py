@@ -53,8 +53,8 @@ from .devices import (
     placement_device,
     running_on,
     selected,
-    to_device,
-    to_host,
+    to_device as to_device_,
+    to_host as to_host_,
     visible_gpus,
     worker_device,
     worker_is_emulated,
@@ -92,59 +92,89 @@ class PlacementWarning(UserWarning):
 # --- the block ---------------------------------------------------------------
 
 class PlannedBlock:
-    """A block's task, bound to the device the plan chose for it.
+    """The plan of one output block of :func:`dsched.map_blocks`: its device, size and shape.
 
-    Called with the block's dependency values (in ``dep_keys`` order), it
-    runs the wrapped task where ``current_device()`` reports the device the
-    block really runs on, optionally moving the inputs to that device first
-    (CuPy on a real GPU) and the result back to NumPy after.
+    It travels inside the block's task as a plain argument, so it survives
+    Dask's blockwise and linear fusion (the fused task keeps it among its
+    data), and the :class:`PlacementPlugin` finds it there.
 
     Parameters
     ----------
-    task : dask._task_spec.Task
-        The block's original task (what ``dask.array.map_blocks`` built).
-    dep_keys : tuple
-        The keys of the task's dependencies, in the order they are passed.
-    device : Device
-        The planned device.
-    size : int
-        Items in the block (its length along axis 0).
-    to_device, to_host : bool
-        Move array inputs to the device before, and array outputs to host
-        memory after (both only matter on a real GPU).
+    device : Device or None
+        The planned device; ``None`` for a block the plan does not place
+        (it still gets its shape checked).
+    size : int or None
+        Items of the batch the block holds (its length along the batch axis).
+    shape : tuple, optional
+        The block's declared output shape (``nan`` where unknown).
+    name, block_id : optional
+        The output array's name and the block's index, for error messages.
     """
 
-    __slots__ = ("task", "dep_keys", "device", "size", "to_device", "to_host")
+    __slots__ = ("device", "size", "shape", "name", "block_id")
 
-    def __init__(self, task, dep_keys, device, size, *, to_device=True, to_host=True):
-        self.task = task
-        self.dep_keys = tuple(dep_keys)
-        self.device = placement_device(device)
-        self.size = int(size)
-        self.to_device = bool(to_device)
-        self.to_host = bool(to_host)
+    def __init__(self, device, size, *, shape=None, name=None, block_id=None):
+        self.device = None if device is None else placement_device(device)
+        self.size = None if size is None else int(size)
+        self.shape = None if shape is None else tuple(shape)
+        self.name, self.block_id = name, None if block_id is None else tuple(block_id)
 
     def __getstate__(self):
-        return (self.task, self.dep_keys, str(self.device), self.size, self.to_device, self.to_host)
+        return (None if self.device is None else str(self.device), self.size, self.shape, self.name, self.block_id)
 
     def __setstate__(self, state):
-        task, dep_keys, device, size, to_dev, to_hst = state
-        self.task, self.dep_keys, self.device, self.size = task, dep_keys, Device(device), size
-        self.to_device, self.to_host = to_dev, to_hst
+        device, self.size, self.shape, self.name, self.block_id = state
+        self.device = None if device is None else Device(device)
+
+    def __dask_tokenize__(self):
+        return ("dsched-planned-block", *self.__getstate__())
 
     def __repr__(self):
-        return f"PlannedBlock({self.device}, size={self.size})"
+        return f"PlannedBlock({self.device}, size={self.size}, shape={self.shape})"
 
-    def __call__(self, *dep_values):
-        device = resolve_device(self.device)
-        values = dict(zip(self.dep_keys, dep_values))
-        with running_on(device), selected(device):
-            if self.to_device:
-                values = {k: to_device(v, device) for k, v in values.items()}
-            result = self.task(values)
-            if self.to_host:
-                result = to_host(result)
-        return result
+
+def run_block(block, fn, args, kwargs, positions, *, to_device=True, to_host=True):
+    """Call ``fn(*args, **kwargs)`` for one planned block, where it runs.
+
+    ``current_device()`` reports the device the block really runs on (see
+    :func:`resolve_device`); the block arguments at ``positions`` move to
+    that device first and the result back to host memory after (both only
+    matter on a real GPU). A result whose shape differs from the block's
+    declared shape is a ``ValueError``: Dask would otherwise carry a wrong
+    shape silently.
+    """
+    device = None if block.device is None else resolve_device(block.device)
+    with running_on(device), selected(device):
+        if to_device and device is not None and positions:
+            args = list(args)
+            for i in positions:
+                args[i] = to_device_(args[i], device)
+        result = fn(*args, **kwargs)
+        if to_host:
+            result = to_host_(result)
+    _check_shape(block, result)
+    return result
+
+
+def _check_shape(block, result):
+    """Raise if ``result`` does not have the block's declared shape.
+
+    Axes of length 1 may differ (Dask joins such blocks as declared, and its
+    own tests rely on it); unknown (``nan``) lengths match anything.
+    """
+    shape = getattr(result, "shape", None)
+    if block.shape is None or not isinstance(shape, tuple):
+        return  # not an array (a list, a DataFrame's partition...): nothing declared to compare
+    if len(shape) == len(block.shape):
+        got, want = shape, block.shape
+    else:
+        got, want = [m for m in shape if m != 1], [m for m in block.shape if m != 1]
+    if len(got) != len(want) or any(g != w and w == w and g == g for g, w in zip(got, want)):
+        raise ValueError(
+            f"dsched.map_blocks: block {block.block_id} of {block.name!r} has shape {shape}, "
+            f"but the array declares {block.shape} for it; pass chunks= (and drop_axis/new_axis) "
+            "that describe what the function returns"
+        )
 
 
 def resolve_device(planned: Device) -> Device:
@@ -173,7 +203,8 @@ def planned_block_of(run_spec) -> PlannedBlock | None:
     """The planned block inside a task's run_spec, or ``None``.
 
     Walks nested tasks, fused subgraphs (``_execute_subgraph`` keeps the
-    original tasks in a dict argument) and containers. If fusion merged
+    original tasks in a dict argument), their data and containers; blocks
+    the plan does not place (``device`` ``None``) are skipped. If fusion merged
     blocks planned for different devices into one task, the block with the
     most items wins (the first found on a tie).
     """
@@ -185,15 +216,17 @@ def planned_block_of(run_spec) -> PlannedBlock | None:
     while stack and visited < _WALK_LIMIT:
         node = stack.pop()
         visited += 1
-        if isinstance(node, Task):
-            func = node.func
-            if isinstance(func, PlannedBlock):
-                if found is None or func.size > found.size:
-                    found = func
+        if isinstance(node, PlannedBlock):
+            if node.device is not None and (found is None or node.size > found.size):
+                found = node
+        elif isinstance(node, Task):
             stack.extend(reversed(node.kwargs.values()))
             stack.extend(reversed(node.args))
-        elif isinstance(node, (DataNode, GraphNode)):
-            continue  # data and aliases carry no function
+        elif isinstance(node, DataNode):
+            if isinstance(node.value, (PlannedBlock, tuple, list, dict)):
+                stack.append(node.value)  # a block's plan is data of its task
+        elif isinstance(node, GraphNode):
+            continue  # aliases and references carry no plan
         elif isinstance(node, dict):
             stack.extend(reversed(list(node.values())))
         elif isinstance(node, (tuple, list)):

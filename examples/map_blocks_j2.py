@@ -26,7 +26,8 @@ def j2_stress(strain, plastic_strain, alpha):
     """The user's model wrapper: J2's stress for a block of points (NumPy or CuPy in, same out)."""
     from dsched.models.j2 import j2_update
 
-    return j2_update(strain, plastic_strain, alpha, tangent=False)["stress"]
+    # alpha comes as a column (m, 1) from Dask (it aligns inputs on their last axes), or flat.
+    return j2_update(strain, plastic_strain, alpha.reshape(-1), tangent=False)["stress"]
 
 
 def von_mises(stress):
@@ -60,7 +61,7 @@ def main(argv=None):
     index = da.arange(n, chunks=50_000)
     strain = index.map_blocks(loading_strain, new_axis=1, chunks=(index.chunks[0], (6,)), dtype=float)
     plastic_strain = da.zeros((n, 6), chunks=(50_000, 6))
-    alpha = da.zeros(n, chunks=50_000)
+    alpha = da.zeros((n, 1), chunks=(50_000, 1))  # a column: Dask aligns inputs on their last axes
 
     with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=emulate, dashboard_address=None) as cluster, \
             Client(cluster):
@@ -74,7 +75,7 @@ def main(argv=None):
                   f"(speed estimate {speeds[device]:g} from {source})")
 
         stress = dsched.map_blocks(
-            j2_stress, strain, plastic_strain, alpha, scheduler=scheduler, dtype=strain.dtype, chunks=(1, 6)
+            j2_stress, strain, plastic_strain, alpha, scheduler=scheduler, rechunk=True, dtype=strain.dtype
         )
         t0 = time.perf_counter()
         peak = von_mises(stress).max().compute()  # composes: fused with the blocks, still pinned

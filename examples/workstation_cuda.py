@@ -28,7 +28,8 @@ def j2_stress(strain, plastic_strain, alpha):
     """J2's stress for a block of points: CuPy arrays on a GPU worker, NumPy on the CPU worker."""
     from dsched.models.j2 import j2_update
 
-    return j2_update(strain, plastic_strain, alpha, tangent=False)["stress"]
+    # alpha comes as a column (m, 1) from Dask (it aligns inputs on their last axes), or flat.
+    return j2_update(strain, plastic_strain, alpha.reshape(-1), tangent=False)["stress"]
 
 
 def start_cuda_cluster(stack):
@@ -106,8 +107,8 @@ def main(argv=None):
         index = da.arange(n, chunks=50_000)
         strain = index.map_blocks(loading_strain, new_axis=1, chunks=(index.chunks[0], (6,)), dtype=float)
         stress = dsched.map_blocks(
-            j2_stress, strain, da.zeros((n, 6), chunks=(50_000, 6)), da.zeros(n, chunks=50_000),
-            scheduler=scheduler, dtype=float, chunks=(1, 6),
+            j2_stress, strain, da.zeros((n, 6), chunks=(50_000, 6)), da.zeros((n, 1), chunks=(50_000, 1)),
+            scheduler=scheduler, rechunk=True, dtype=float,
         )
         t0 = time.perf_counter()
         result = stress.compute()

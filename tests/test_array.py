@@ -11,6 +11,7 @@ import pytest
 import dsched
 from dsched import Device, SimpleScheduler, StaticHybridScheduler, as_batched, current_device, map_blocks, plan
 from dsched.models.j2 import j2_update, loading_strain
+from dsched.placement import planned_block_of
 
 CPU, GPU = Device("cpu"), Device("cuda:0")
 
@@ -159,11 +160,16 @@ def test_as_batched_rejects_what_is_not_a_batch():
         as_batched(np.zeros((0, 6)), hybrid())
 
 
-# --- map_blocks: results (local scheduler) ------------------------------------------------
+# --- map_blocks: Dask's semantics (local scheduler) ------------------------------------------
 
 def j2_stress(strain, plastic_strain, alpha):
     """A user model: the J2 update's stress only."""
     return j2_update(strain, plastic_strain, alpha, tangent=False)["stress"]
+
+
+def j2_stress_columns(strain, plastic_strain, alpha):
+    """The model with ``alpha`` as an (m, 1) column, as Dask's alignment wants it."""
+    return j2_stress(strain, plastic_strain, alpha[:, 0])
 
 
 def j2_inputs(n):
@@ -171,33 +177,119 @@ def j2_inputs(n):
     return strain, np.zeros((n, 6)), np.zeros(n)
 
 
+def sizes_of(chunks):
+    return tuple(m for _, m in chunks)
+
+
 def test_map_blocks_j2_equals_the_whole_batch_in_numpy():
     strain, plastic, alpha = j2_inputs(100)
     reference = j2_stress(strain, plastic, alpha)
-    y = map_blocks(j2_stress, strain, da.from_array(plastic, chunks=(33, 3)), alpha, scheduler=hybrid(), dtype=float)
-    assert y.chunks == (tuple(m for _, m in plan(100, hybrid())), (6,))
+    # Dask aligns inputs on their last axes: the per-item alpha goes in as a column.
+    inputs = [da.from_array(strain, chunks=(30, 6)), da.from_array(plastic, chunks=(33, 6)),
+              da.from_array(alpha[:, None], chunks=(25, 1))]
+    # rechunk=True: every batch input is cut by the plan first.
+    y = map_blocks(j2_stress_columns, *inputs, scheduler=hybrid(), rechunk=True, dtype=float)
+    assert y.chunks == (sizes_of(plan(100, hybrid())), (6,))
     np.testing.assert_array_equal(y.compute(scheduler="sync"), reference)
+    # Inputs already cut by the plan (as_batched) give the same blocks without it.
+    batched = [as_batched(x, hybrid())[0] for x in (strain, plastic, alpha[:, None])]
+    z = map_blocks(j2_stress_columns, *batched, scheduler=hybrid(), dtype=float)
+    assert z.chunks == y.chunks
+    assert z.name == map_blocks(j2_stress_columns, *batched, scheduler=hybrid(), dtype=float).name
+    np.testing.assert_array_equal(z.compute(scheduler="sync"), reference)
 
 
-def test_map_blocks_passes_constants_and_keyword_arguments():
-    x = np.arange(20.0)
-    y = map_blocks(lambda a, b, *, scale: (a + b) * scale, x, 5.0, scale=2.0, scheduler=SimpleScheduler("cpu", 6))
-    np.testing.assert_array_equal(y.compute(scheduler="sync"), (x + 5.0) * 2.0)
+def test_map_blocks_keeps_the_inputs_chunks_on_every_axis():
+    x = da.from_array(np.arange(20.0 * 10).reshape(20, 10), chunks=(7, 4))
+    y = map_blocks(lambda b: b + 1, x, scheduler=hybrid())
+    assert y.chunks == x.chunks
+    same = map_blocks(lambda b: b * 2, x, scheduler=hybrid(), chunks=x.chunks)
+    assert same.chunks == x.chunks
+    np.testing.assert_array_equal(same.compute(scheduler="sync"), 2 * x.compute())
 
 
-def test_map_blocks_dtype_chunks_new_axis_drop_axis_and_meta():
-    x = np.arange(30.0).reshape(10, 3)
-    s = SimpleScheduler("cpu", 4)
-    summed = map_blocks(lambda a: a.sum(axis=1), x, scheduler=s, drop_axis=1, dtype=float)
+def test_map_blocks_numpy_arrays_and_constants_pass_whole_as_in_dask():
+    x = da.arange(20.0, chunks=6)
+    table = np.arange(3.0)
+    y = map_blocks(lambda a, t, c, *, scale: (a + t.sum() + c) * scale, x, table, 5.0, scale=2.0,
+                   scheduler=SimpleScheduler("cpu", 6))
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), (np.arange(20.0) + 3.0 + 5.0) * 2.0)
+
+
+def test_map_blocks_a_length_changing_function_follows_dask_never_a_wrong_shape():
+    x = da.arange(10, chunks=5)
+    # Dask's answer: one maximum per input block, whatever the plan would have cut.
+    peaks = map_blocks(lambda b: b.max(axis=0, keepdims=True), x, chunks=(1,), scheduler=hybrid())
+    assert peaks.shape == (2,)
+    np.testing.assert_array_equal(peaks.compute(scheduler="sync"), [4, 9])
+    halves = map_blocks(lambda b: b[::2], da.ones((20, 10), chunks=(10, 5)), chunks=(5, 5), scheduler=hybrid())
+    assert halves.shape == (10, 10)
+    np.testing.assert_array_equal(halves.compute(scheduler="sync"), np.ones((10, 10)))
+    # Declared wrongly: an error naming the block and both shapes, at compute time.
+    wrong = map_blocks(lambda b: b[::2], da.ones((20, 10), chunks=(10, 5)), scheduler=hybrid())
+    with pytest.raises(ValueError, match=r"block \([01], [01]\) of 'lambda-[0-9a-f]+' has shape \(5, 5\), "
+                                         r"but the array declares \(10, 5\) for it"):
+        wrong.compute(scheduler="sync")
+
+
+def test_map_blocks_rechunk_true_keeps_the_blocks_a_length_changing_function_declares(caplog):
+    x = da.arange(10, chunks=5)
+    with caplog.at_level("WARNING", logger="dsched.array"):
+        peaks = map_blocks(lambda b: b.max(keepdims=True), x, chunks=(1,), scheduler=hybrid(), rechunk=True)
+    np.testing.assert_array_equal(peaks.compute(scheduler="sync"), [4, 9])
+    assert "rechunk=True: chunks= declares 1 along the batch axis, so the input's blocks (5, 5) are kept" in caplog.text
+
+
+def test_map_blocks_broadcasts_length_1_and_lower_dimensional_inputs():
+    x = da.from_array(np.arange(12.0).reshape(6, 2), chunks=(2, 2))
+    row = da.from_array(np.array([[10.0, 20.0]]), chunks=(1, 2))  # length 1 along axis 0
+    col = da.from_array(np.array([100.0, 200.0]), chunks=2)  # one axis: aligned on the last, as NumPy
+    y = map_blocks(lambda a, r, c: a + r + c, x, row, col, scheduler=hybrid())
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), x.compute() + [[110.0, 220.0]])
+
+
+def test_map_blocks_block_info_of_a_1d_input_beside_a_2d_one_is_dasks():
+    x = da.ones((4, 6), chunks=(2, 3))
+    v = da.ones(6, chunks=3)
+
+    def info(a, b, block_info=None):
+        return np.full(a.shape, block_info[1]["array-location"][0][0] * 10 + block_info[1]["chunk-location"][0])
+
+    got = map_blocks(info, x, v, scheduler=hybrid(), dtype=int).compute(scheduler="sync")
+    expected = da.map_blocks(info, x, v, dtype=int).compute(scheduler="sync")
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(got[0], [0, 0, 0, 31, 31, 31])
+
+
+def test_map_blocks_drop_axis_0_follows_dask_and_is_not_placed(caplog):
+    x = da.from_array(np.arange(12.0).reshape(4, 3), chunks=(2, 3))
+    for axis in (0, -2):  # -2 is axis 0 of a 2-D input
+        with caplog.at_level("WARNING", logger="dsched.array"):
+            y = map_blocks(lambda a: a.sum(axis=0), x, drop_axis=axis, scheduler=hybrid())
+        np.testing.assert_array_equal(y.compute(scheduler="sync"), x.compute().sum(axis=0))
+        blocks = [planned_block_of(t) for t in dict(y.__dask_graph__()).values()]
+        assert [b for b in blocks if b is not None] == []
+        assert "drop_axis drops the batch axis (axis 0)" in caplog.text
+
+
+def test_map_blocks_without_an_array_argument_is_one_unplaced_block():
+    y = map_blocks(lambda: np.arange(3), chunks=((3,),), dtype=int, scheduler=hybrid())
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), [0, 1, 2])
+
+
+def test_map_blocks_dtype_new_axis_drop_axis_and_meta():
+    xb, chunks = as_batched(np.arange(30.0).reshape(10, 3), SimpleScheduler("cpu", 4))
+    x, s = xb.compute(), SimpleScheduler("cpu", 4)
+    summed = map_blocks(lambda a: a.sum(axis=1), xb, scheduler=s, drop_axis=1, dtype=float)
     assert summed.chunks == ((4, 4, 2),)
     np.testing.assert_array_equal(summed.compute(scheduler="sync"), x.sum(axis=1))
-    widened = map_blocks(lambda a: np.concatenate([a, a], axis=1), x, scheduler=s, chunks=(1, 6), dtype=float)
+    widened = map_blocks(lambda a: np.concatenate([a, a], axis=1), xb, scheduler=s, chunks=(xb.chunks[0], (6,)))
     assert widened.chunks == ((4, 4, 2), (6,))
     np.testing.assert_array_equal(widened.compute(scheduler="sync"), np.concatenate([x, x], axis=1))
-    expanded = map_blocks(lambda a: a[:, :, None], x, scheduler=s, new_axis=2, chunks=((4, 4, 2), (3,), (1,)))
-    assert expanded.shape == (10, 3, 1)
+    expanded = map_blocks(lambda a: a[:, :, None], xb, scheduler=s, new_axis=2)
+    assert expanded.chunks == ((4, 4, 2), (3,), (1,))
     np.testing.assert_array_equal(expanded.compute(scheduler="sync"), x[:, :, None])
-    as_int = map_blocks(lambda a: a.astype(np.int32), x, scheduler=s, meta=np.empty((0, 0), dtype=np.int32))
+    as_int = map_blocks(lambda a: a.astype(np.int32), xb, scheduler=s, meta=np.empty((0, 0), dtype=np.int32))
     assert as_int.dtype == np.int32
     np.testing.assert_array_equal(as_int.compute(scheduler="sync"), x.astype(np.int32))
 
@@ -207,38 +299,77 @@ def test_map_blocks_block_info_sees_the_planned_blocks():
         start, stop = block_info[0]["array-location"][0]
         return np.full(len(a), start * 1000 + stop)
 
-    y = map_blocks(where, np.zeros(10), scheduler=SimpleScheduler("cpu", 4), dtype=int)
+    x = da.zeros(10, chunks=10)
+    y = map_blocks(where, x, scheduler=SimpleScheduler("cpu", 4), rechunk=True, dtype=int)
     np.testing.assert_array_equal(y.compute(scheduler="sync"), [4] * 4 + [4008] * 4 + [8010] * 2)
+
+
+def test_map_blocks_layer_fuses_with_its_neighbours_and_keeps_each_plan():
+    from dask.array.optimization import optimize
+    from dask.layers import Blockwise
+
+    s = hybrid()
+    y = map_blocks(lambda a: a * 2, as_batched(np.arange(40.0), s)[0], scheduler=s)
+    assert isinstance(y.dask.layers[y.name], Blockwise)
+    z = -(y + 1)
+    fused = dict(optimize(z.__dask_graph__(), z.__dask_keys__()))
+    planned = [planned_block_of(t) for t in fused.values()]
+    # One task per block (the source, the map and both neighbours fused), each carrying its block's plan.
+    assert len([b for b in planned if b is not None]) == len(plan(40, s))
+    assert [(str(b.device), b.size) for b in planned if b is not None] == as_pairs(plan(40, s))
+
+
+def test_map_blocks_places_blocks_of_any_chunking_by_the_policy():
+    s = hybrid()
+    x = da.zeros(40, chunks=10)  # not the plan's sizes: kept, each block given a device by the policy
+    y = map_blocks(np.negative, x, scheduler=s)
+    assert y.chunks == x.chunks
+    planned = [planned_block_of(t) for t in dict(y.dask.layers[y.name]).values()]
+    assert [str(b.device) for b in planned] == [str(d) for d in dsched.array.plan_blocks([10] * 4, s)]
+    assert [str(d) for d in dsched.array.plan_blocks([10] * 4, s)] == ["cuda:0", "cpu", "cuda:0", "cpu"]
 
 
 def test_map_blocks_without_a_worker_runs_every_block_here():
     # A local scheduler: the CPU plan is kept; an absent GPU falls back to the CPU.
-    devices = map_blocks(label, np.zeros(40), scheduler=hybrid(), dtype=object).compute(scheduler="sync")
+    devices = map_blocks(label, as_batched(np.zeros(40), hybrid())[0], scheduler=hybrid(),
+                         dtype=object).compute(scheduler="sync")
     assert set(devices) == {"cpu@-"}
 
 
-@pytest.mark.parametrize(
-    "args, kwargs, message",
-    [
-        ((), {}, "args: map_blocks needs at least one NumPy or Dask array"),
-        ((3.0,), {}, "args: map_blocks needs at least one NumPy or Dask array"),
-        ((np.zeros(4), np.zeros(5)), {}, r"args\[0\]: the arrays disagree on the batch length along axis 0 \(args\[0\] has 4, args\[1\] has 5\)"),
-        ((np.zeros(4), np.ones(())), {}, r"args\[1\]: a 0-d array has no batch axis"),
-        ((np.zeros((4, 2)),), {"drop_axis": 0}, "drop_axis: axis 0 is the batch axis"),
-        ((np.zeros((4, 2)),), {"drop_axis": [1, 0]}, "drop_axis: axis 0 is the batch axis"),
-    ],
-)
-def test_map_blocks_rejects_bad_input_before_any_work(args, kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        map_blocks(np.negative, *args, scheduler=hybrid(), **kwargs)
+def test_map_blocks_rejects_bad_input_before_any_work():
+    with pytest.raises(TypeError, match="fn: expected a callable, got 3"):
+        map_blocks(3, da.zeros(4), scheduler=hybrid())
+    with pytest.raises(ValueError, match="scheduler: expected a WorkScheduler, got 'cpu'"):
+        map_blocks(np.negative, da.zeros(4), scheduler="cpu")
+    with pytest.raises(ValueError, match=r"drop_axis out of range \(drop_axis=\[2\], but output is 2d\)"):
+        map_blocks(np.negative, da.zeros((4, 2)), drop_axis=2, scheduler=hybrid())
 
 
-def test_map_blocks_rejects_a_non_callable():
-    with pytest.raises(ValueError, match="fn: expected a callable, got 3"):
-        map_blocks(3, np.zeros(4), scheduler=hybrid())
+def test_plan_of_a_huge_batch_is_refused_at_once():
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"n: 1000000000000000000 items make at least 125000000000000000 chunks "
+                                         r"of at most 8 items, more than a plan holds \(1000000\)"):
+        plan(10**18, hybrid())
+    assert time.perf_counter() - start < 1.0
+    # A batch size that makes few chunks plans instantly, however large the batch.
+    assert plan(10**18, SimpleScheduler("cpu", 10**17)) == [(CPU, 10**17)] * 10
+
+
+def test_plan_blocks_replays_the_policy_over_given_blocks():
+    s = hybrid()
+    assert dsched.array.plan_blocks(sizes_of(plan(40, s)), s) == [d for d, _ in plan(40, s)]
+    with pytest.raises(ValueError, match=r"sizes: expected block sizes >= 0"):
+        dsched.array.plan_blocks([3, -1], s)
 
 
 # --- placement on a cluster (cpu + emulated cuda:0, in-process) ------------------------------
+
+def batched(x, scheduler):
+    """``x`` as a Dask array cut by the scheduler's plan (its blocks are then the planned chunks)."""
+    return as_batched(x, scheduler)[0]
+
 
 RECORDS = []
 _records_lock = threading.Lock()
@@ -287,14 +418,14 @@ def test_defaults_are_in_effect():
 
 def test_every_block_runs_on_its_planned_device(hybrid_client):
     s = hybrid()
-    out = map_blocks(label, np.zeros(40), scheduler=s, dtype=object).compute()
+    out = map_blocks(label, batched(np.zeros(40), s), scheduler=s, dtype=object).compute()
     assert list(out) == [f"{d}@{d}" for d in per_item(plan(40, s))]
 
 
 def test_placement_holds_through_fusion_and_reductions(hybrid_client, records):
     s = hybrid()
     x = np.arange(40.0)
-    total = (map_blocks(recorded_double, x, scheduler=s, dtype=float) + 1).sum().compute()
+    total = (map_blocks(recorded_double, batched(x, s), scheduler=s, dtype=float) + 1).sum().compute()
     assert total == (2 * x + 1).sum()
     assert sorted(records) == expected_records(plan(40, s))
 
@@ -302,7 +433,8 @@ def test_placement_holds_through_fusion_and_reductions(hybrid_client, records):
 def test_placement_holds_for_a_chain_of_planned_maps_and_dask_inputs(hybrid_client, records):
     s = hybrid()
     x = da.arange(40.0, chunks=13)
-    y = map_blocks(recorded_double, map_blocks(recorded_double, x, scheduler=s, dtype=float), scheduler=s, dtype=float)
+    y = map_blocks(recorded_double, map_blocks(recorded_double, x, scheduler=s, rechunk=True, dtype=float), scheduler=s,
+                   dtype=float)
     np.testing.assert_array_equal((-y).compute(), -4 * np.arange(40.0))
     assert sorted(records) == sorted(expected_records(plan(40, s)) * 2)
 
@@ -310,7 +442,7 @@ def test_placement_holds_for_a_chain_of_planned_maps_and_dask_inputs(hybrid_clie
 def test_persisted_fused_tasks_are_pinned_and_live_on_their_device(hybrid_client, records):
     s = hybrid()
     x = np.arange(40.0)
-    z = (map_blocks(recorded_double, x, scheduler=s, dtype=float) * 3 + 1).persist()
+    z = (map_blocks(recorded_double, batched(x, s), scheduler=s, dtype=float) * 3 + 1).persist()
     dsched_wait(hybrid_client, z)
 
     keys = [k for k in z.__dask_keys__()]
@@ -352,10 +484,10 @@ def pinning(dask_scheduler, keys):
 def test_keys_seen_before_stay_pinned(hybrid_client, records):
     s = hybrid()
     x = np.arange(40.0)
-    first = map_blocks(recorded_double, x, scheduler=s, dtype=float).persist()
+    first = map_blocks(recorded_double, batched(x, s), scheduler=s, dtype=float).persist()
     dsched_wait(hybrid_client, first)
     # The same call again builds the same keys: the scheduler already holds them.
-    again = map_blocks(recorded_double, x, scheduler=s, dtype=float)
+    again = map_blocks(recorded_double, batched(x, s), scheduler=s, dtype=float)
     assert again.name == first.name
     np.testing.assert_array_equal((again + 1).compute(), 2 * x + 1)
     records.clear()
@@ -382,7 +514,7 @@ def test_register_is_idempotent_and_harmless(hybrid_client):
     names = hybrid_client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
     assert names.count("dsched-placement") == 1
     s = hybrid()
-    out = map_blocks(label, np.zeros(40), scheduler=s, dtype=object).compute()
+    out = map_blocks(label, batched(np.zeros(40), s), scheduler=s, dtype=object).compute()
     assert list(out) == [f"{d}@{d}" for d in per_item(plan(40, s))]
 
 
@@ -392,7 +524,7 @@ def test_a_block_never_requests_more_than_its_owner_holds():
     s = hybrid()  # cuda:0 blocks of 8 items on a cuda:0 that may run 5 at once
     with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, capacities={"cuda:0": 5},
                                    dashboard_address=None) as cluster, Client(cluster) as client:
-        y = map_blocks(label, np.zeros(40), scheduler=s, dtype=object).persist()
+        y = map_blocks(label, batched(np.zeros(40), s), scheduler=s, dtype=object).persist()
         dsched_wait(client, y)
         seen = client.run_on_scheduler(pinning, keys=y.__dask_keys__())
         asked = [seen[str(k)][1][1] for k in y.__dask_keys__()]
@@ -434,11 +566,11 @@ def test_blocks_reach_the_gpu_as_cupy_and_come_back_as_numpy():
     s = StaticHybridScheduler(["cuda:0"], batch_sizes=64)
     x = np.arange(1000.0)
     with dsched.LocalHybridCluster(["cuda:0"], dashboard_address=None) as cluster, Client(cluster):
-        out = map_blocks(gpu_kinds, x, scheduler=s, dtype=float).compute()
+        out = map_blocks(gpu_kinds, batched(x, s), scheduler=s, dtype=float).compute()
         assert type(out) is np.ndarray
         np.testing.assert_array_equal(out, 2 * x)
         # Kept on the GPU (every task of this cluster runs on the GPU worker).
-        kept = map_blocks(lambda a: a * 2, x, scheduler=s, to_host=False, meta=cupy.empty((0,)))
+        kept = map_blocks(lambda a: a * 2, batched(x, s), scheduler=s, to_host=False, meta=cupy.empty((0,)))
         on_gpu = kept.compute()
         assert isinstance(on_gpu, cupy.ndarray)
         np.testing.assert_array_equal(cupy.asnumpy(on_gpu), 2 * x)
@@ -450,5 +582,5 @@ def test_real_gpu_and_cpu_blocks_run_where_planned():
 
     s = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[16, 64], priorities=[1, 4])
     with dsched.LocalHybridCluster(["cpu", "cuda:0"], dashboard_address=None) as cluster, Client(cluster):
-        labels = map_blocks(label, np.zeros(1000), scheduler=s, dtype=object).compute()
+        labels = map_blocks(label, batched(np.zeros(1000), s), scheduler=s, dtype=object).compute()
         assert list(labels) == [f"{d}@{d}" for d in per_item(plan(1000, s))]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dsched
-from dsched import PlacementWarning, StaticHybridScheduler, current_device, map_blocks, plan
+from dsched import PlacementWarning, StaticHybridScheduler, as_batched, current_device, map_blocks, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -24,6 +24,11 @@ DEVICE_CODE = {"cpu": 0.0, "cuda:0": 1.0}
 
 def hybrid():
     return StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[3, 8], priorities=[1, 2])
+
+
+def batched(x, scheduler):
+    """``x`` as a Dask array cut by the scheduler's plan (its blocks are then the planned chunks)."""
+    return as_batched(x, scheduler)[0]
 
 
 def per_item(chunks):
@@ -112,12 +117,12 @@ def test_cli_workers_own_their_devices(cli_client):
 def test_cli_cluster_runs_map_blocks_as_planned(cli_client):
     s = hybrid()
     x = np.arange(40.0)
-    out = map_blocks(label, x, scheduler=s, dtype=object).compute()
+    out = map_blocks(label, batched(x, s), scheduler=s, dtype=object).compute()
     assert list(out) == [f"{d}@{d}" for d in per_item(plan(40, s))]
-    codes = (map_blocks(device_code, x, scheduler=s, dtype=float) + 1).sum().compute()
+    codes = (map_blocks(device_code, batched(x, s), scheduler=s, dtype=float) + 1).sum().compute()
     assert codes == sum(DEVICE_CODE[d] + 1 for d in per_item(plan(40, s)))
     dsched.register(cli_client)  # harmless on a cluster the preloads set up
-    out = map_blocks(label, x + 1, scheduler=s, dtype=object).persist().compute()
+    out = map_blocks(label, batched(x + 1, s), scheduler=s, dtype=object).persist().compute()
     assert list(out) == [f"{d}@{d}" for d in per_item(plan(40, s))]
 
 
@@ -197,7 +202,8 @@ def test_blocks_of_a_killed_worker_rerun_elsewhere_complete_and_correct(process_
     planned_on_gpu = sum(1 for d, _ in chunks if str(d) == "cuda:0")
     gpu = worker_addresses(client)["cuda:0"]
     go = Event("dsched-test-go", client=client)
-    y = map_blocks(slow_code, x[:, None], "dsched-test-go", scheduler=s, chunks=(1, 2), meta=np.empty((0, 0)))
+    xb = batched(x[:, None], s)
+    y = map_blocks(slow_code, xb, "dsched-test-go", scheduler=s, chunks=(xb.chunks[0], (2,)), meta=np.empty((0, 0)))
     future = client.compute(y)
     wait_for(lambda: len(client.processing(workers=[gpu])[gpu]) == planned_on_gpu, 30,
              "the cuda:0 blocks to reach their worker")
@@ -221,7 +227,7 @@ def test_blocks_of_a_killed_worker_rerun_elsewhere_complete_and_correct(process_
     ]
     # The nanny brings cuda:0 back; new work is pinned to it again.
     wait_for_worker_back(client, "cuda:0", gpu)
-    labels = map_blocks(label, x, scheduler=s, dtype=object).compute()
+    labels = map_blocks(label, batched(x, s), scheduler=s, dtype=object).compute()
     assert list(labels) == [f"{d}@{d}" for d in per_item(chunks)]
 
 
@@ -241,9 +247,11 @@ def test_waiting_blocks_are_pinned_again_when_their_device_comes_back(process_cl
     wait_for(lambda: "cuda:0" in worker_addresses(client), 60, "cuda:0")
     go = Event("dsched-test-go-2", client=client)
     # The planned blocks wait for one gated CPU block upstream, so they are still waiting when cuda:0 dies.
-    upstream = map_blocks(gated_copy, x, "dsched-test-go-2", scheduler=dsched.SimpleScheduler("cpu", 40),
+    one_cpu_block = dsched.SimpleScheduler("cpu", 40)
+    upstream = map_blocks(gated_copy, batched(x, one_cpu_block), "dsched-test-go-2", scheduler=one_cpu_block,
                           meta=np.empty((0,)))
-    future = client.compute(map_blocks(label, upstream, scheduler=s, dtype=object))
+    # The planned blocks re-cut that single block by the plan (rechunk=True).
+    future = client.compute(map_blocks(label, upstream, scheduler=s, rechunk=True, dtype=object))
     cpu = worker_addresses(client)["cpu"]
     wait_for(lambda: client.processing(workers=[cpu])[cpu], 30, "the gated block to start")
     events_before = len(client.get_events("dsched-placement"))
@@ -272,8 +280,8 @@ def test_register_lets_plain_workers_claim_a_device():
         resources = [w["resources"] for w in client.scheduler_info()["workers"].values()]
         assert resources == [{"dsched-cpu": dsched.devices.UNLIMITED_CAPACITY}] * 2
         s = dsched.SimpleScheduler("cpu", 4)
-        out = map_blocks(lambda a: np.array([str(current_device())] * len(a), dtype=object), np.zeros(10),
-                         scheduler=s, dtype=object).compute()
+        out = map_blocks(lambda a: np.array([str(current_device())] * len(a), dtype=object),
+                         batched(np.zeros(10), s), scheduler=s, dtype=object).compute()
         assert set(out) == {"cpu"}
 
 

@@ -1,0 +1,141 @@
+"""Dask's own ``map_blocks`` tests, run through ``dsched.map_blocks`` on a real Client.
+
+The test functions below are Dask's, imported unchanged from the installed wheel
+(``dask/array/tests/``, dask 2026.8.0, BSD-3-Clause, Copyright (c) Anaconda, Inc. and
+contributors): every test function there whose body calls ``map_blocks``. pytest collects
+them here, with their own parametrizations. An autouse fixture routes ``da.map_blocks``,
+``Array.map_blocks`` and the modules' own ``map_blocks`` name to ``dsched.map_blocks``, and
+makes ``assert_eq`` compute on the Client (an in-process ``LocalHybridCluster`` with a CPU
+worker and an *emulated* cuda:0 worker: NumPy on the CPU, for placement only). Each test runs
+twice: under a ``SimpleScheduler`` and under a ``StaticHybridScheduler``.
+
+Cases a plan cannot honour are marked ``xfail(strict=True)`` in ``CANNOT_HONOUR``, each with its
+reason (documented in docs/array.md). Tests that need a package not installed here (pandas,
+sparse, xarray, cupy) skip as they do upstream.
+"""
+
+import functools
+import importlib
+
+import dask.array as da
+import pytest
+from dask.array.utils import assert_eq as dask_assert_eq
+
+import dsched
+
+# module -> the test functions there whose body calls map_blocks (found by reading their source).
+UPSTREAM = {
+    "test_array_core": [
+        "test_map_blocks", "test_map_blocks2", "test_map_blocks_block_info",
+        "test_map_blocks_block_info_with_new_axis", "test_map_blocks_block_info_with_drop_axis",
+        "test_map_blocks_block_info_with_broadcast", "test_map_blocks_with_constants",
+        "test_map_blocks_with_kwargs", "test_map_blocks_infer_chunks_broadcast", "test_map_blocks_with_chunks",
+        "test_map_blocks_dtype_inference", "test_map_blocks_infer_newaxis", "test_map_blocks_no_array_args",
+        "test_map_blocks_unique_name_enforce_dim", "test_map_blocks_unique_name_chunks_dtype",
+        "test_map_blocks_unique_name_drop_axis", "test_map_blocks_unique_name_new_axis",
+        "test_map_blocks_optimize_blockwise", "test_repr_meta", "test_map_blocks3",
+        "test_map_blocks_with_changed_dimension", "test_map_blocks_with_negative_drop_axis",
+        "test_map_blocks_with_invalid_drop_axis", "test_map_blocks_custom_name",
+        "test_map_blocks_with_changed_dimension_and_broadcast_chunks", "test_map_blocks_name",
+        "test_map_blocks_delayed", "test_dask_array_holds_scipy_sparse_containers", "test_scipy_sparse_indexing",
+        "test_scipy_sparse_concatenate", "test_map_blocks_large_inputs_delayed", "test_map_blocks_chunks",
+        "test_no_warnings_from_blockwise", "test_map_blocks_series", "test_map_blocks_dataframe",
+        "test_chunk_shape_broadcast", "test_chunk_non_array_like", "test_store_sources_unoptimized_nocompute",
+    ],
+    "test_array_function": ["test_array_function_sparse"],
+    "test_atop": ["test_blockwise_numpy_arg"],
+    "test_creation": ["test_like_forgets_graph"],
+    "test_gufunc": ["test_preserve_meta_type"],
+    "test_map_blocks": ["test_map_blocks_block_id_fusion"],
+    "test_masked": ["test_mixed_random"],
+    "test_overlap": [
+        "test_map_overlap_escapes_to_map_blocks_when_depth_is_zero", "test_map_overlap_multiarray_defaults",
+        "test_no_shared_keys_with_different_depths",
+    ],
+    "test_sparse": ["test_basic", "test_tensordot", "test_metadata", "test_html_repr", "test_map_blocks"],
+    "test_xarray": ["test_shared_tasks"],
+}
+
+# test id (without the scheduler mode) -> why no plan can honour it.
+CANNOT_HONOUR = {}
+
+
+def _load():
+    modules, tests = {}, {}
+    for short, names in UPSTREAM.items():
+        try:
+            module = importlib.import_module(f"dask.array.tests.{short}")
+        except pytest.skip.Exception:  # the module itself needs a package not installed here
+            continue
+        modules[short] = module
+        for name in names:
+            tests[f"test_{short}__{name[len('test_'):]}"] = _routed(getattr(module, name))
+    return modules, tests
+
+
+CALLS = []  # the functions the running test passed to map_blocks
+
+
+def _routed(test):
+    """``test``, then a check that it reached ``dsched.map_blocks`` (skips raise before it)."""
+
+    @functools.wraps(test)  # keeps the signature (fixtures, parameters) and the marks
+    def routed_test(*args, **kwargs):
+        test(*args, **kwargs)
+        assert CALLS, f"{test.__name__} never called map_blocks"
+
+    return routed_test
+
+
+MODULES, _TESTS = _load()
+globals().update(_TESTS)
+
+
+def schedulers():
+    return {
+        "simple": dsched.SimpleScheduler("cpu", 4),
+        "hybrid": dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[3, 8], priorities=[1, 2]),
+    }
+
+
+@pytest.fixture(autouse=True, params=["simple", "hybrid"])
+def routed(request, hybrid_client, monkeypatch, tmp_path_factory):
+    """``map_blocks`` is dsched's, and ``assert_eq`` computes on the Client, for one test."""
+    monkeypatch.setenv("DSCHED_PROFILE_DIR", str(tmp_path_factory.mktemp("no-profiles")))
+    name = request.node.name.split("[")[0]
+    params = request.node.callspec.id if hasattr(request.node, "callspec") else ""
+    case = f"{name}[{params}]".replace(f"{request.param}-", "").replace(f"-{request.param}", "").replace(
+        f"[{request.param}]", "")
+    reason = CANNOT_HONOUR.get(case) or CANNOT_HONOUR.get(name)
+    if reason:
+        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    scheduler = schedulers()[request.param]
+    CALLS.clear()
+
+    def map_blocks(func, *args, **kwargs):
+        CALLS.append(func)
+        return dsched.map_blocks(func, *args, scheduler=scheduler, **kwargs)
+
+    def map_blocks_method(self, func, *args, **kwargs):
+        return map_blocks(func, self, *args, **kwargs)
+
+    monkeypatch.setattr(da, "map_blocks", map_blocks)
+    monkeypatch.setattr(da.Array, "map_blocks", map_blocks_method)
+    for module in MODULES.values():
+        if getattr(module, "map_blocks", None) is not None:
+            monkeypatch.setattr(module, "map_blocks", map_blocks)
+        if getattr(module, "assert_eq", None) is dask_assert_eq:
+            monkeypatch.setattr(module, "assert_eq", functools.partial(_assert_eq_on, hybrid_client))
+    # map_overlap (tested here for its map_blocks path) calls its module's own map_blocks.
+    monkeypatch.setattr(importlib.import_module("dask.array.overlap"), "map_blocks", map_blocks)
+    yield scheduler
+
+
+def _assert_eq_on(client, a, b, *args, scheduler=None, **kwargs):
+    return dask_assert_eq(a, b, *args, scheduler=client if scheduler in (None, "sync") else scheduler, **kwargs)
+
+
+@pytest.fixture
+def xfail(request):
+    """Dask's conftest fixture: mark the running test as an expected failure."""
+    return lambda reason: request.applymarker(pytest.mark.xfail(reason=reason))
