@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+from .neml2 import NEML2ConvergenceError, NEML2Model, NEML2Parameters, neml2_chunk
 from .j2 import J2Parameters, j2_chunk, j2_outputs, j2_update, loading_strain
 
 __all__ = [
@@ -18,6 +19,9 @@ __all__ = [
     "Model",
     "MODELS",
     "get_model",
+    "NEML2Model",
+    "NEML2Parameters",
+    "NEML2ConvergenceError",
 ]
 
 
@@ -36,6 +40,12 @@ MODELS = {
         parameters_type=J2Parameters,
         description="small-strain J2 plasticity, radial return with linear isotropic hardening",
         outputs=j2_outputs,
+    ),
+    # Outputs not declared: they depend on the input file (probed on two points instead).
+    "neml2": Model(
+        chunk=neml2_chunk,
+        parameters_type=NEML2Parameters,
+        description="a NEML2 model from its input file (neml2 extra), per-thread instances, convergence failures recoverable",
     ),
 }
 

@@ -1,0 +1,215 @@
+"""The NEML2 adapter against NEML2 itself, on the input files of tests/data.
+
+neml2_elastic.i is linear isotropic elasticity; neml2_viscoplastic.i is
+Perzyna J2 viscoplasticity with an implicit update (NEML2's own Newton
+solve). Every result is compared with NEML2 called directly on the same
+points. Skipped, with the reason, where neml2 is not installed.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dsched
+from dsched.models import NEML2ConvergenceError, NEML2Model
+
+neml2 = pytest.importorskip("neml2", reason="neml2 is not installed (pip install 'dsched[neml2]')")
+torch = pytest.importorskip("torch")
+
+DATA = Path(__file__).parent / "data"
+ELASTIC, VISCOPLASTIC = DATA / "neml2_elastic.i", DATA / "neml2_viscoplastic.i"
+
+
+def _strain(n, seed=0):
+    return np.random.default_rng(seed).uniform(-4e-3, 4e-3, size=(n, 6))
+
+
+def _viscoplastic_inputs(n, seed=0):
+    """One time step of 1 s from rest: a strain per point, everything else broadcast."""
+    # Unbatched tensors as NumPy need a batch axis of 1 (a plain (6,) array would read as 6 points).
+    return {"E": _strain(n, seed), "E~1": np.zeros((1, 6)), "t": 1.0, "t~1": 0.0,
+            "stress~1": np.zeros((1, 6)), "equivalent_plastic_strain~1": 0.0}
+
+
+# NEML2's Newton stops once the residual norm over the whole batch falls below its tolerances
+# (rel_tol 1e-8), so a chunk may take one iteration more or fewer than the whole batch does: the
+# implicit update agrees to about 1e-10 relative, not bit for bit. Elasticity is exact.
+NEWTON = {"rtol": 1e-8, "atol": 1e-9}
+
+
+def _direct(path, inputs, derivatives=False):
+    """NEML2 called directly on all the points at once, as a NEML2 user would."""
+    model = neml2.load_model(str(path), "model")
+    state = {k: torch.as_tensor(np.asarray(v, dtype=np.float64)) for k, v in inputs.items()}
+    if derivatives:
+        values, jacobian = model.jacobian(state)
+        return ({k: v.data.detach().numpy() for k, v in values.items()},
+                {o: {i: b.data.detach().numpy() for i, b in row.items()} for o, row in jacobian.items()})
+    return {k: v.data.detach().numpy() for k, v in model.call_by_name(state).items()}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_elastic_model_matches_neml2(mode, hybrid_client):
+    inputs = {"strain": _strain(50)}
+    model = NEML2Model(ELASTIC, "model")
+    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [8, 12])  # cuda:0 emulated: placement only
+    out = model.dispatch(inputs, scheduler=s, mode=mode, client=hybrid_client)
+    assert list(out) == ["stress"] and isinstance(out["stress"], np.ndarray)
+    np.testing.assert_allclose(out["stress"], _direct(ELASTIC, inputs)["stress"], rtol=1e-12, atol=0)
+
+
+def test_viscoplastic_implicit_update_matches_neml2_with_threads_sharing_devices(hybrid_client):
+    inputs = _viscoplastic_inputs(400)
+    model = NEML2Model(VISCOPLASTIC, "model")
+    # Two threads per device worker run chunks at once: each needs its own model (Newton state on the object).
+    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [16, 24], capacities=[32, 48])
+    out = model.dispatch(inputs, scheduler=s, client=hybrid_client)
+    reference = _direct(VISCOPLASTIC, inputs)
+    assert sorted(out) == ["equivalent_plastic_strain", "stress"]
+    assert out["stress"].shape == (400, 6) and out["equivalent_plastic_strain"].shape == (400,)
+    assert (reference["equivalent_plastic_strain"] > 0).sum() > 100  # the points yield: the solve has work to do
+    for name in out:
+        np.testing.assert_allclose(out[name], reference[name], **NEWTON)
+
+
+def test_derivatives_come_back_as_neml2_blocks_joined_by_derivative_reduce():
+    inputs = _viscoplastic_inputs(30)
+    model = NEML2Model(VISCOPLASTIC, "model", outputs=["stress"], derivatives=True)
+    dispatcher = dsched.WorkDispatcher(dsched.SimpleScheduler("cpu", 8), lambda work, device: model(work), mode="sync")
+    chunks = dispatcher.run(dsched.MappingLoader(inputs))
+    outputs = dsched.concat_reduce([c[0] for c in chunks])
+    jacobian = dsched.derivative_reduce([c[1] for c in chunks])
+    ref_values, ref_jacobian = _direct(VISCOPLASTIC, inputs, derivatives=True)
+    np.testing.assert_allclose(outputs["stress"], ref_values["stress"], **NEWTON)
+    assert sorted(jacobian) == ["stress"] and sorted(jacobian["stress"]) == sorted(model.input_names)
+    assert jacobian["stress"]["E"].shape == (30, 6, 6)
+    for name, block in jacobian["stress"].items():
+        np.testing.assert_allclose(block, ref_jacobian["stress"][name], rtol=1e-7, atol=1e-6)
+
+
+def test_torch_and_neml2_inputs_come_back_as_their_types(hybrid_client):
+    types = neml2.types
+    strain = torch.as_tensor(_strain(20))
+    model = NEML2Model(ELASTIC, "model")
+    dispatcher = dsched.WorkDispatcher(dsched.StaticHybridScheduler(["cpu", "cuda:0"], [6, 8]),
+                                       lambda work, device: model(work), reduce=dsched.concat_reduce,
+                                       client=hybrid_client)
+    with dispatcher:
+        as_torch = dispatcher.run(dsched.MappingLoader({"strain": strain}))
+        as_typed = dispatcher.run(dsched.MappingLoader({"strain": types.SR2(strain)}))
+    reference = _direct(ELASTIC, {"strain": strain.numpy()})["stress"]
+    assert isinstance(as_torch["stress"], torch.Tensor) and not as_torch["stress"].requires_grad
+    assert type(as_typed["stress"]) is types.SR2 and as_typed["stress"].shape == (20, 6)
+    np.testing.assert_allclose(as_torch["stress"].numpy(), reference, rtol=1e-12)
+    np.testing.assert_allclose(as_typed["stress"].data.numpy(), reference, rtol=1e-12)
+
+
+def test_a_failed_newton_solve_is_recoverable():
+    model = NEML2Model(VISCOPLASTIC, "model", overrides=["Solvers/newton/max_its:=1"])
+    with pytest.raises(NEML2ConvergenceError, match=r"NEML2 model 'model' \(neml2_viscoplastic.i\): .*MAXITER") as info:
+        model.dispatch(_viscoplastic_inputs(10), scheduler=dsched.SimpleScheduler("cpu", 5), mode="sync")
+    assert info.value.recoverable and isinstance(info.value, dsched.RecoverableError)
+
+
+def test_several_failed_solves_aggregate_as_recoverable(hybrid_client):
+    model = NEML2Model(VISCOPLASTIC, "model", overrides=["Solvers/newton/max_its:=1"])
+    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [5, 5])
+    with pytest.raises(dsched.AggregateError) as info:
+        model.dispatch(_viscoplastic_inputs(10), scheduler=s, client=hybrid_client)
+    assert info.value.recoverable and all(isinstance(e, NEML2ConvergenceError) for e in info.value.errors)
+
+
+def test_bad_names_are_reported_before_any_work():
+    with pytest.raises(ValueError, match=r"input: no NEML2 input file at .*missing\.i"):
+        NEML2Model(DATA / "missing.i", "model")
+    with pytest.raises(ValueError, match=r"model: cannot load 'plastic' from .*neml2_elastic\.i"):
+        NEML2Model(ELASTIC, "plastic")
+    with pytest.raises(ValueError, match=r"outputs: \['strain'\] are not outputs of 'model' \(it has \['stress'\]\)"):
+        NEML2Model(ELASTIC, "model", outputs=["strain"])
+    model = NEML2Model(VISCOPLASTIC, "model")
+    inputs = _viscoplastic_inputs(4)
+    del inputs["t~1"]
+    inputs["time"] = 1.0
+    with pytest.raises(ValueError, match=r"inputs: 'model' takes .*; missing \['t~1'\]; unknown \['time'\]"):
+        model.dispatch(inputs, scheduler=dsched.SimpleScheduler("cpu", 2), mode="sync")
+
+
+def test_worker_processes_match_neml2():
+    from distributed import Client
+
+    inputs = _viscoplastic_inputs(120, seed=3)
+    model = NEML2Model(VISCOPLASTIC, "model")
+    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [20, 30])
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                                   dashboard_address=None) as cluster, Client(cluster) as client:
+        out = model.dispatch(inputs, scheduler=s, client=client)
+    reference = _direct(VISCOPLASTIC, inputs)
+    for name in reference:
+        np.testing.assert_allclose(out[name], reference[name], **NEWTON)
+
+
+# --- graph files ------------------------------------------------------------------
+
+
+GRAPH = """
+[model]
+name = "neml2"
+input = "{input}"
+model = "model"
+outputs = ["stress", "equivalent_plastic_strain"]
+tangent = false
+[model.inputs]
+E = "strain"
+"E~1" = 0.0
+t = 1.0
+"t~1" = 0.0
+"stress~1" = 0.0
+"equivalent_plastic_strain~1" = 0.0
+
+[batch]
+size = 90
+
+[scheduler]
+type = "SimpleScheduler"
+device = "cpu"
+batch_size = 40
+
+[options]
+mode = "sync"
+"""
+
+
+def test_a_graph_runs_a_neml2_model(tmp_path):
+    from dsched.graph import load_graph
+    from dsched.job import run_graph
+    from dsched.models import loading_strain
+
+    (tmp_path / "model.i").write_text(VISCOPLASTIC.read_text())
+    graph_file = tmp_path / "neml2.toml"
+    graph_file.write_text(GRAPH.format(input="model.i"))  # relative to the graph file
+    result = run_graph(load_graph(graph_file), progress=False)
+    inputs = {"E": loading_strain(np.arange(90)), "E~1": np.zeros((1, 6)), "t": 1.0, "t~1": 0.0,
+              "stress~1": np.zeros((1, 6)), "equivalent_plastic_strain~1": 0.0}
+    reference = _direct(VISCOPLASTIC, inputs)
+    assert result.report.items == 90
+    for name in reference:
+        np.testing.assert_allclose(np.asarray(result.outputs[name]), reference[name], **NEWTON)
+
+
+def test_graph_errors_name_the_key(tmp_path):
+    from dsched.graph import GraphError, load_graph
+
+    graph_file = tmp_path / "g.toml"
+    graph_file.write_text(GRAPH.format(input=str(VISCOPLASTIC)).replace('t = 1.0', 'time = 1.0'))
+    with pytest.raises(GraphError, match=r"model\.inputs: 'model' takes .*missing \['t'\]; unknown \['time'\]"):
+        load_graph(graph_file)
+    graph_file.write_text(GRAPH.format(input="nowhere.i"))
+    with pytest.raises(GraphError, match=r"model\.input: no NEML2 input file at .*nowhere\.i"):
+        load_graph(graph_file)
+    graph_file.write_text(GRAPH.format(input=str(VISCOPLASTIC)).replace('E = "strain"', 'E = "stress"'))
+    with pytest.raises(GraphError, match=r"model\.inputs\.E: expected 'strain' or a number, got 'stress'"):
+        load_graph(graph_file)
+    graph_file.write_text('[model]\nname = "j2"\ninput = "x.i"\n[batch]\nsize = 4\n')
+    with pytest.raises(GraphError, match=r"model\.input: only for name = 'neml2'"):
+        load_graph(graph_file)
