@@ -384,7 +384,13 @@ def initialize(
         import dask
 
         address = dask.config.get("scheduler_address")
-        plugins = _prepare_cluster(address, sum(p.role == "worker" for p in layout), layout=layout, interface=interface)
+        try:
+            plugins = _prepare_cluster(address, sum(p.role == "worker" for p in layout), layout=layout,
+                                       interface=interface)
+        except WorkersMissing as err:
+            # The scheduler and worker ranks would wait forever: say why, and end the whole job.
+            print(f"dsched.mpi: error: {err}", file=sys.stderr, flush=True)
+            comm.Abort(2)
         if verbose:
             print(f"dsched.mpi cluster ready at {address} (plugins: {', '.join(plugins) or 'none'})", flush=True)
             if dashboard_address is not None:
