@@ -63,7 +63,7 @@ def run_client(args) -> int:
         print(f"J2 over {args.points} points: result matches the direct evaluation", flush=True)
         print("device    chunks  items   worker", flush=True)
         for device, row in dispatcher.last_run.by_device().items():
-            flag = " (emulated)" if str(device) in emulated else ""
+            flag = " (emulated)" if str(device.device) in emulated else ""  # rows are per device and host
             print(f"{str(device):8}  {row['chunks']:6}  {row['items']:6}  {row['worker']}{flag}", flush=True)
     return 0
 
