@@ -1,10 +1,11 @@
 """The dask.array path: a batch as a Dask array chunked by a scheduler's plan.
 
 ``plan(n, scheduler)`` decides, ahead of time, the chunks a dispatcher would
-send: their devices and sizes along axis 0. ``as_batched`` chunks an array
-that way, and ``map_blocks`` applies a model to every chunk, each on the
-device planned for it (:mod:`dsched.placement` pins the blocks), as a lazy
-Dask array that composes with the rest of a graph.
+send: their devices and sizes along axis 0; ``plan_blocks(sizes, scheduler)``
+gives the devices of blocks already cut. ``as_batched`` chunks an array by
+the plan, and ``map_blocks`` is ``dask.array.map_blocks`` with each block on
+the device planned for it (:mod:`dsched.placement` pins the blocks), a lazy
+Dask array that composes (and fuses) with the rest of a graph.
 
 The plan replays the scheduler's greedy policy in simulated time: a device
 takes a chunk when it has room (``load + batch_size <= capacity``), the
@@ -22,7 +23,9 @@ order of preference:
    or 1 if there is none).
 
 For a single device (``SimpleScheduler``) the plan is uniform chunks of the
-batch size with a short last chunk.
+batch size with a short last chunk. A plan holds at most ``MAX_PLAN_CHUNKS``
+chunks: a batch that needs more is refused at once (a ``ValueError``), not
+planned for minutes.
 """
 
 from __future__ import annotations
@@ -270,31 +273,30 @@ def as_batched(x, scheduler, *, speeds=None):
 def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True, speeds=None, name=None, token=None,
                dtype=None, chunks=None, drop_axis=None, new_axis=None, enforce_ndim=False, meta=None,
                **kwargs):
-    """``dask.array.map_blocks``, with the batch blocks along axis 0 cut and placed by ``scheduler``.
+    """``dask.array.map_blocks``, every batch block on the device ``scheduler`` plans for it.
 
     Every semantic of ``dask.array.map_blocks`` holds: Dask arrays are the
-    blocked inputs, aligned on their last axes and broadcast as Dask does;
-    everything else (NumPy arrays, constants, delayed objects) passes whole to
-    every call; ``name``, ``token``, ``dtype``, ``chunks``, ``drop_axis``,
+    blocked inputs, aligned on their last axes and broadcast as Dask does
+    (an input with one block along an axis serves every block); anything
+    else (NumPy arrays, constants, delayed objects) passes whole to every
+    call; ``name``, ``token``, ``dtype``, ``chunks``, ``drop_axis``,
     ``new_axis``, ``enforce_ndim``, ``meta``, ``block_id`` and ``block_info``
-    mean what they mean there. One thing is added: the *batch axis* (axis 0
-    of the inputs with the most dimensions) is cut by :func:`plan`, and each
-    output block runs on the device planned for it (with the placement
-    plugins installed: ``LocalHybridCluster``, :func:`dsched.register`, or
-    the preload modules). Other axes keep their chunks.
+    mean what they mean there, and the output keeps the inputs' chunks.
 
-    Where Dask's semantics and the plan conflict, Dask wins and a
-    :class:`dsched.PlacementWarning` says what was not planned:
+    One thing is added. The *batch axis* is axis 0 of the inputs with the
+    most axes; its blocks are the batch blocks. Each output block runs on the
+    device of its batch block (with the placement plugins installed:
+    ``LocalHybridCluster``, :func:`dsched.register`, or the preload
+    modules): inputs cut by the plan (:func:`as_batched`, or
+    ``rechunk=True``) get the plan's devices; any other chunking gets the
+    devices the same policy gives blocks of those sizes (:func:`plan_blocks`).
+    A block whose output shape differs from the declared one (``chunks``)
+    raises a ``ValueError`` when computed, instead of a silently wrong shape
+    (axes of length 1 may differ, as Dask tolerates).
 
-    - ``chunks`` gives the batch axis other sizes than the input's (a
-      function that changes the length along axis 0): the input's blocks are
-      kept, each on the device the plan gives most of its items;
-    - ``drop_axis`` drops the batch axis: every output block reads the whole
-      batch, and no block is placed.
-
-    Inputs of length 1 along the batch axis, or with fewer axes, broadcast
-    as in Dask and are not cut. An output block whose shape differs from the
-    declared one (``chunks``) raises a ``ValueError`` when computed.
+    Nothing is placed when ``drop_axis`` drops the batch axis (every output
+    block then reads the whole batch); this, and a ``rechunk=True`` that
+    cannot be honoured, is logged on the ``dsched.array`` logger.
 
     Parameters
     ----------
@@ -303,7 +305,13 @@ def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True
     *args
         Dask arrays (blocked), and anything else (passed whole).
     scheduler : WorkScheduler
-        Decides the batch blocks: ``SimpleScheduler`` or ``StaticHybridScheduler``.
+        ``SimpleScheduler`` or ``StaticHybridScheduler``: its policy places the blocks.
+    rechunk : bool
+        Cut the batch inputs (those of full length along the batch axis) by
+        :func:`plan` first, so every block is a planned sub-batch. Not done
+        when ``chunks`` declares other lengths along the batch axis than the
+        inputs' (a function that changes that length): Dask's blocks are
+        kept then.
     to_device, to_host : bool
         On a real GPU, pass the blocks to ``fn`` as CuPy arrays on that GPU,
         and copy a CuPy result back to NumPy (``False``: it stays CuPy; give
@@ -321,7 +329,10 @@ def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True
     --------
     >>> import dask.array as da
     >>> from dsched import SimpleScheduler
-    >>> y = map_blocks(np.sqrt, da.arange(10.0, chunks=5), scheduler=SimpleScheduler("cpu", 4))
+    >>> x = da.arange(10.0, chunks=5)
+    >>> map_blocks(np.sqrt, x, scheduler=SimpleScheduler("cpu", 4)).chunks
+    ((5, 5),)
+    >>> y = map_blocks(np.sqrt, x, scheduler=SimpleScheduler("cpu", 4), rechunk=True)
     >>> y.chunks, float(y.sum().compute(scheduler="sync"))
     (((4, 4, 2),), 19.30600052603572)
     """

@@ -2,17 +2,19 @@
 
 Dask's graph optimizer drops annotations (``notes/dask-mechanisms.md``), so a
 planned block carries its device *inside its task*: :func:`dsched.map_blocks`
-wraps each block's task in a :class:`PlannedBlock`, a small picklable
-callable holding the planned device and size. Blockwise and linear fusion
-keep a task's callable (a fused task nests the originals in its run_spec),
-so the :class:`PlacementPlugin` finds the plan by walking the run_spec of
-every new or touched task in ``update_graph``, which the scheduler calls
-after creating the TaskStates and before placing any of them, and sets the
-task's resource restriction there. This holds under the default
-configuration, for compositions the optimizer fuses, with ``persist``, and
-for keys the scheduler has seen before (``update_graph`` lists every
-touched task, not only new ones). Tasks without a planned block are left
-to Dask.
+gives each block's task one more argument, a small picklable
+:class:`PlannedBlock` holding the planned device, size and declared shape
+(a per-block value of the Blockwise layer, as Dask passes ``block_info``).
+Blockwise and linear fusion keep a task's arguments (a fused task nests the
+originals and their data in its run_spec), so the :class:`PlacementPlugin`
+finds the plan by walking the run_spec of every new or touched task in
+``update_graph``, which the scheduler calls after creating the TaskStates
+and before placing any of them, and sets the task's resource restriction
+there. This holds under the default configuration, for compositions the
+optimizer fuses, with ``persist``, and for keys the scheduler has seen
+before (``update_graph`` lists every touched task, not only new ones).
+Tasks without a planned block are left to Dask. :func:`run_block` runs the
+block where it lands and checks its output shape.
 
 A block requests ``min(size, capacity)`` of its device's resource
 ``dsched-<device>``: its item count, as dispatched chunks do, so an owner
@@ -30,13 +32,13 @@ are pinned again.
 The :class:`DeviceWorkerPlugin` gives a worker its device: the one named
 (``--dsched-device``), else the one its resources claim, else, with
 ``claim=True``, the GPU it sees (its first ``CUDA_VISIBLE_DEVICES`` entry,
-as dask-cuda pins workers) or the CPU. It selects that GPU for CuPy.
+as dask-cuda pins workers: an index, or a GPU or MIG UUID resolved through
+NVML) or the CPU. It selects that GPU for CuPy.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import warnings
 import weakref
@@ -50,6 +52,7 @@ from .devices import (
     Device,
     cuda_local_ordinal,
     device_resource,
+    first_visible_gpu,
     placement_device,
     running_on,
     selected,
@@ -425,14 +428,10 @@ class DeviceWorkerPlugin(WorkerPlugin):
         if owned is not None or not self.claim:
             return owned, False
         if present:
-            return Device(f"cuda:{_first_visible_ordinal()}"), False
+            # The first CUDA_VISIBLE_DEVICES entry (dask-cuda rotates the list), an index or a
+            # GPU/MIG UUID; unset or unresolvable: the first GPU, as CUDA itself would use.
+            return first_visible_gpu() or Device("cuda:0"), False
         return Device("cpu"), False
-
-
-def _first_visible_ordinal() -> int:
-    """The physical index of the GPU a pinned worker sees first (dask-cuda rotates the list)."""
-    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-    return int(first) if first.isdigit() else 0
 
 
 async def _set_resources(worker, resources):

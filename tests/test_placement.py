@@ -330,3 +330,75 @@ def test_workstation_example_exits_cleanly_without_dask_cuda_when_asked():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0
     assert "dask-cuda or a GPU is not available here" in done.stdout and "nothing to run" in done.stdout
+
+
+# --- which GPU a pinned worker owns: CUDA_VISIBLE_DEVICES ----------------------------------------
+
+# Two GPUs as NVML lists them: (physical index, GPU UUID, MIG instance UUIDs). Data, not a stand-in for
+# NVML: the matching below is pure; reading NVML itself is covered by the gpu-marked test.
+INVENTORY = [
+    (0, "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6", []),
+    (1, "GPU-b2a7c0a1-1111-2222-3333-444455556666",
+     ["MIG-4b0e5b6a-5a0c-5f7e-8a9b-0c1d2e3f4a5b", "MIG-77aa88bb-99cc-5dd0-8ee1-ff2233445566"]),
+]
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (None, None),  # unset: every GPU visible
+        ("", []),
+        ("-1", []),
+        ("1,0", [("index", 1), ("index", 0)]),
+        (" 2 , 3", [("index", 2), ("index", 3)]),
+        ("0,bad,1", [("index", 0)]),  # CUDA stops at the first entry it cannot read
+        ("GPU-b2a7c0a1", [("gpu", "GPU-b2a7c0a1")]),
+        ("MIG-4b0e5b6a-5a0c-5f7e-8a9b-0c1d2e3f4a5b,0", [("mig", "MIG-4b0e5b6a-5a0c-5f7e-8a9b-0c1d2e3f4a5b"),
+                                                        ("index", 0)]),
+        ("MIG-GPU-b2a7c0a1-1111-2222-3333-444455556666/1/0",
+         [("mig", "MIG-GPU-b2a7c0a1-1111-2222-3333-444455556666/1/0")]),
+    ],
+)
+def test_cuda_visible_devices_parse_as_cuda_reads_them(value, expected):
+    assert dsched.devices.parse_visible_devices(value) == expected
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("1,0", [1, 0]),
+        ("GPU-b2a7c0a1-1111-2222-3333-444455556666,GPU-8932f937", [1, 0]),  # full UUID, unique prefix
+        ("gpu-B2A7", []),  # CUDA's prefix is "GPU-": not an entry it reads
+        ("MIG-77aa88bb-99cc-5dd0-8ee1-ff2233445566", [1]),  # a MIG instance: the GPU holding it
+        ("MIG-GPU-8932f937-d72c-4106-c12f-20bd9faed9f6/2/0", [0]),  # the legacy MIG form names its GPU
+        ("GPU-", []),  # a prefix matching both GPUs resolves to neither
+        ("GPU-deadbeef,0", []),  # an unknown UUID ends the list, as in CUDA
+    ],
+)
+def test_gpu_and_mig_uuids_resolve_to_their_physical_gpu(value, expected):
+    assert dsched.devices.visible_physical_indices(value, inventory=INVENTORY) == expected
+
+
+def test_a_pinned_worker_owns_the_gpu_its_first_entry_names(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,0,1")
+    assert dsched.devices.first_visible_gpu() == dsched.Device("cuda:3")
+    assert dsched.devices.cuda_local_ordinal("cuda:0") == 1  # what CuPy calls it in that process
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert dsched.devices.first_visible_gpu() is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert dsched.devices.first_visible_gpu() is None
+
+
+@pytest.mark.gpu
+def test_real_gpu_uuids_resolve_through_nvml():
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+                 for i in range(pynvml.nvmlDeviceGetCount())]
+    finally:
+        pynvml.nvmlShutdown()
+    uuids = [u.decode() if isinstance(u, bytes) else u for u in uuids]
+    last = len(uuids) - 1
+    assert dsched.devices.visible_physical_indices(f"{uuids[last]},0") == [last, 0]
