@@ -176,21 +176,6 @@ def test_the_dispatch_path_keeps_the_graph_when_asked():
     assert torch.allclose(x.grad, 2 * x.detach())
 
 
-def test_neml2_chunks_come_back_as_their_type_from_worker_processes():
-    from distributed import Client
-
-    types = _neml2_types()
-    strain = types.SR2(torch.rand(11, 6, dtype=torch.float64))
-    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [4, 3])
-    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
-                                   dashboard_address=None) as cluster, Client(cluster) as client:
-        dispatcher, loader = _tensor_dispatcher(_double, (strain,), s, "async", client)
-        with dispatcher:
-            out = dispatcher.run(loader)
-    assert type(out) is types.SR2 and torch.allclose(out.data, 2 * strain.data)
-    assert {str(r.device) for r in dispatcher.last_run.records} == {"cpu", "cuda:0"}
-
-
 def _square_and_sum(x):
     return {"square": x * x, "sum": x.sum(dim=1)}
 
@@ -231,6 +216,3 @@ def test_work_dispatcher_joins_torch_results():
     y = dispatcher.run(dsched.ArrayLoader(x))
     assert isinstance(y, torch.Tensor) and torch.equal(y, x + 1)
 
-
-def _double(x):
-    return x * 2.0

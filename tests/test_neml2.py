@@ -60,15 +60,15 @@ def test_elastic_model_matches_neml2(mode, hybrid_client):
 
 
 def test_viscoplastic_implicit_update_matches_neml2_with_threads_sharing_devices(hybrid_client):
-    inputs = _viscoplastic_inputs(400)
+    inputs = _viscoplastic_inputs(240)
     model = NEML2Model(VISCOPLASTIC, "model")
     # Two threads per device worker run chunks at once: each needs its own model (Newton state on the object).
-    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [16, 24], capacities=[32, 48])
+    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [30, 40], capacities=[60, 80])
     out = model.dispatch(inputs, scheduler=s, client=hybrid_client)
     reference = _direct(VISCOPLASTIC, inputs)
     assert sorted(out) == ["equivalent_plastic_strain", "stress"]
-    assert out["stress"].shape == (400, 6) and out["equivalent_plastic_strain"].shape == (400,)
-    assert (reference["equivalent_plastic_strain"] > 0).sum() > 100  # the points yield: the solve has work to do
+    assert out["stress"].shape == (240, 6) and out["equivalent_plastic_strain"].shape == (240,)
+    assert (reference["equivalent_plastic_strain"] > 0).sum() > 60  # the points yield: the solve has work to do
     for name in out:
         np.testing.assert_allclose(out[name], reference[name], **NEWTON)
 
@@ -135,18 +135,37 @@ def test_bad_names_are_reported_before_any_work():
         model.dispatch(inputs, scheduler=dsched.SimpleScheduler("cpu", 2), mode="sync")
 
 
-def test_worker_processes_match_neml2():
+@pytest.fixture(scope="module")
+def process_client():
+    """Worker processes (cpu and an emulated cuda:0, one thread each), each importing torch and neml2."""
     from distributed import Client
 
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                                   dashboard_address=None) as cluster, Client(cluster) as client:
+        yield client
+
+
+def test_worker_processes_match_neml2(process_client):
     inputs = _viscoplastic_inputs(120, seed=3)
     model = NEML2Model(VISCOPLASTIC, "model")
     s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [20, 30])
-    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
-                                   dashboard_address=None) as cluster, Client(cluster) as client:
-        out = model.dispatch(inputs, scheduler=s, client=client)
+    out = model.dispatch(inputs, scheduler=s, client=process_client)
     reference = _direct(VISCOPLASTIC, inputs)
     for name in reference:
         np.testing.assert_allclose(out[name], reference[name], **NEWTON)
+
+
+def test_neml2_typed_chunks_come_back_as_their_type_from_worker_processes(process_client):
+    strain = neml2.types.SR2(torch.as_tensor(_strain(11)))
+    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [4, 3])
+    dispatcher = dsched.WorkDispatcher(s, _double_chunk, reduce=dsched.concat_reduce, client=process_client)
+    out = dispatcher.run(dsched.ArrayLoader(strain))
+    assert type(out) is neml2.types.SR2 and torch.allclose(out.data, 2 * strain.data)
+    assert {str(r.device) for r in dispatcher.last_run.records} == {"cpu", "cuda:0"}
+
+
+def _double_chunk(work, device):
+    return work * 2.0
 
 
 # --- graph files ------------------------------------------------------------------
