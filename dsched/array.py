@@ -350,8 +350,15 @@ def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True
     args, chunks = layout.apply(args, chunks, out_ind)
     # Dask builds the array once (meta, dtype, chunks and all its checks), then
     # the layer is rebuilt with one more per-block argument: the block's plan.
-    first = dask_map_blocks(fn, *args, name=name, token=token, dtype=dtype, chunks=chunks, drop_axis=drop_axis,
-                          new_axis=new_axis, enforce_ndim=enforce_ndim, meta=meta, **kwargs)
+    options = dict(name=name, token=token, dtype=dtype, chunks=chunks, drop_axis=drop_axis, new_axis=new_axis,
+                   enforce_ndim=enforce_ndim, **kwargs)
+    first = dask_map_blocks(fn, *args, meta=meta, **options)
+    if not isinstance(first, da.Array):
+        # A pandas meta makes a DataFrame collection (map_blocks(pd.Series, x)); the same call
+        # with an array meta gives its blocks' chunks (the name does not depend on meta).
+        probe = dask_map_blocks(fn, *args, meta=np.empty((0,) * len(out_ind), dtype=first.dtype), **options)
+        probe._meta = first._meta
+        first = probe
     inner = partial(apply_and_enforce, _func=fn, expected_ndim=len(out_ind)) if enforce_ndim else fn
     call = _BlockCall(inner, [i for i, a in enumerate(args) if isinstance(a, da.Array)], to_device, to_host)
     return _rebuild(first, fn, call, args, out_ind, drop_axis, layout, name, token, kwargs)

@@ -56,8 +56,13 @@ UPSTREAM = {
     "test_xarray": ["test_shared_tasks"],
 }
 
-# test id (without the scheduler mode) -> why no plan can honour it.
-CANNOT_HONOUR = {}
+# test (without the scheduler mode) -> why it cannot pass here. Each is documented in docs/array.md.
+CANNOT_HONOUR = {
+    # Not a plan's doing: its function closes over a threading.Lock, which no Client can ship to a
+    # worker (plain dask.array.map_blocks fails the same on this Client; see
+    # test_a_function_holding_a_lock_cannot_reach_any_client_worker).
+    "test_test_xarray__shared_tasks": "the test's function holds a threading.Lock, which does not pickle for a Client",
+}
 
 
 def _load():
@@ -139,3 +144,24 @@ def _assert_eq_on(client, a, b, *args, scheduler=None, **kwargs):
 def xfail(request):
     """Dask's conftest fixture: mark the running test as an expected failure."""
     return lambda reason: request.applymarker(pytest.mark.xfail(reason=reason))
+
+
+def test_a_function_holding_a_lock_cannot_reach_any_client_worker(routed, hybrid_client):
+    """Why test_shared_tasks cannot pass on a Client: Dask's own map_blocks fails there the same way."""
+    import threading
+
+    import numpy as np
+    from dask.array.core import map_blocks as dask_map_blocks
+
+    lock = threading.Lock()
+
+    def locked(a):
+        with lock:
+            return a
+
+    x = da.zeros((5, 5), chunks=2)
+    for y in (dask_map_blocks(locked, x, dtype=x.dtype), dsched.map_blocks(locked, x, scheduler=routed, dtype=x.dtype)):
+        with pytest.raises(TypeError, match="Could not serialize object of type _HLGExprSequence"):
+            hybrid_client.compute(y).result()
+    np.testing.assert_array_equal(dsched.map_blocks(locked, x, scheduler=routed).compute(scheduler="sync"),
+                                  np.zeros((5, 5)))
