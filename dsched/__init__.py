@@ -12,8 +12,9 @@ from .array import as_batched, map_blocks, plan
 from .cluster import LocalHybridCluster
 from .devices import Device, array_module, current_device, visible_gpus
 from .dispatch import WorkDispatcher, dispatch
+from .outputs import ChunkResultError
 from .report import ChunkRecord, RunReport
-from .errors import AggregateError, DispatchError, RecoverableError
+from .errors import AggregateError, ChunkTimeoutError, DispatchError, RecoverableError
 from .placement import PlacementWarning, register
 from .reduce import concat_reduce, derivative_reduce
 from .schedulers import DeviceStatus, SimpleMPIScheduler, SimpleScheduler, StaticHybridScheduler, WorkScheduler
@@ -27,7 +28,7 @@ __all__ = [
     "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader",
     "concat_reduce", "derivative_reduce",
     "WorkDispatcher", "dispatch", "ChunkRecord", "RunReport",
-    "DispatchError", "RecoverableError", "AggregateError",
+    "DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError", "ChunkResultError",
     "LocalHybridCluster",
     "plan", "as_batched", "map_blocks", "register", "PlacementWarning",
 ]

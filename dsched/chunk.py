@@ -53,11 +53,14 @@ class _InitOnce:
 
 
 class InFlight(NamedTuple):
-    """A submitted chunk: its record, its future, and whether its worker writes its result in place."""
+    """A submitted chunk: its record, its work, its future, whether its worker writes its result in place,
+    and when it times out (``time.monotonic()``; infinity without a timeout)."""
 
     record: ChunkRecord
+    work: object
     future: object
     in_place: bool
+    deadline: float
 
 
 def run_chunk(program: ChunkProgram, device: Device, work, slot=None):

@@ -21,16 +21,16 @@ from dataclasses import dataclass
 
 from . import backends
 from .chunk import ChunkProgram, InFlight, run_chunk
-from .completion import notify_when_done, wait_for_one
+from .completion import DeviceWatch, notify_when_done, wait_for_one
 from .dataplane import RunData, check_out, direct_to_workers, zarr_chunk_items
 from .devices import Device, device_resource, running_on
-from .errors import AggregateError
+from .errors import AggregateError, ChunkTimeoutError
 from .outputs import OutputLayout
 from .ownership import check_devices_owned, device_owners
 from .report import ChunkRecord, RunReport
 from .store import resolve_work
 from .trace import DispatchTracer, check_trace_path
-from .work import MappingLoader
+from .work import MappingLoader, Ranges
 
 __all__ = ["WorkDispatcher", "dispatch", "ChunkRecord", "RunReport"]
 
@@ -82,6 +82,12 @@ class WorkDispatcher:
     output_spec : dict, optional
         ``{name: (item_shape, dtype)}``: the declared result of a chunk (a dict of arrays),
         so that outputs are allocated before the first chunk returns.
+    timeout : float, optional
+        Seconds a chunk may take from its dispatch (queueing on its device included).
+        A chunk over it fails with :class:`ChunkTimeoutError` (recoverable): it is
+        cancelled and its load given back. A model that never returns keeps its
+        worker thread busy, since Python cannot stop a thread; restart that worker
+        to reclaim it.
 
     Examples
     --------
@@ -110,6 +116,7 @@ class WorkDispatcher:
         out=None,
         overwrite=False,
         output_spec=None,
+        timeout=None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode: expected 'sync' or 'async', got {mode!r}")
@@ -124,6 +131,10 @@ class WorkDispatcher:
         if missing:
             raise ValueError(f"scheduler: {scheduler!r} is not a scheduler (it lacks {', '.join(missing)})")
         self._check_join(join, reduce, axis, out, output_spec)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        self.timeout = timeout
         self.join, self.axis, self.out, self.overwrite = join, axis, out, bool(overwrite)
         self._layout = None if output_spec is None else OutputLayout.declared(output_spec, axis)
         self.trace_file = None if trace_file is None else check_trace_path(trace_file)
@@ -142,6 +153,7 @@ class WorkDispatcher:
         self._runs = itertools.count()
         self._initialised_sync = set()
         self.last_run: RunReport | None = None
+        self._last_generator = None  # for run_failed
 
     @staticmethod
     def _check_join(join, reduce, axis, out, output_spec):
@@ -199,9 +211,11 @@ class WorkDispatcher:
 
     # --- running -------------------------------------------------------------
 
-    def run(self, generator):
+    def run(self, generator, *, _overwrite_out=False):
         """Dispatch every item of ``generator``; the results in dispatch order, or ``reduce`` of them."""
-        out = None if self.join is None else check_out(self.out, generator.total, self.axis, self.overwrite)
+        out = None if self.join is None else check_out(self.out, generator.total, self.axis,
+                                                       self.overwrite or _overwrite_out)
+        self._last_generator = generator
         self.last_run = report = RunReport(self.mode, wall_start=time.time())
         self._tracer = None if self.trace_file is None else DispatchTracer(self.trace_file)
         data = None
@@ -231,6 +245,36 @@ class WorkDispatcher:
         if self.join is not None:
             return report.output
         return report.results if self.reduce is None else self.reduce(report.results)
+
+    def run_failed(self):
+        """Run again what the last run left undone: its failed chunks and the items it never dispatched.
+
+        With ``join="concat"`` their rows of the last run's output are written in
+        place and that output is returned; otherwise the results of the chunks run
+        now, in dispatch order (``reduce`` applied to them).
+
+        Examples
+        --------
+        >>> try:                                        # doctest: +SKIP
+        ...     out = dispatcher.run(loader)
+        ... except dsched.RecoverableError:
+        ...     out = dispatcher.run_failed()           # only the failed chunks again
+        """
+        last, source = self.last_run, self._last_generator
+        if last is None or source is None:
+            raise RuntimeError("run_failed: this dispatcher has not run yet")
+        todo = source.ranges if isinstance(source, Ranges) else [(0, source.total)]
+        undone = _subtract(todo, [(r.offset, r.offset + r.size) for r in last.records if r.error is None])
+        source = source.source if isinstance(source, Ranges) else source
+        if not undone:
+            return last.output if self.join is not None else last.results
+        saved = self.out
+        if self.join is not None:
+            self.out = last.output  # the rows the last run wrote stay; the others are written now
+        try:
+            return self.run(Ranges(source, undone), _overwrite_out=True)
+        finally:
+            self.out = saved
 
     def _open_data(self, generator, out, client=None):
         """The run's data plane: inputs by reference (async), outputs in place (``join="concat"``)."""
@@ -268,7 +312,7 @@ class WorkDispatcher:
             records.append(record)
             results.append(None)
             try:
-                result = program.run(device, resolve_work(work))
+                result = self._run_sync_chunk(record, work)
                 if self.join is not None:
                     data.accept(record, result)
                 else:
@@ -284,126 +328,235 @@ class WorkDispatcher:
             if self.on_chunk_done is not None:
                 self.on_chunk_done(record)
 
+    def _run_sync_chunk(self, record, work):
+        """One chunk on the calling thread; with a timeout, on a helper thread that is abandoned if it runs over."""
+        call = lambda: self._program.run(record.device, resolve_work(work))  # noqa: E731
+        if self.timeout is None:
+            return call()
+        box = {}
+
+        def target():
+            try:
+                box["result"] = call()
+            except BaseException as err:  # handed to the calling thread
+                box["error"] = err
+
+        thread = threading.Thread(target=target, name=f"dsched-chunk-{record.index}", daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            raise ChunkTimeoutError(f"chunk {record.index} on {record.device} ran over its timeout of "
+                                    f"{self.timeout:g} s (its thread is left to finish)")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
     def _run_async(self, client, data, report):
-        generator = data.generator
         if self._tracer is not None:
             self._tracer.note_cluster(client)
-        run_id = f"dsched-{self._program.dispatcher_id[:8]}-{next(self._runs)}"
-        done = queue.Queue()  # futures land here from Dask's callback thread
-        in_flight = {}  # future key -> (record, future)
-        outstanding = {}  # record index -> record dispatched and not yet completed
-        futures = []
-        failed = False
+        run = _AsyncRun(self, client, data, report, f"dsched-{self._program.dispatcher_id[:8]}-{next(self._runs)}")
         try:
-            while True:
-                groups = defaultdict(list)
-                while not failed and generator.has_more():
-                    chunk = self._next_chunk(generator)
-                    if chunk is None:
-                        break
-                    device, m, work, offset = chunk
-                    if self._tracer is None:
-                        self.scheduler.dispatched_work(device, m)
-                    else:
-                        self._tracer.dispatched(self.scheduler, device, m)
-                    record = ChunkRecord(len(report.records), device, m, offset=offset)
-                    outstanding[record.index] = record
-                    report.records.append(record)
-                    report.results.append(None)
-                    futures.append(None)
-                    groups[device].append((record, work))
-                for device, chunks in groups.items():
-                    self._submit(client, data, run_id, device, chunks, in_flight, futures, done)
-                if not in_flight:
-                    if not failed and generator.has_more():
-                        # Nothing of ours is running, so no completion of ours can make room:
-                        # the load is another run's (a scheduler shared by concurrent dispatchers).
-                        raise RuntimeError(
-                            f"{self.scheduler!r} has no room for the next chunk and this run has none in flight; "
-                            "a scheduler cannot be shared by dispatchers running at the same time"
-                        )
-                    break
-                future = wait_for_one(done, in_flight, client, self.scheduler.devices)
-                while future is not None:
-                    failed |= self._complete(future, in_flight, outstanding, data)
-                    try:
-                        future = done.get_nowait()
-                    except queue.Empty:
-                        future = None
+            run.loop()
         except BaseException:
             # Interrupted (or the generator, scheduler or submission failed): nothing
             # more will be collected, so cancel what was sent and give the loads back.
-            for record in outstanding.values():
-                if futures[record.index] is not None:
-                    futures[record.index].cancel()
-                self.scheduler.completed_work(record.device, record.size)
+            run.abandon()
             raise
-        self._gather(client, report, futures)
+        run.gather()
 
-    def _submit(self, client, data, run_id, device, chunks, in_flight, futures, done):
-        resource = device_resource(device)
+    def _account_completed(self, record):
+        self.scheduler.completed_work(record.device, record.size)
+        if self._tracer is not None:
+            self._tracer.completed(record.device, record.size)
+
+
+def _subtract(ranges, done):
+    """The parts of ``ranges`` (sorted, disjoint ``(start, stop)``) not covered by ``done``."""
+    left = []
+    done = sorted(done)
+    for start, stop in ranges:
+        position = start
+        for a, b in done:
+            if b <= position or a >= stop:
+                continue
+            if a > position:
+                left.append((position, a))
+            position = max(position, b)
+        if position < stop:
+            left.append((position, stop))
+    return left
+
+
+class _AsyncRun:
+    """The state of one async run: chunks in flight, their futures, timeouts and lost devices.
+
+    The loop is NEML2's: schedule while the scheduler has room, submit, wait
+    for one completion (or a tick), account for it, repeat; after a failure,
+    stop scheduling and wait for what is in flight.
+    """
+
+    def __init__(self, dispatcher, client, data, report, run_id):
+        self.dispatcher, self.client, self.data, self.report, self.run_id = dispatcher, client, data, report, run_id
+        self.scheduler = dispatcher.scheduler
+        self.done = queue.Queue()  # futures land here from the client's event loop
+        self.in_flight = {}  # future key -> InFlight
+        self.outstanding = {}  # record index -> record dispatched and not yet completed
+        self.futures = []  # per record, its (last) future
+        self.failed = False
+        self.watch = DeviceWatch(client)
+        self.retries = itertools.count(1)
+
+    def loop(self):
+        generator = self.data.generator
+        while True:
+            groups = defaultdict(list)
+            while not self.failed and generator.has_more():
+                chunk = self.dispatcher._next_chunk(generator)
+                if chunk is None:
+                    break
+                record, work = self._dispatched(*chunk)
+                groups[self.watch.where(record.device)].append((record, work))
+            for device, chunks in groups.items():
+                self._submit(device, chunks)
+            if not self.in_flight:
+                if not self.failed and generator.has_more():
+                    # Nothing of ours is running, so no completion of ours can make room:
+                    # the load is another run's (a scheduler shared by concurrent dispatchers).
+                    raise RuntimeError(
+                        f"{self.scheduler!r} has no room for the next chunk and this run has none in flight; "
+                        "a scheduler cannot be shared by dispatchers running at the same time"
+                    )
+                return
+            future = wait_for_one(self.done, self._tick_seconds())
+            if future is None:
+                self._tick()
+            while future is not None:
+                self.failed |= self._complete(future)
+                future = wait_for_one(self.done, 0) if not self.done.empty() else None
+
+    def _dispatched(self, device, m, work, offset):
+        if self.dispatcher._tracer is None:
+            self.scheduler.dispatched_work(device, m)
+        else:
+            self.dispatcher._tracer.dispatched(self.scheduler, device, m)
+        record = ChunkRecord(len(self.report.records), device, m, offset=offset)
+        self.outstanding[record.index] = record
+        self.report.records.append(record)
+        self.report.results.append(None)
+        self.futures.append(None)
+        return record, work
+
+    def _submit(self, device, chunks, retry=False):
+        """Send ``chunks`` (``(record, work)``) to ``device``'s workers."""
+        resource, data = device_resource(device), self.data
+        timeout = self.dispatcher.timeout
+        deadline = time.monotonic() + timeout if timeout is not None else float("inf")
+        suffix = f"-retry{next(self.retries)}" if retry else ""
         # One client.map per chunk size: a chunk requests as much of its device's
         # resource as it has items, which is how the worker bounds items in flight.
         by_size = defaultdict(list)
         for record, work in chunks:
             by_size[record.size].append((record, work))
-        batch = []
+        submitted = []
         for size, group in by_size.items():
             slots = [data.slot(device, r.offset, r.offset + r.size, r.index) for r, _ in group]
-            futures_of_group = client.map(
+            futures = self.client.map(
                 run_chunk,
-                [self._program] * len(group),
+                [self.dispatcher._program] * len(group),
                 [device] * len(group),
                 [data.task_work(device, work) for _, work in group],
                 slots,
-                key=[f"{run_id}-{record.index}" for record, _ in group],
-                resources={resource: size},
+                key=[f"{self.run_id}-{record.index}{suffix}" for record, _ in group],
+                resources={resource: self.watch.request(device, size)},
                 pure=False,
             )
-            batch.extend((record, slot is not None, future)
-                         for (record, _), slot, future in zip(group, slots, futures_of_group))
-        for record, in_place, future in batch:
-            in_flight[future.key] = InFlight(record, future, in_place)
-            futures[record.index] = future
-        notify_when_done(client, [future for _, _, future in batch], done.put)
+            for (record, work), slot, future in zip(group, slots, futures):
+                self.in_flight[future.key] = InFlight(record, work, future, slot is not None, deadline)
+                self.futures[record.index] = future
+                submitted.append(future)
+        notify_when_done(self.client, submitted, self.done.put)
 
-    def _complete(self, future, in_flight, outstanding, data) -> bool:
+    def _complete(self, future) -> bool:
         """Account for one finished future; whether it failed."""
-        entry = in_flight.pop(future.key, None)
+        entry = self.in_flight.pop(future.key, None)
         if entry is None:
+            return False  # cancelled by a timeout, or resubmitted elsewhere
+        record, data = entry.record, self.data
+        if future.status == "lost" and not entry.in_place:
+            # It finished, then its worker died holding the result: run it again.
+            self._submit(self.watch.where(record.device), [(record, entry.work)], retry=True)
             return False
-        record, in_place = entry.record, entry.in_place
-        del outstanding[record.index]
-        self.scheduler.completed_work(record.device, record.size)
-        if self._tracer is not None:
-            self._tracer.completed(record.device, record.size)
-        if future.status == "finished":
+        del self.outstanding[record.index]
+        self.dispatcher._account_completed(record)
+        if future.status in ("finished", "lost"):  # lost: written in place, only its timings died with its worker
             try:
-                if self.join is not None and not in_place:
+                if self.dispatcher.join is not None and not entry.in_place:
                     # A result the worker could not write in place: fetch it now and write it here,
                     # so the client never holds more than one chunk's result at a time.
                     result, record.worker, record.start, record.stop = data.fetch(future)
                     data.accept(record, result)
             except Exception as err:  # the result does not fit its chunk
-                record.error = err
-                data.failed(record)
-                return True
-            if self.on_chunk_done is not None:
-                self.on_chunk_done(record)
+                return self._fail(record, err)
+            if self.dispatcher.on_chunk_done is not None:
+                self.dispatcher.on_chunk_done(record)
             return False
         try:
-            record.error = future.exception()
+            error = future.exception()
         except BaseException as err:  # a cancelled future raises instead of returning
-            record.error = err
-        if record.error is None:
-            record.error = RuntimeError(f"chunk {record.index} on {record.device} ended as {future.status}")
-        data.failed(record)
+            error = err
+        return self._fail(record, error or RuntimeError(f"chunk {record.index} on {record.device} ended as "
+                                                         f"{future.status}"))
+
+    def _fail(self, record, error) -> bool:
+        record.error = error
+        self.data.failed(record)
         return True
 
-    def _gather(self, client, report, futures):
-        good = [i for i, r in enumerate(report.records) if r.error is None and r.worker is None]
+    # --- ticks: timeouts and lost devices ---------------------------------------
+
+    def _tick_seconds(self, poll=1.0):
+        nearest = min((e.deadline for e in self.in_flight.values()), default=float("inf"))
+        return max(0.0, min(poll, nearest - time.monotonic()))
+
+    def _tick(self):
+        now = time.monotonic()
+        expired = [e for e in self.in_flight.values() if e.deadline <= now]
+        if expired:
+            self.client.cancel([e.future for e in expired])
+            for entry in expired:
+                del self.in_flight[entry.future.key]
+                del self.outstanding[entry.record.index]
+                self.dispatcher._account_completed(entry.record)
+                self._fail(entry.record, ChunkTimeoutError(
+                    f"chunk {entry.record.index} on {entry.record.device} ran over its timeout of "
+                    f"{self.dispatcher.timeout:g} s and was cancelled"))
+            self.failed = True
+        busy = {self.watch.where(e.record.device) for e in self.in_flight.values()}
+        for lost, fallback in self.watch.check(busy).items():
+            moved = [e for e in self.in_flight.values() if e.record.device == lost]
+            if moved:
+                self.client.cancel([e.future for e in moved])
+                for entry in moved:
+                    del self.in_flight[entry.future.key]
+                self._submit(fallback, [(e.record, e.work) for e in moved], retry=True)
+
+    def abandon(self):
+        """Cancel every chunk still out, in one call, and give its load back."""
+        pending = [self.futures[r.index] for r in self.outstanding.values() if self.futures[r.index] is not None]
+        if pending:
+            self.client.cancel(pending)
+        for record in self.outstanding.values():
+            self.scheduler.completed_work(record.device, record.size)
+        self.outstanding.clear()
+
+    def gather(self):
+        """Timings (and results, without an in-place join) of the chunks not collected yet."""
+        report, futures = self.report, self.futures
+        # A chunk whose worker died after it wrote its rows lost only its timings: not gathered.
+        good = [i for i, r in enumerate(report.records)
+                if r.error is None and r.worker is None and futures[i].status == "finished"]
         # Straight from the workers, not relayed by the scheduler (dsched.direct-to-workers).
-        outputs = client.gather([futures[i] for i in good], direct=direct_to_workers()) if good else []
+        outputs = self.client.gather([futures[i] for i in good], direct=direct_to_workers()) if good else []
         for i, (result, worker, start, stop) in zip(good, outputs):
             record = report.records[i]
             record.worker, record.start, record.stop = worker, start, stop
@@ -518,7 +671,7 @@ class _CallOnChunk:
 
 
 def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file=None, out=None, overwrite=False,
-             **kwargs):
+             timeout=None, **kwargs):
     """Evaluate ``fn`` over a batch split along ``axis`` by ``scheduler``; the joined result.
 
     Arrays and dicts holding arrays in ``args`` are split (entries of size 1
@@ -553,6 +706,7 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file
         axis=axis,
         out=out,
         overwrite=overwrite,
+        timeout=timeout,
         mode=mode,
         client=client,
         trace_file=trace_file,

@@ -7,7 +7,7 @@ when several chunks fail at once they are collected in an ``AggregateError``.
 
 from __future__ import annotations
 
-__all__ = ["DispatchError", "RecoverableError", "AggregateError"]
+__all__ = ["DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError"]
 
 
 class DispatchError(Exception):
@@ -26,6 +26,10 @@ class RecoverableError(DispatchError):
     """
 
     recoverable = True
+
+
+class ChunkTimeoutError(RecoverableError):
+    """A chunk ran past the dispatcher's ``timeout``: it was cancelled and its device's load given back."""
 
 
 class AggregateError(DispatchError):

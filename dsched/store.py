@@ -331,8 +331,11 @@ def share_generator(generator, store: RunStore):
     Array and mapping loaders over NumPy arrays are shared; any other generator
     (slices, CuPy arrays, user generators) is returned unchanged.
     """
-    from .work import ArrayLoader, MappingLoader
+    from .work import ArrayLoader, MappingLoader, Ranges
 
+    if isinstance(generator, Ranges):  # a re-run of what a run left undone: share its source
+        shared = share_generator(generator.source, store)
+        return generator if shared is generator.source else Ranges(shared, generator.ranges)
     if isinstance(generator, ArrayLoader) and _shareable(generator.array):
         return _SharedArrayLoader(generator, store.share(generator.array))
     if isinstance(generator, MappingLoader):
@@ -360,7 +363,10 @@ class _SharedLoaderBase:
         start = self.loader.offset
         m = self.loader._check_next(n)
         self.loader.offset += m
-        return m, SharedWork(self._payload(start, start + m))
+        return m, self._take(start, start + m)
+
+    def _take(self, start, stop):
+        return SharedWork(self._payload(start, stop))
 
 
 class _SharedArrayLoader(_SharedLoaderBase):

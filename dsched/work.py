@@ -153,3 +153,40 @@ class MappingLoader(WorkGenerator):
 
     def _take(self, start, stop):
         return {k: (take(v, self.axis, start, stop) if k in self._batched else v) for k, v in self.mapping.items()}
+
+
+class Ranges:
+    """The items of ``source`` in ``ranges`` (``[(start, stop)]``, in order): what a run left undone.
+
+    ``offset`` is the position in ``source`` of the next item, so chunks keep
+    their place in the batch (and their rows of an in-place output).
+
+    Examples
+    --------
+    >>> g = Ranges(SliceGenerator(0, 10), [(2, 4), (7, 10)])
+    >>> [g.next(5) for _ in range(2)]
+    [(2, slice(2, 4, None)), (3, slice(7, 10, None))]
+    """
+
+    def __init__(self, source, ranges):
+        self.source, self.ranges = source, [(int(a), int(b)) for a, b in ranges if b > a]
+        self.total = source.total
+        self._index = 0
+        self.offset = self.ranges[0][0] if self.ranges else self.total
+
+    def has_more(self) -> bool:
+        return self._index < len(self.ranges)
+
+    def next(self, n: int):
+        if isinstance(n, bool) or int(n) != n or n < 1:
+            raise ValueError(f"n: a chunk needs at least one item, got {n!r}")
+        if not self.has_more():
+            raise RuntimeError("Ranges is exhausted")
+        start, stop = self.offset, min(self.offset + int(n), self.ranges[self._index][1])
+        work = self.source._take(start, stop)
+        if stop == self.ranges[self._index][1]:
+            self._index += 1
+            self.offset = self.ranges[self._index][0] if self.has_more() else self.total
+        else:
+            self.offset = stop
+        return stop - start, work

@@ -22,8 +22,10 @@ from dsched.outputs import ChunkResultError
 from dsched.store import SHM_DIR
 
 
-def shm_entries():
-    return {name for name in os.listdir(SHM_DIR) if name.startswith("dsched-")}
+def shm_entries(pid=None):
+    """This process's segments (or ``pid``'s): other test runs on the machine have their own."""
+    prefix = f"dsched-{os.getpid() if pid is None else pid}-"
+    return {name for name in os.listdir(SHM_DIR) if name.startswith(prefix)}
 
 
 @pytest.fixture(scope="module")
@@ -283,18 +285,17 @@ def test_killed_client_leaves_no_segment(tmp_path):
                                           join="concat", client=client, on_chunk_done=started)
                 d.run(dsched.ArrayLoader(np.ones((1000, 4))))
     """))
-    before = shm_entries()
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
         assert proc.stdout.readline().strip() == b"running"
-        assert shm_entries() - before  # the run's input segment exists while it runs
+        assert shm_entries(proc.pid)  # the run's input segment exists while it runs
         os.kill(proc.pid, signal.SIGKILL)  # the client alone, as the OOM killer would
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while shm_entries() - before and time.monotonic() < deadline:
+        while shm_entries(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)  # the tracker notices the dead client and unlinks
-        assert not shm_entries() - before
+        assert not shm_entries(proc.pid)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # its orphaned workers
