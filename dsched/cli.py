@@ -44,6 +44,8 @@ def _add_run(subparsers):
     run.add_argument("--output", metavar="STORE.zarr",
                      help="keep the outputs: workers write them to this new Zarr store (on disk, beyond memory)")
     run.add_argument("--overwrite", action="store_true", help="replace an existing --output store")
+    run.add_argument("--chunk-timeout", type=float, metavar="SECONDS",
+                     help="fail a chunk (recoverably) that runs longer than this; overrides the graph's")
     run.add_argument("--dashboard", nargs="?", const=DEFAULT_DASHBOARD, metavar="HOST:PORT",
                      help=f"serve the Dask dashboard (default {DEFAULT_DASHBOARD}, loopback) and print the link to "
                           "its dsched page; on --scheduler-address/--scheduler-file, print that cluster's link")
@@ -60,7 +62,16 @@ def _run(args) -> int:
     graph = load_graph(args.graph)  # GraphError → status 2 in main, before any cluster starts
     if args.emulate:
         graph.options["emulate"] = True
-    for option in ("trace_file", "performance_report", "output", "overwrite"):
+    if args.output:
+        from .outputs import check_out_path
+
+        try:
+            check_out_path(args.output, args.overwrite, "--output")
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    if args.chunk_timeout is not None and not args.chunk_timeout > 0:
+        raise UsageError(f"--chunk-timeout: must be a positive number of seconds, got {args.chunk_timeout:g}")
+    for option in ("trace_file", "performance_report", "output", "overwrite", "chunk_timeout"):
         if getattr(args, option, None):
             graph.options[option] = getattr(args, option)
     _set_verbosity(args.verbose)

@@ -77,6 +77,7 @@ _SCHEMA = {
         "dashboard": _BOOL,  # `dsched run`: serve the dashboard on loopback and print the dsched page's link
         "output": _STR,
         "overwrite": _BOOL,
+        "chunk_timeout": _FLOAT,
     },
 }
 _REQUIRED = {("model", "name"), ("batch", "size")}
@@ -334,6 +335,9 @@ def parse_graph(data: dict, source: str = "<graph>") -> Graph:
     options = dict(data.get("options", {}))
     if options.get("mode", "async") not in ("sync", "async"):
         raise GraphError(f"options.mode: {options['mode']!r} in {source}; expected 'sync' or 'async'")
+    if "chunk_timeout" in options and not options["chunk_timeout"] > 0:
+        raise GraphError(f"options.chunk_timeout: must be a positive number of seconds, got "
+                         f"{options['chunk_timeout']} in {source}")
     if options.get("threads_per_worker", 1) < 1:
         raise GraphError(f"options.threads_per_worker: must be >= 1, got {options['threads_per_worker']} in {source}")
     graph = Graph(source, model["name"], dict(parameters), model.get("tangent", True), size, scheduler, options)

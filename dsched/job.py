@@ -78,6 +78,7 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
             join="concat",  # outputs written in place by the workers, to memory or to options.output
             out=output,
             overwrite=graph.options.get("overwrite", False),
+            timeout=graph.options.get("chunk_timeout"),
             output_spec=None if model.outputs is None else model.outputs(graph.tangent),
             mode=graph.mode,
             client=client,

@@ -301,3 +301,82 @@ def test_killed_client_leaves_no_segment(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)  # its orphaned workers
         except ProcessLookupError:
             pass
+
+
+SMALL_GRAPH = """
+[model]
+name = "j2"
+
+[batch]
+size = 5000
+
+[scheduler]
+type = "SimpleScheduler"
+device = "cpu"
+batch_size = 1024
+
+[options]
+mode = "sync"
+"""
+
+
+def test_dsched_run_output_keeps_the_outputs_on_disk(tmp_path, capsys):
+    import zarr
+
+    from dsched.cli import main
+    from dsched.models import j2_chunk
+
+    graph = tmp_path / "small.toml"
+    graph.write_text(SMALL_GRAPH)
+    store = tmp_path / "out.zarr"
+    assert main(["run", str(graph), "--no-progress", "--output", str(store)]) == 0
+    stored = zarr.open_group(str(store), mode="r")
+    expected = j2_chunk(slice(0, 5000))
+    assert sorted(name for name, _ in stored.arrays()) == sorted(expected)
+    for name, values in expected.items():
+        np.testing.assert_array_equal(stored[name][:], values)
+    assert stored["tangent"].chunks == (1024, 6, 6)
+    # Again without --overwrite: refused before any work, one line, status 2.
+    capsys.readouterr()
+    assert main(["run", str(graph), "--no-progress", "--output", str(store)]) == 2
+    assert capsys.readouterr().err.strip() == (f"dsched: error: --output: {store} already exists "
+                                               "(pass overwrite=True, or --overwrite, to replace it)")
+    assert main(["run", str(graph), "--no-progress", "--output", str(store), "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--output", "/nonexistent-folder/out.zarr"],
+     "dsched: error: --output: the folder /nonexistent-folder of /nonexistent-folder/out.zarr does not exist"),
+    (["--chunk-timeout", "0"], "dsched: error: --chunk-timeout: must be a positive number of seconds, got 0"),
+])
+def test_dsched_run_data_options_are_checked_first(tmp_path, capsys, argv, line):
+    from dsched.cli import main
+
+    graph = tmp_path / "small.toml"
+    graph.write_text(SMALL_GRAPH)
+    assert main(["run", str(graph), "--no-progress", *argv]) == 2
+    assert capsys.readouterr().err.strip() == line
+
+
+def test_outputs_beyond_a_memory_limit_go_to_disk(tmp_path):
+    """A run whose outputs (about 780 MB) exceed the address space the process may grow by goes to disk."""
+    graph = tmp_path / "big.toml"
+    graph.write_text(SMALL_GRAPH.replace("size = 5000", "size = 2_000_000").replace("1024", "65536"))
+    store = tmp_path / "big.zarr"
+    code = textwrap.dedent(f"""
+        import resource, sys
+        from dsched.cli import main
+        import numpy, zarr, distributed, dask.array  # imported before the limit is set
+        used = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        limit = 500 * 2**20  # far below the run's 780 MB of outputs
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        resource.setrlimit(resource.RLIMIT_DATA, (used + limit, hard))
+        sys.exit(main(["run", {str(graph)!r}, "--no-progress", "--output", {str(store)!r}]))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import zarr
+
+    stored = zarr.open_group(str(store), mode="r")
+    assert stored["tangent"].shape == (2_000_000, 6, 6)
+    assert not np.isnan(stored["stress"][-10:]).any()
