@@ -422,6 +422,20 @@ def test_every_block_runs_on_its_planned_device(hybrid_client):
     assert list(out) == [f"{d}@{d}" for d in per_item(plan(40, s))]
 
 
+def label_with(a, bias):
+    return label(a)
+
+
+def test_blocks_of_any_chunking_run_where_the_policy_places_them(hybrid_client):
+    s = hybrid()
+    x = da.zeros(40, chunks=10)  # not the plan's sizes: Dask's blocks are kept
+    bias = da.ones(1, chunks=1)  # length 1 along axis 0: broadcast to every block, as in Dask
+    out = map_blocks(label_with, x, bias, scheduler=s, dtype=object).compute()
+    devices = [str(d) for d in dsched.array.plan_blocks([10] * 4, s)]
+    assert devices == ["cuda:0", "cpu", "cuda:0", "cpu"]
+    assert list(out) == [f"{d}@{d}" for d in np.repeat(devices, 10)]
+
+
 def test_placement_holds_through_fusion_and_reductions(hybrid_client, records):
     s = hybrid()
     x = np.arange(40.0)
