@@ -119,3 +119,13 @@ def test_apply_thread_limit_reports_what_it_set():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_worker_processes_get_glibc_mmap_threshold_back():
+    import platform
+
+    from dsched.threads import restore_mmap_threshold
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    assert restore_mmap_threshold() is True
