@@ -337,6 +337,7 @@ def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True
     (((4, 4, 2),), 19.30600052603572)
     """
     import dask.array as da
+    from dask.array.core import apply_and_enforce
     from dask.array.core import map_blocks as dask_map_blocks  # the module's own, however `da` is patched
 
     if not callable(fn):
@@ -373,12 +374,6 @@ def funcname_of(fn) -> str:
         return type(fn).__name__
 
 
-def apply_and_enforce(*args, **kwargs):
-    from dask.array.core import apply_and_enforce as dask_apply_and_enforce
-
-    return dask_apply_and_enforce(*args, **kwargs)
-
-
 def _output_indices(args, drop_axis, new_axis, chunks) -> tuple:
     """The output's index labels, as ``dask.array.map_blocks`` computes them.
 
@@ -390,7 +385,7 @@ def _output_indices(args, drop_axis, new_axis, chunks) -> tuple:
     ndims = [a.ndim for a in args if isinstance(a, da.Array)]
     out_ind = tuple(range(max(ndims)))[::-1] if ndims else ()
     if drop_axis:
-        dropped = {i % len(out_ind) for i in drop_axis}
+        dropped = {i % len(out_ind) for i in drop_axis if -len(out_ind) <= i < len(out_ind)}  # Dask rejects the rest
         out_ind = tuple(x for i, x in enumerate(out_ind) if i not in dropped)
     if new_axis is None and chunks is not None and len(out_ind) < len(chunks):
         new_axis = range(len(chunks) - len(out_ind))
@@ -432,7 +427,8 @@ class _BatchLayout:
         # Dask pairs blocks by position and broadcasts a single block: the batch blocks
         # are those of the inputs with the most blocks along axis 0.
         source = max(batch, key=lambda ia: ia[1].numblocks[0])[1]
-        declared = None if chunks is None else chunks[out_ind.index(label)]
+        # chunks of the wrong length: Dask raises its own error on them just after.
+        declared = chunks[out_ind.index(label)] if chunks is not None and len(chunks) == len(out_ind) else None
         if rechunk:
             n = source.shape[0]
             if isinstance(n, float) and math.isnan(n):
@@ -458,7 +454,7 @@ class _BatchLayout:
         if not self.rechunked:
             return args, chunks
         args = tuple(self.rechunked.get(i, a) for i, a in enumerate(args))
-        if chunks is not None:  # they declared the input's blocks along the batch axis: now the plan's
+        if chunks is not None and len(chunks) == len(out_ind):  # declared as the input's: now the plan's
             chunks = tuple(self.sizes if ind == self.label else c for ind, c in zip(out_ind, chunks))
         return args, chunks
 

@@ -345,6 +345,23 @@ def test_map_blocks_rejects_bad_input_before_any_work():
         map_blocks(np.negative, da.zeros((4, 2)), drop_axis=2, scheduler=hybrid())
 
 
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        ((da.zeros((4, 4), chunks=2),), {"drop_axis": 3}),
+        ((da.zeros((4, 4), chunks=2),), {"chunks": (2,)}),
+        ((da.zeros((4, 4), chunks=2),), {"chunks": ((4,), (1,), (1,))}),
+        ((), {"drop_axis": 0}),
+    ],
+)
+def test_map_blocks_raises_dasks_own_errors_before_any_work(args, kwargs):
+    with pytest.raises(ValueError) as expected:
+        da.map_blocks(np.negative, *args, **kwargs)
+    with pytest.raises(ValueError) as got:
+        map_blocks(np.negative, *args, scheduler=hybrid(), **kwargs)
+    assert str(got.value) == str(expected.value)
+
+
 def test_plan_of_a_huge_batch_is_refused_at_once():
     import time
 
