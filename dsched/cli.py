@@ -268,6 +268,12 @@ def _tune(args) -> int:
 
     graph = load_graph(args.graph)
     devices = args.devices.split(",") if args.devices else None
+    if args.emulate:
+        graph.options["emulate"] = True
+    if devices is None:
+        graph.check_devices_present()
+    elif not graph.emulate:
+        _check_listed_devices_present(devices)
     try:
         result = run_tuning(
             graph, devices, emulate=args.emulate or graph.emulate, mode=args.mode, start=args.start,
@@ -283,39 +289,67 @@ def _tune(args) -> int:
     return 0
 
 
+def _check_listed_devices_present(names) -> None:
+    """``--devices``: a GPU this machine lacks, without --emulate, is a UsageError naming it."""
+    from .devices import parse_devices, visible_gpus
+
+    try:
+        devices = parse_devices(names, field="--devices")
+    except ValueError as err:
+        raise UsageError(str(err).replace("--devices: device: ", "--devices: ", 1)) from None
+    present = visible_gpus()
+    for device in devices:
+        if device.is_cuda and device not in present and not (device.index is None and present):
+            raise UsageError(f"--devices: {device} is not present on this machine (visible GPUs: "
+                             f"{', '.join(map(str, present)) or 'none'}); pass --emulate to emulate it, for testing only")
+
+
 def _add_bench(subparsers):
     bench = subparsers.add_parser(
         "bench",
-        help="benchmark hybrid efficiency and dispatch overhead against plain Dask (emulated devices)",
+        help="benchmark scheduling (emulated devices) and the data plane (J2 on real arrays) against their peers",
         description=(
-            "Emulated devices of known speed (each serial, sleeping t0 + n/rate per chunk): hybrid efficiency "
-            "of StaticHybridScheduler against plain client.map and a thread-per-device loop, and dispatch "
-            "overhead per chunk (sync, async) against client.map per task. Prints a table; --json writes "
-            "the numbers. Sleeping emulates the devices: this measures scheduling, not a GPU."
+            "Two suites, each measured against its peers in the same run. 'scheduling': emulated devices of known "
+            "speed (each serial, sleeping t0 + n/rate per chunk): hybrid efficiency of StaticHybridScheduler "
+            "against plain client.map and a thread-per-device loop, and dispatch overhead per chunk (sync, async) "
+            "against client.map per task; sleeping emulates the devices, so this measures scheduling, not a GPU. "
+            "'data': the J2 update with its tangent on real arrays, dsched.dispatch on two worker processes and "
+            "dsched run in-process against one NumPy call and a thread pool, scheduler bytes per chunk, the "
+            "client's peak memory, and dsched run --output of a large batch. Prints tables; --json writes the "
+            "numbers."
         ),
     )
-    bench.add_argument("--quick", action="store_true", help="small sizes (under a minute)")
+    bench.add_argument("--quick", action="store_true", help="small sizes (a minute or two)")
+    bench.add_argument("--only", choices=["scheduling", "data"], help="run one suite (default: both)")
     bench.add_argument("--json", help="write the results to this JSON file")
-    bench.add_argument("--processes", action="store_true", help="device workers in their own processes")
+    bench.add_argument("--processes", action="store_true", help="scheduling suite: device workers in processes")
     bench.set_defaults(handler=_bench)
 
 
 def _bench(args) -> int:
     from .bench import format_table, run_benchmarks
+    from .bench_data import format_data_table, run_data_benchmarks
 
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         print(f"dsched: error: --json: the folder of {args.json} does not exist", file=sys.stderr)
         return 2
-    results = run_benchmarks(None, quick=args.quick, processes=args.processes,
-                             progress=lambda line: print(line, file=sys.stderr, flush=True))
-    results["command"] = " ".join(["dsched bench", *(["--quick"] if args.quick else []),
-                                   *(["--processes"] if args.processes else [])])
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    command = " ".join(["dsched bench", *(["--quick"] if args.quick else []),
+                        *([f"--only {args.only}"] if args.only else []), *(["--processes"] if args.processes else [])])
+    results, tables = {"command": command}, []
+    if args.only in (None, "scheduling"):
+        results["scheduling"] = run_benchmarks(None, quick=args.quick, processes=args.processes, progress=say)
+        results["scheduling"]["command"] = command
+        tables.append(format_table(results["scheduling"]))
+    if args.only in (None, "data"):
+        results["data"] = run_data_benchmarks(quick=args.quick, progress=say)
+        tables.append(f"$ {command}\n" + format_data_table(results["data"]))
     if args.json:
         import json
 
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-    print(format_table(results))
+    print("\n\n".join(tables))
     return 0
 
 

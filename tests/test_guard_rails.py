@@ -331,3 +331,27 @@ def test_a_failed_task_logs_no_compute_failed_unless_verbose(capfd, caplog, proc
         logged = capfd.readouterr().err if processes else caplog.text
         assert logged.count("Compute Failed") == expected, level
     dsched.logs.apply_log_level("warning")
+
+
+# --- dsched tune: the same checks --------------------------------------------------------
+
+@pytest.mark.skipif(bool(visible_gpus()), reason="this machine has a GPU")
+@pytest.mark.parametrize("argv, line", [
+    (["tune", str(ROOT / "graphs" / "j2_workstation.toml")],
+     "dsched: error: scheduler.devices: cuda:0 is not present on this machine (visible GPUs: none); pass --emulate "
+     f"(options.emulate = true) to emulate it, for testing only, in {ROOT / 'graphs' / 'j2_workstation.toml'}"),
+    (["tune", "--devices", "cpu,cuda:99"],
+     "dsched: error: --devices: cuda:99 is not present on this machine (visible GPUs: none); pass --emulate to "
+     "emulate it, for testing only"),
+    (["tune", "--devices", "cpu,gpu"],
+     "dsched: error: --devices: 'gpu' is not a device; expected 'cpu', 'cuda' or 'cuda:N' with N >= 0"),
+], ids=["workstation-graph", "cuda-99", "gpu"])
+def test_tune_names_the_device_and_the_flag(capsys, no_cluster, argv, line):
+    assert main([*argv, "--no-save"]) == 2
+    assert one_error_line(capsys) == line
+
+
+def test_connect_timeout_must_be_positive(tmp_path, capsys, no_cluster):
+    path = graph_file(tmp_path, SMALL)
+    assert main(["run", str(path), "--scheduler-address", "tcp://127.0.0.1:8786", "--connect-timeout", "0"]) == 2
+    assert one_error_line(capsys) == "dsched: error: --connect-timeout: must be > 0 seconds, got 0"
