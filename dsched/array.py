@@ -447,6 +447,9 @@ class _BatchLayout:
             layout.note = note
             return layout
         sizes = tuple(1 if isinstance(m, float) and math.isnan(m) else int(m) for m in source.chunks[0])
+        if len(sizes) > MAX_PLAN_CHUNKS:
+            return cls(note=f"{len(sizes)} blocks along the batch axis are more than a plan holds "
+                            f"({MAX_PLAN_CHUNKS}); its blocks are not placed")
         return cls(label, plan_blocks(sizes, scheduler, speeds=speeds), sizes)
 
     def apply(self, args, chunks, out_ind):
