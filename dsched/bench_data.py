@@ -148,8 +148,13 @@ def _measure_output_run(points) -> dict:
     return {"points": points, "wall_s": wall, "peak_rss": peak, "stored_bytes": stored}
 
 
-def run_data_benchmarks(quick=False, *, points=None, repeats=None, progress=None) -> dict:
-    """Time every row and measure memory and traffic; the results as a dict (see the module's docstring)."""
+def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points=None, progress=None) -> dict:
+    """Time every row and measure memory and traffic; the results as a dict (see the module's docstring).
+
+    ``points`` (default 1,000,000; 200,000 quick) is the batch of the timed rows,
+    ``output_points`` (default 20,000,000; 2,000,000 quick) that of ``dsched run --output``.
+    Raises if dsched's results differ from NumPy's.
+    """
     import dsched
     from distributed import Client
 
@@ -187,11 +192,15 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, progress=None
                 seconds, _ = _timed(fn)
                 times[name].append(seconds)
                 say(f"data {name}: {points / seconds:,.0f} items/s")
-        _processes_dispatch(procs_client, inputs, _hybrid_scheduler(chunk), sizes)
+        checked = _processes_dispatch(procs_client, inputs, _hybrid_scheduler(chunk), sizes)
+        reference = _j2(*inputs)
+        for name, values in reference.items():
+            if not np.array_equal(checked[name], values):
+                raise AssertionError(f"dispatch's {name} differs from one NumPy call's")
     rates = {name: points / statistics.median(t) for name, t in times.items()}
     say("data: measuring the client's peak RSS in a fresh process")
     rss = _measure_rss(points, chunk)
-    big = 2_000_000 if quick else 20_000_000
+    big = output_points or (2_000_000 if quick else 20_000_000)
     say(f"data: dsched run --output of {big:,} points")
     output_run = _measure_output_run(big)
     batch_bytes = points * (BYTES_IN + BYTES_OUT)

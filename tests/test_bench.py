@@ -98,3 +98,18 @@ def test_dsched_bench_command_checks_its_json_path_first(capsys):
 
     assert main(["bench", "--quick", "--json", "/no/such/folder/b.json"]) == 2
     assert "--json: the folder of /no/such/folder/b.json does not exist" in capsys.readouterr().err
+
+
+def test_data_benchmarks_structure_and_honesty():
+    """A tiny run of the data-plane suite: every row, the checks of results against NumPy, the targets named."""
+    from dsched.bench_data import format_data_table, run_data_benchmarks
+
+    out = run_data_benchmarks(points=40_000, repeats=1, output_points=50_000)
+    assert set(out["items_per_s"]) == {"numpy", "threads", "dispatch, processes", "job numpy", "job threads",
+                                       "dsched run, in-process"}
+    assert all(rate > 0 for rate in out["items_per_s"].values())
+    assert 0 < out["task_bytes_max"] <= 1024
+    assert out["output_run"]["points"] == 50_000 and out["output_run"]["stored_bytes"] >= 50_000 * 392
+    assert out["client_rss"]["peak"] >= out["client_rss"]["before"] > 0
+    table = format_data_table(out)
+    assert "emulated" in table and "target bytes through the scheduler per chunk <= 1 KiB: met" in table
