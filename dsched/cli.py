@@ -76,6 +76,10 @@ def _run(args) -> int:
             graph.options[option] = getattr(args, option)
     _set_verbosity(args.verbose)
     remote = bool(args.scheduler_address or args.scheduler_file)
+    if remote and graph.mode == "sync":
+        field = "--scheduler-file" if args.scheduler_file else "--scheduler-address"
+        raise UsageError(f"{field}: options.mode is 'sync' in {graph.source}: every chunk runs on this thread, not on "
+                         "a cluster; drop the option or set mode = 'async'")
     dashboard = _dashboard_option(args.dashboard, graph)
     if graph.mode == "sync" or not remote:  # devices of this machine; a remote cluster's are checked below
         graph.check_devices_present()

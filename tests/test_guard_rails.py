@@ -355,3 +355,12 @@ def test_connect_timeout_must_be_positive(tmp_path, capsys, no_cluster):
     path = graph_file(tmp_path, SMALL)
     assert main(["run", str(path), "--scheduler-address", "tcp://127.0.0.1:8786", "--connect-timeout", "0"]) == 2
     assert one_error_line(capsys) == "dsched: error: --connect-timeout: must be > 0 seconds, got 0"
+
+
+def test_a_sync_graph_with_a_cluster_address_is_refused(tmp_path, capsys, no_cluster):
+    path = graph_file(tmp_path, SMALL + "[options]\nmode = 'sync'\n")
+    assert main(["run", str(path), "--scheduler-address", "tcp://127.0.0.1:8786"]) == 2
+    assert one_error_line(capsys) == (
+        f"dsched: error: --scheduler-address: options.mode is 'sync' in {path}: every chunk runs on this thread, not "
+        "on a cluster; drop the option or set mode = 'async'"
+    )
