@@ -15,6 +15,7 @@ from .dispatch import WorkDispatcher, dispatch
 from .outputs import ChunkResultError
 from .report import ChunkRecord, RunReport
 from .errors import AggregateError, ChunkTimeoutError, DispatchError, RecoverableError
+from .per_thread import PerThread
 from .placement import PlacementWarning, register
 from .reduce import concat_reduce, derivative_reduce
 from .schedulers import DeviceStatus, SimpleMPIScheduler, SimpleScheduler, StaticHybridScheduler, WorkScheduler
@@ -29,6 +30,6 @@ __all__ = [
     "concat_reduce", "derivative_reduce",
     "WorkDispatcher", "dispatch", "ChunkRecord", "RunReport",
     "DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError", "ChunkResultError",
-    "LocalHybridCluster",
+    "LocalHybridCluster", "PerThread",
     "plan", "as_batched", "map_blocks", "register", "PlacementWarning",
 ]
