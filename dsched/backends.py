@@ -19,6 +19,7 @@ inline; they ask this module. Every function takes any supported array:
 ``concatenate(xs, axis)`` the pieces joined along ``axis``, same type
 ``empty_like(x, n, axis)``an uninitialised array like ``x`` with ``n`` items
                           along ``axis``
+``template(x, axis)``     a small picklable stand-in for ``like`` (no items)
 ``detach(x)``             ``x`` without autograd history (zero-copy)
 ========================  ==================================================
 
@@ -56,6 +57,7 @@ __all__ = [
     "take",
     "concatenate",
     "empty_like",
+    "template",
     "detach",
     "torch_device",
     "map_arrays",
@@ -446,3 +448,16 @@ def concatenate(pieces, axis: int = 0):
 def empty_like(like, n: int, axis: int = 0):
     """An uninitialised array of ``like``'s type, dtype and device with ``n`` items along ``axis``."""
     return _require(like, "empty_like").empty_like(like, n, axis)
+
+
+def template(x, axis: int = 0):
+    """``x`` with no items along ``axis``: what :func:`from_host` needs as ``like``, small enough to ship with every chunk.
+
+    The data plane shares ``host_view(x)`` in shared memory and sends
+    ``template(x)``; a worker rebuilds the user's type around its rows with
+    ``from_host(rows, template)``.
+    """
+    backend = _require(x, "template")
+    if len(backend.batch_shape(x)) <= axis:
+        return backend.detach(x)  # no batch axis: the whole (batch-independent) value
+    return backend.detach(backend.take(x, axis, 0, 0))

@@ -107,6 +107,17 @@ def test_neml2_tensors_split_on_their_batch_axis_and_keep_their_type():
         backends.take(strain, 1, 0, 1)
 
 
+def test_a_template_rebuilds_shared_rows_as_the_users_type():
+    types = _neml2_types()
+    strain = types.SR2(torch.rand(6, 6, dtype=torch.float64))
+    shared = backends.host_view(strain).copy()  # what the data plane puts in shared memory
+    like = backends.template(strain)
+    assert type(like) is types.SR2 and tuple(like.shape) == (0, 6)
+    rows = backends.from_host(shared[2:4], like)
+    assert type(rows) is types.SR2 and torch.equal(rows.data, strain.data[2:4])
+    assert backends.template(torch.ones(3, 2), axis=1).shape == (3, 0)
+
+
 def test_neml2_host_view_and_rebuild_share_memory():
     types = _neml2_types()
     scalar = types.Scalar(torch.zeros(4, dtype=torch.float64))
