@@ -2,9 +2,10 @@
 
 The level is the Dask config ``dsched.log-level`` (``"warning"`` unless set).
 It applies to Dask's ``distributed`` loggers in this process and, through
-this module as a worker preload, in every worker process. Below INFO a failed
-chunk's "Compute Failed" log is dropped as well: the dispatcher raises that
-chunk's error itself, once.
+this module as a worker preload, in every worker process. Above INFO a failed
+chunk's "Compute Failed" log is dropped as well (the dispatcher raises that
+chunk's error itself, once), and so are the "ended with CancelledError" lines
+of chunks cancelled by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -18,11 +19,17 @@ _ENV = "DSCHED_LOG_LEVEL"  # how a worker process learns its level (Nanny sets i
 
 
 class _DropComputeFailed(logging.Filter):
+    """Drops a failed task's "Compute Failed" and a cancelled task's "ended with CancelledError" (Ctrl-C)."""
+
     def filter(self, record):
-        return not str(record.msg).startswith("Compute Failed")
+        message = str(record.msg)
+        return not (message.startswith("Compute Failed") or
+                    (message.startswith("Async instruction for") and "CancelledError" in record.getMessage()))
 
 
 _COMPUTE_FAILED_FILTER = _DropComputeFailed()
+# Filters apply to the logger a record is logged on, not its children: each logger that says these.
+_FILTERED_LOGGERS = ("distributed.worker", "distributed.worker.state_machine")
 
 
 def configured_log_level():
@@ -44,11 +51,11 @@ def apply_log_level(level) -> None:
     """Dask's ``distributed`` logs at ``level`` in this process; above INFO without "Compute Failed"."""
     value = check_level(level)
     logging.getLogger("distributed").setLevel(value)
-    worker_logger = logging.getLogger("distributed.worker")
-    if value > logging.INFO:
-        worker_logger.addFilter(_COMPUTE_FAILED_FILTER)
-    else:
-        worker_logger.removeFilter(_COMPUTE_FAILED_FILTER)
+    for name in _FILTERED_LOGGERS:
+        if value > logging.INFO:
+            logging.getLogger(name).addFilter(_COMPUTE_FAILED_FILTER)
+        else:
+            logging.getLogger(name).removeFilter(_COMPUTE_FAILED_FILTER)
 
 
 def worker_preload(options: dict, level) -> dict:
@@ -74,7 +81,17 @@ def spawn_config(level) -> dict:
 
 
 def dask_setup(worker):
-    """Preload hook: runs in the worker process before the worker starts (and logs)."""
+    """Preload hook: runs in the worker process before the worker starts (and logs).
+
+    A terminal's Ctrl-C reaches the whole process group, worker processes
+    included; the client cancels the run and closes its cluster, so the
+    workers ignore SIGINT rather than each print a KeyboardInterrupt traceback.
+    """
     level = os.environ.get(_ENV)
     if level:
         apply_log_level(level)
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
