@@ -9,7 +9,6 @@ tests, never a GPU measurement). Models carry names (``dsched-load``,
 
 from __future__ import annotations
 
-import itertools
 import math
 
 __all__ = ["dsched_doc", "plot_doc", "format_count", "format_seconds"]
@@ -46,6 +45,12 @@ def _colour(device: str) -> str:
         return Category10[10][0]
     index = device.partition(":")[2]
     return Category10[10][1 + int(index) % 9] if index.isdigit() else Category10[10][1]
+
+
+def _dash(host, labels) -> str:
+    """A line style per host (the colour is the device's), so one device's lines on two nodes differ."""
+    hosts = sorted({label.partition("@")[2] for label in labels})
+    return ("solid", "dashed", "dotted", "dotdash", "dashdot")[hosts.index(host) % 5]
 
 
 def _factor(row) -> str:
@@ -85,7 +90,7 @@ class DschedPlots:
                         ("progress", "load", "throughput", "timeline", "devices", "hosts", "runs")}
         self.heading = self.progress = self.load = self.throughput = self.timeline = None
         self.tables = {}
-        self._ticks = itertools.count()
+        self.run_select = None
 
     # --- the parts --------------------------------------------------------------
 
@@ -110,7 +115,7 @@ class DschedPlots:
         return fig
 
     def build_load(self):
-        from bokeh.models import DataRange1d, FactorRange, HoverTool
+        from bokeh.models import DataRange1d, FactorRange, HoverTool, NumeralTickFormatter
         from bokeh.plotting import figure
 
         fig = figure(name="dsched-load-figure", height=220, sizing_mode="stretch_width", tools="",
@@ -123,23 +128,25 @@ class DschedPlots:
         fig.add_tools(HoverTool(tooltips=[("device", "@label"), ("workers", "@worker"), ("load", "@load_text"),
                                           ("capacity", "@capacity_text"), ("chunks in flight", "@chunks_in_flight")]))
         fig.xaxis.axis_label = "items"
+        fig.xaxis.formatter = NumeralTickFormatter(format="0,0")
         self.load = fig
         return fig
 
     def build_throughput(self):
-        from bokeh.models import DataRange1d, HoverTool
+        from bokeh.models import DataRange1d, HoverTool, NumeralTickFormatter
         from bokeh.plotting import figure
 
         fig = figure(name="dsched-throughput-figure", height=260, sizing_mode="stretch_width", tools="",
                      toolbar_location=None, x_range=DataRange1d(start=0), y_range=DataRange1d(start=0),
                      title="Items/s per device over the run")
-        fig.multi_line(xs="xs", ys="ys", line_color="color", line_width=2, legend_field="factor",
+        fig.multi_line(xs="xs", ys="ys", line_color="color", line_dash="dash", line_width=2, legend_field="factor",
                        source=self.sources["throughput"])
         fig.add_tools(HoverTool(tooltips=[("device", "@factor"), ("t", "$data_x{0.0} s"), ("items/s", "$data_y{0,0}")]))
-        fig.legend.location = "top_left"
         fig.legend.label_text_font_size = "9pt"
+        fig.add_layout(fig.legend[0], "right")  # beside the lines, never over them
         fig.xaxis.axis_label = "seconds since the run's first chunk started"
         fig.yaxis.axis_label = "items/s"
+        fig.yaxis.formatter = NumeralTickFormatter(format="0,0")
         self.throughput = fig
         return fig
 
@@ -159,36 +166,18 @@ class DschedPlots:
         return fig
 
     def build_tables(self):
-        from bokeh.models import DataTable, HTMLTemplateFormatter, TableColumn
+        """The devices, hosts and runs tables (HTML: cheap to redraw, whole cells with tooltips), and the run picker."""
+        from bokeh.models import Div, Select
 
-        from .dashboard import COLUMNS
-
-        tip = HTMLTemplateFormatter(template='<span title="<%= value %>"><%= value %></span>')
-        widths = {"device": 70, "host": 110, "worker": 260, "emulated": 70}
-        self.tables["devices"] = DataTable(
-            name="dsched-devices-table", source=self.sources["devices"], index_position=None, height=200,
-            sizing_mode="stretch_width",
-            columns=[TableColumn(field=f, title=t, width=widths.get(f, 90), formatter=tip) for f, t in COLUMNS])
-        host_columns = [("host", "host"), ("devices", "devices"), ("workers", "workers"), ("load", "load"),
-                        ("capacity", "capacity"), ("chunks_done", "chunks done"), ("items_done", "items done"),
-                        ("items_per_s", "items/s"), ("emulated", "emulated devices")]
-        self.tables["hosts"] = DataTable(
-            name="dsched-hosts-table", source=self.sources["hosts"], index_position=None, height=140,
-            sizing_mode="stretch_width",
-            columns=[TableColumn(field=f, title=t, formatter=tip) for f, t in host_columns])
-        run_columns = [("number", "run"), ("name", "name"), ("state", "state"), ("items_done", "items done"),
-                       ("total", "total"), ("progress", "progress"), ("items_per_s", "items/s"),
-                       ("elapsed", "elapsed"), ("client", "client")]
-        self.tables["runs"] = DataTable(
-            name="dsched-runs-table", source=self.sources["runs"], index_position=None, height=300,
-            sizing_mode="stretch_width", selectable=True,
-            columns=[TableColumn(field=f, title=t, formatter=tip) for f, t in run_columns])
-        self.sources["runs"].selected.on_change("indices", self._pick_run)
+        for name in ("devices", "hosts", "runs"):
+            self.tables[name] = Div(name=f"dsched-{name}-table", text="", sizing_mode="stretch_width")
+        self.run_select = Select(name="dsched-run-select", title="Show", value="", options=[("", "the current run")],
+                                 width=420)
+        self.run_select.on_change("value", self._pick_run)
         return self.tables
 
     def _pick_run(self, attr, old, new):
-        ids = self.sources["runs"].data.get("id", [])
-        self.pinned_run = ids[new[0]] if new and new[0] < len(ids) else None
+        self.pinned_run = new or None
         self.update()
 
     # --- refreshing ---------------------------------------------------------------
@@ -238,6 +227,7 @@ class DschedPlots:
                 "label": labels, "factor": [label_factor[lb] for lb in labels],
                 "xs": [series[lb][0] for lb in labels], "ys": [series[lb][1] for lb in labels],
                 "color": [_colour(lb.partition("@")[0]) for lb in labels],
+                "dash": [_dash(lb.partition("@")[2], labels) for lb in labels],
             })
         if self.timeline is not None:
             self.timeline.y_range.factors = factors
@@ -274,9 +264,44 @@ class DschedPlots:
             "items_per_s": [format_count(r["items_per_s"]) for r in runs],
             "elapsed": [format_seconds(r["elapsed_s"]) for r in runs], "client": [r["client"] or "-" for r in runs],
         })
-        for name, count in (("devices", len(rows)), ("hosts", len(hosts)), ("runs", len(runs))):
-            if changed[name]:
-                _refresh(self.tables[name], count, self._ticks)
+        if changed["devices"]:
+            self.tables["devices"].text = _html_table(self.sources["devices"].data, COLUMNS, "device", tips={"worker"})
+        if changed["hosts"]:
+            self.tables["hosts"].text = _html_table(self.sources["hosts"].data, HOST_COLUMNS, "host")
+        if changed["runs"]:
+            self.tables["runs"].text = _html_table(self.sources["runs"].data, RUN_COLUMNS, "run", tips={"client"})
+            options = [("", "the current run")] + [
+                (i, f"run {n}: {name}") for i, n, name in zip(*(self.sources["runs"].data[k] for k in ("id", "number", "name")))]
+            if self.run_select.options != options:
+                self.run_select.options = options
+
+
+HOST_COLUMNS = [("host", "host"), ("devices", "devices"), ("workers", "workers"), ("load", "load"),
+                ("capacity", "capacity"), ("chunks_done", "chunks done"), ("items_done", "items done"),
+                ("items_per_s", "items/s"), ("emulated", "emulated devices")]
+RUN_COLUMNS = [("number", "run"), ("name", "name"), ("state", "state"), ("items_done", "items done"),
+               ("total", "total"), ("progress", "progress"), ("items_per_s", "items/s"), ("elapsed", "elapsed"),
+               ("client", "client")]
+_TABLE_STYLE = ("<style>table.dsched{border-collapse:collapse;font-size:12px;width:100%}"
+                "table.dsched td,table.dsched th{border-bottom:1px solid #ddd;padding:3px 8px;text-align:right;"
+                "white-space:nowrap}table.dsched th{background:#f4f4f4}"
+                "table.dsched td:first-child,table.dsched th:first-child{text-align:left}</style>")
+
+
+def _html_table(data, columns, row_class, tips=()) -> str:
+    """An HTML table of formatted columns; ``tips`` columns carry their text as a tooltip too."""
+    from html import escape
+
+    head = "".join(f"<th>{escape(title)}</th>" for _, title in columns)
+    n = len(data[columns[0][0]]) if columns[0][0] in data else 0
+    body = []
+    for i in range(n):
+        cells = []
+        for field, _ in columns:
+            text = escape(str(data[field][i]))
+            cells.append(f'<td title="{text}">{text}</td>' if field in tips else f"<td>{text}</td>")
+        body.append(f'<tr class="{row_class}">{"".join(cells)}</tr>')
+    return f'{_TABLE_STYLE}<table class="dsched"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
 def _set(source, data) -> bool:
@@ -292,16 +317,6 @@ def _set(source, data) -> bool:
 
 def _as_list(column) -> list:
     return column.tolist() if hasattr(column, "tolist") else list(column)
-
-
-def _refresh(table, rows, ticks):
-    """Make ``table`` draw its source's new rows, sized to them.
-
-    A DataTable redraws on a change of the number of rows, not of their
-    values (Bokeh 3.9), so a property of the table is touched to redraw it.
-    """
-    table.height = 32 + 26 * max(1, min(rows, 12))
-    table.tags = [next(ticks)]
 
 
 def _load_data(rows, factors) -> dict:
@@ -369,11 +384,11 @@ def dsched_doc(scheduler, extra, doc):
 
     plots = DschedPlots(install(scheduler))
     tables = plots.build_tables()
-    current = column(plots.build_progress(), plots.build_load(), plots.build_throughput(), plots.build_timeline(),
+    current = column(plots.run_select, plots.build_progress(), plots.build_load(), plots.build_throughput(), plots.build_timeline(),
                      Div(text="<b>Devices</b> (one row per device and host)"), tables["devices"],
                      Div(text="<b>Hosts</b>"), tables["hosts"], sizing_mode="stretch_width")
-    history = column(Div(text="Pick a run to show it in the first tab; clear the selection (Ctrl-click) "
-                              "to follow the current run again."), tables["runs"], sizing_mode="stretch_width")
+    history = column(Div(text="Every run the scheduler has seen, newest first; pick one under <i>Show</i> in the "
+                              "first tab to see its plots."), tables["runs"], sizing_mode="stretch_width")
     tabs = Tabs(name="dsched-tabs", sizing_mode="stretch_width",
                 tabs=[TabPanel(child=current, title="Run"), TabPanel(child=history, title="Earlier runs")])
     _finish(doc, extra, "Dask: dsched", column(plots.build_heading(), tabs, sizing_mode="stretch_width"), plots)

@@ -160,18 +160,23 @@ def test_page_is_listed_in_the_more_menu(dashboard_cluster):
 
 # Bokeh draws inside shadow roots, which --dump-dom leaves out: walk them in the page.
 _TABLE_JS = r"""(() => {
-  const rows = [], headers = [];
+  const rows = [], headers = [], hosts = [], runs = [], tips = [];
   const walk = (root) => {
     root.querySelectorAll('.slick-header-column').forEach(h => headers.push(h.textContent.trim()));
     root.querySelectorAll('.slick-row').forEach(r =>
       rows.push(Array.from(r.querySelectorAll('.slick-cell')).map(c => c.textContent.trim())));
     root.querySelectorAll('tr.device').forEach(r =>
       rows.push(Array.from(r.querySelectorAll('td')).map(c => c.textContent.trim())));
+    root.querySelectorAll('tr.host').forEach(r =>
+      hosts.push(Array.from(r.querySelectorAll('td')).map(c => c.textContent.trim())));
+    root.querySelectorAll('tr.run').forEach(r =>
+      runs.push(Array.from(r.querySelectorAll('td')).map(c => c.textContent.trim())));
+    root.querySelectorAll('td[title]').forEach(c => tips.push([c.textContent.trim(), c.title]));
     root.querySelectorAll('th').forEach(h => headers.push(h.textContent.trim()));
     root.querySelectorAll('*').forEach(el => { if (el.shadowRoot) walk(el.shadowRoot); });
   };
   walk(document);
-  return JSON.stringify({title: document.title, headers, rows});
+  return JSON.stringify({title: document.title, headers, rows, hosts, runs, tips});
 })()"""
 
 
@@ -428,7 +433,7 @@ _SOURCES_JS = r"""(() => {
   if (!doc) return JSON.stringify(null);
   const plain = v => (v !== null && typeof v === "object" && typeof v.length === "number") ? Array.from(v, plain) : v;
   const out = {};
-  for (const name of ["progress", "load", "throughput", "timeline", "devices", "hosts", "runs"]) {
+  for (const name of ["progress", "load", "throughput", "timeline"]) {
     const model = doc.get_model_by_name("dsched-" + name);
     if (!model) continue;
     const data = {};
@@ -442,7 +447,7 @@ _SOURCES_JS = r"""(() => {
 })()"""
 
 
-def browse(url, steps, timeout=60, screenshot=None):
+def browse(url, steps, timeout=60, screenshot=None, window=(1400, 1900)):
     """Drive headless Chromium on ``url``: evaluate ``_SOURCES_JS`` until each of ``steps`` (in order) holds.
 
     ``steps`` are ``(predicate(data) -> bool, action() or None)``: once a predicate
@@ -455,7 +460,7 @@ def browse(url, steps, timeout=60, screenshot=None):
     profile = tempfile.mkdtemp(prefix="dsched-chromium-")
     browser = subprocess.Popen(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1400,1900",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", f"--window-size={window[0]},{window[1]}",
          f"--user-data-dir={profile}", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", url],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -578,12 +583,10 @@ def test_page_plots_a_running_dispatch_on_two_hosts_in_headless_chromium(two_hos
     emulated = {lb for lb, hatch in zip(last["load"]["label"], last["load"]["hatch"]) if hatch.strip()}
     assert emulated == {lb for lb in LABELS if lb.startswith("cuda")}
     assert all(f.endswith("(emulated)") == f.startswith("cuda") for f in last["load"]["factor"])
-    # Tables: one device row per device and host, the hosts, this run first in the history.
-    assert sorted(zip(last["devices"]["device"], last["devices"]["host"])) == sorted(
-        (lb.split("@")[0], lb.split("@")[1]) for lb in LABELS)
-    assert last["hosts"]["host"] == list(HOSTS)
-    assert (last["runs"]["name"][0], last["runs"]["progress"][0], last["runs"]["total"][0]) == (
-        "gated run", "100.0 %", f"{total:,}")
+    # Tables as drawn: one device row per device and host, the hosts, this run first in the history.
+    assert [r[0] for r in drawn["hosts"]] == list(HOSTS)
+    assert [r[1:3] for r in drawn["runs"]][0] == ["gated run", "finished"]
+    assert drawn["runs"][0][3:6] == [f"{total:,}", f"{total:,}", "100.0 %"]
     assert "dsched: 4 devices on 2 hosts" in last["heading"]
     # The tables as drawn (not only their data): final counts, thousands separators, whole worker addresses.
     fields = [f for f, _ in COLUMNS]
@@ -592,6 +595,7 @@ def test_page_plots_a_running_dispatch_on_two_hosts_in_headless_chromium(two_hos
         (lb.split("@")[0], lb.split("@")[1], "0", "0") for lb in sorted(LABELS, key=lambda lb: lb.split("@")[::-1])]
     workers = {r["label"]: r for r in get_json(base + JSON_ROUTE)["devices"]}
     assert [r["worker"] for r in drawn_rows] == [workers[f"{r['device']}@{r['host']}"]["worker"] for r in drawn_rows]
+    assert {r["worker"] for r in drawn_rows} <= {text for text, tip in drawn["tips"] if text == tip}  # with a tooltip
     expected_items = [workers[f"{r['device']}@{r['host']}"]["items_done"] for r in drawn_rows]
     assert [r["items_done"] for r in drawn_rows] == [f"{n:,}" for n in expected_items]
     assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
