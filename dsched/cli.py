@@ -373,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .errors import DispatchError
     from .graph import GraphError
 
     parser = build_parser()
@@ -388,6 +389,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("dsched: interrupted (Ctrl-C): the run was cancelled", file=sys.stderr, flush=True)
         return 2
+    except DispatchError as err:
+        # A run that failed (a chunk over its time, results that do not match their chunk, errors the model
+        # raised as RecoverableError): what failed, where, without a traceback; status 1, not a usage error.
+        print(f"dsched: run failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

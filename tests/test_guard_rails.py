@@ -380,3 +380,12 @@ def test_a_sync_graph_with_a_cluster_address_is_refused(tmp_path, capsys, no_clu
         f"dsched: error: --scheduler-address: options.mode is 'sync' in {path}: every chunk runs on this thread, not "
         "on a cluster; drop the option or set mode = 'async'"
     )
+
+
+def test_a_failed_run_is_one_line_with_status_1(tmp_path, capsys):
+    # Chunks of 100,000 J2 points take far longer than a microsecond: every one times out (recoverable).
+    path = graph_file(tmp_path, "[model]\nname = 'j2'\n[batch]\nsize = 100000\n[scheduler]\ndevice = 'cpu'\n"
+                      "batch_size = 100000\n[options]\nmode = 'sync'\n")
+    assert main(["run", str(path), "--no-progress", "--chunk-timeout", "0.000001"]) == 1
+    assert one_error_line(capsys) == ("dsched: run failed: ChunkTimeoutError: chunk 0 on cpu ran over its timeout "
+                                      "of 1e-06 s (its thread is left to finish)")
