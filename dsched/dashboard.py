@@ -51,6 +51,7 @@ import collections
 import contextlib
 import itertools
 import json
+import math
 import re
 import threading
 import time
@@ -395,7 +396,8 @@ class DashboardPlugin(SchedulerPlugin):
             chunks = list(run.chunks)
             summary = run.summary(now)
         origin = min((c[2] for c in chunks), default=now)
-        end = max([c[3] for c in chunks] + ([now] if summary["active"] else []), default=now)
+        # Up to the last finished chunk: a bin reaching "now" would count only part of what is running.
+        end = max((c[3] for c in chunks), default=now)
         return {"run": summary, "origin": origin,
                 "chunks": [{"label": c[0], "device": c[1], "start": c[2] - origin, "stop": c[3] - origin,
                             "items": c[4]} for c in chunks],
@@ -431,7 +433,7 @@ def _host_rows(rows) -> list[dict]:
 def _throughput_series(chunks, origin, end, bins) -> dict:
     """``{label: (bin centres, items/s)}`` with each chunk's items spread over its compute interval."""
     width = max((end - origin) / bins, 1e-3)
-    n = max(1, min(bins, int((end - origin) / width) + 1))
+    n = max(1, min(bins, math.ceil((end - origin) / width - 1e-9)))  # the last bin ends at the last chunk
     per_label = {}
     for label, _, start, stop, items in chunks:
         counts = per_label.setdefault(label, [0.0] * n)
