@@ -18,7 +18,8 @@ from .errors import AggregateError, ChunkTimeoutError, DispatchError, Recoverabl
 from .per_thread import PerThread
 from .placement import PlacementWarning, register
 from .reduce import concat_reduce, derivative_reduce
-from .schedulers import DeviceStatus, SimpleMPIScheduler, SimpleScheduler, StaticHybridScheduler, WorkScheduler
+from .schedulers import (DeviceStatus, PerformanceModelScheduler, SimpleMPIScheduler, SimpleScheduler,
+                         StaticHybridScheduler, WorkScheduler)
 from .work import ArrayLoader, MappingLoader, SliceGenerator, WorkGenerator
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Device", "current_device", "visible_gpus", "array_module",
     "WorkScheduler", "DeviceStatus", "SimpleScheduler", "StaticHybridScheduler", "SimpleMPIScheduler",
+    "PerformanceModelScheduler",
     "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader",
     "concat_reduce", "derivative_reduce",
     "WorkDispatcher", "dispatch", "ChunkRecord", "RunReport",

@@ -10,12 +10,13 @@ They play the part of NEML2's input files with their ``[Schedulers]`` section::
     [batch]
     size = 1_000_000
     [scheduler]
-    type = "StaticHybridScheduler"   # or "SimpleScheduler", or "auto"
+    type = "StaticHybridScheduler"   # or "SimpleScheduler", "PerformanceModelScheduler", or "auto"
     devices = ["cpu", "cuda:0"]      # or "all": the CPU and every visible GPU
     batch_sizes = [32768, 262144]
     capacities = [65536, 524288]
     priorities = [1, 2]
     profile = false             # true: sizes and capacities from this host's `dsched tune` profile
+    chunk_seconds = 0.02        # PerformanceModelScheduler: seconds of work per chunk (or one per device)
     [options]                   # capacities default to two chunks per device
     mode = "async"              # or "sync"
     emulate = false             # emulate CUDA devices that are not present
@@ -38,7 +39,7 @@ from importlib import resources
 from pathlib import Path
 
 from .devices import Device, parse_devices, visible_gpus
-from .schedulers import SimpleScheduler, StaticHybridScheduler
+from .schedulers import PerformanceModelScheduler, SimpleScheduler, StaticHybridScheduler
 
 __all__ = ["Graph", "GraphError", "load_graph", "DEFAULT_GRAPH"]
 
@@ -66,6 +67,7 @@ _SCHEMA = {
         "capacities": (int, list),
         "priorities": (int, float, list),
         "profile": _BOOL,
+        "chunk_seconds": (int, float, list),
     },
     "options": {
         "mode": _STR,
@@ -81,7 +83,7 @@ _SCHEMA = {
     },
 }
 _REQUIRED = {("model", "name"), ("batch", "size")}
-SCHEDULER_TYPES = ("auto", "SimpleScheduler", "StaticHybridScheduler")
+SCHEDULER_TYPES = ("auto", "SimpleScheduler", "StaticHybridScheduler", "PerformanceModelScheduler")
 
 
 class GraphError(ValueError):
@@ -194,6 +196,10 @@ class Graph:
         """
         kind = self.scheduler.get("type", "auto")
         devices = self.devices(present)
+        if kind == "PerformanceModelScheduler" or (kind == "auto" and self._has_saved_costs(devices)):
+            return self._model_scheduler(devices)
+        if "chunk_seconds" in self.scheduler:
+            raise ValueError(f"chunk_seconds: only for type = 'PerformanceModelScheduler', got type = {kind!r}")
         sizes = [AUTO_BATCH_SIZE[d.type] for d in devices]
         capacities = None
         if self.scheduler.get("profile", False):
@@ -222,6 +228,24 @@ class Graph:
             self.scheduler.get("capacities", capacities or _doubled(sizes)),
             self.scheduler.get("priorities", [AUTO_PRIORITY[d.type] for d in devices]),
         )
+
+
+    def _has_saved_costs(self, devices) -> bool:
+        """``auto`` on several devices, each with a saved cost model (or tuned profile) for this host and model."""
+        if len(devices) < 2 or self.scheduler.get("profile", False) or "batch_sizes" in self.scheduler:
+            return False  # explicit sizes keep the static policy they describe
+        from .schedulers.model import saved_costs_cover
+
+        return saved_costs_cover(self.model, devices)
+
+    def _model_scheduler(self, devices):
+        for key in ("batch_size", "capacity", "capacities", "priorities", "profile"):
+            if key in self.scheduler:
+                raise ValueError(f"{key}: not a setting of PerformanceModelScheduler (it sizes chunks from its "
+                                 f"cost model; batch_sizes are its guesses before any measurement)")
+        return PerformanceModelScheduler(devices, model=self.model,
+                                         chunk_seconds=self.scheduler.get("chunk_seconds", 0.02),
+                                         batch_sizes=self.scheduler.get("batch_sizes"))
 
 
 def _nbytes(result) -> int:

@@ -48,6 +48,7 @@ from typing import Callable
 
 import numpy as np
 
+from .costmodel import SaturationFit, fit_saturation, saturation_time
 from .devices import Device, parse_devices, placement_device
 from .schedulers import SimpleScheduler
 from .work import SliceGenerator
@@ -77,72 +78,8 @@ PROFILE_VERSION = 1
 
 
 # --- the model ----------------------------------------------------------------
-
-def saturation_time(n, t0, n_star):
-    """NEML2's ``t(N) = t0 * (<N - N*>/N* + 1)`` for a number or an array of batch sizes."""
-    n = np.asarray(n, dtype=float)
-    t = t0 * (np.maximum(n - n_star, 0.0) / n_star + 1.0)
-    return t.tolist() if t.ndim else float(t)
-
-
-@dataclasses.dataclass(frozen=True)
-class SaturationFit:
-    """``t0`` (seconds), ``n_star`` (items), the rms error of ``log t``, and whether the sweep saw saturation."""
-
-    t0: float
-    n_star: float
-    rms_log_error: float
-    saturated: bool
-
-    @property
-    def peak_items_per_s(self) -> float:
-        return self.n_star / self.t0
-
-    def time(self, n):
-        return saturation_time(n, self.t0, self.n_star)
-
-
-def fit_saturation(batch_sizes, seconds) -> SaturationFit:
-    """Least-squares fit of the saturation model in log time (every size weighs the same).
-
-    For a given ``N*`` the best ``log t0`` is a mean, so only ``N*`` is
-    searched: on a fine log grid, then by golden section around the best.
-    ``saturated`` is False when the fit puts ``N*`` at an end of the sweep
-    (the device never left its flat part, or never was in it): then ``N*``
-    is a bound, not a measurement.
-    """
-    n = np.asarray(batch_sizes, dtype=float)
-    t = np.asarray(seconds, dtype=float)
-    if n.ndim != 1 or n.shape != t.shape or n.size < 2:
-        raise ValueError(f"batch_sizes: expected at least two sizes matching the times, got {n.size} sizes and {t.size} times")
-    if np.any(n < 1) or np.any(t <= 0) or not np.all(np.isfinite(t)):
-        raise ValueError("seconds: every batch size must be >= 1 and every time positive and finite")
-    log_t = np.log(t)
-
-    def cost(log_n_star):
-        n_star = math.exp(log_n_star)
-        log_g = np.log(np.maximum(n - n_star, 0.0) / n_star + 1.0)
-        log_t0 = float(np.mean(log_t - log_g))
-        return float(np.mean((log_t - log_t0 - log_g) ** 2)), log_t0
-
-    lo, hi = math.log(n.min()) - math.log(4.0), math.log(n.max()) + math.log(4.0)
-    grid = np.linspace(lo, hi, 400)
-    costs = [cost(x)[0] for x in grid]
-    best = int(np.argmin(costs))
-    a, b = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
-    ratio = (math.sqrt(5) - 1) / 2
-    for _ in range(60):  # golden section inside the bracketing grid cells
-        c, d = b - ratio * (b - a), a + ratio * (b - a)
-        if cost(c)[0] < cost(d)[0]:
-            b = d
-        else:
-            a = c
-    log_n_star = (a + b) / 2
-    err, log_t0 = cost(log_n_star)
-    n_star = math.exp(log_n_star)
-    saturated = bool(n.min() < n_star < n.max())
-    return SaturationFit(math.exp(log_t0), n_star, math.sqrt(err), saturated)
-
+# The model and its fit live in dsched.costmodel, beside the online calibration
+# that refits it while a PerformanceModelScheduler runs.
 
 def recommend(fit: SaturationFit, *, min_chunk_time=0.02, gap=0.0) -> tuple[int, int]:
     """``(batch_size, capacity)`` for a device with this fit.
