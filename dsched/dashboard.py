@@ -75,6 +75,7 @@ __all__ = [
     "PAGE_ROUTE",
     "HTML_ROUTE",
     "PLOT_ROUTES",
+    "ITEMS_ANNOTATION",
     "COLUMNS",
 ]
 
@@ -107,8 +108,9 @@ COLUMNS = [
 
 HISTORY = 50  # earlier runs kept
 RUN_CHUNKS = 5000  # chunks of a run kept for its timeline and items/s plot (the latest)
-# dsched's chunk keys are "<run id>-<chunk index>", the run id "dsched-<8 hex>-<n>".
-_RUN_KEY = re.compile(r"^(dsched-[0-9a-f]+-\d+)-\d+$")
+# dsched's chunk keys start with the run id "dsched-<8 hex>-<n>", then "-<chunk index>" and maybe
+# more ("-pack3", "-retry1").
+_RUN_KEY = re.compile(r"^(dsched-[0-9a-f]+-\d+)-\d+(-.*)?$")
 
 
 def _device_of_restrictions(restrictions):
@@ -117,6 +119,19 @@ def _device_of_restrictions(restrictions):
         if name.startswith(RESOURCE_PREFIX) and name != EMULATED_RESOURCE:
             return Device(name[len(RESOURCE_PREFIX):]), amount
     return None
+
+
+ITEMS_ANNOTATION = "dsched-items"  # a chunk task's item count, where it differs from its resource request
+
+
+def _items(ts, requested):
+    """The items a chunk task carries: its ``dsched-items`` annotation, else what it requested of its device.
+
+    A task that packs several chunks may request fewer items than it carries
+    (capped at what its worker holds); the annotation says the true count.
+    """
+    items = (getattr(ts, "annotations", None) or {}).get(ITEMS_ANNOTATION)
+    return requested if items is None else items
 
 
 def _label(device, host) -> str:
@@ -259,7 +274,7 @@ class DashboardPlugin(SchedulerPlugin):
         requested = _device_of_restrictions(getattr(ts, "resource_restrictions", None))
         if requested is None:
             return
-        device, items = requested
+        device, items = requested[0], _items(ts, requested[1])
         with self._lock:
             run = self._run_of(key, ts)
             if finish == "processing":
@@ -349,7 +364,7 @@ class DashboardPlugin(SchedulerPlugin):
             for ts in ws.processing:
                 requested = _device_of_restrictions(ts.resource_restrictions)
                 if requested is not None and requested[0] == device:
-                    load += requested[1]
+                    load += _items(ts, requested[1])
                     in_flight += 1
         workers = sorted(workers, key=lambda w: w.address)
         amounts = [ws.resources[f"{RESOURCE_PREFIX}{device}"] for ws in workers]

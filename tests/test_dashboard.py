@@ -772,3 +772,21 @@ def test_the_page_updates_again_and_again_on_a_long_run(dashboard_cluster):
     plots.update()
     assert sum(plots.sources["timeline"].data["items"]) == 120
     assert "Showing earlier run" in plots.heading.text
+
+
+def test_a_task_annotated_with_its_items_counts_them_rather_than_its_request(dashboard_cluster):
+    """A task packing several chunks may request fewer items than it carries: ``dsched-items`` says how many."""
+    import dask
+
+    from dsched.dashboard import ITEMS_ANNOTATION
+
+    client, base = dashboard_cluster
+    before = by_device(get_json(base + JSON_ROUTE))["cpu"]
+    with dask.annotate(**{ITEMS_ANNOTATION: 7}):
+        future = client.submit(sum, [1, 2], key="dsched-0123abcd-0-0-pack3", resources={"dsched-cpu": 2})
+    assert future.result() == 3
+    after = get_json(base + JSON_ROUTE)
+    row = by_device(after)["cpu"]
+    assert (row["chunks_done"] - before["chunks_done"], row["items_done"] - before["items_done"]) == (1, 7)
+    run = next(r for r in after["runs"] if r["id"] == "dsched-0123abcd-0")  # its run, from the key's prefix
+    assert (run["chunks_done"], run["items_done"]) == (1, 7)
