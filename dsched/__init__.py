@@ -9,6 +9,7 @@ Examples
 """
 
 from .array import as_batched, map_blocks, plan
+from .batch import Batch
 from .cluster import LocalHybridCluster
 from .devices import Device, array_module, current_device, visible_gpus
 from .dispatch import WorkDispatcher, dispatch
@@ -34,4 +35,5 @@ __all__ = [
     "DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError", "ChunkResultError",
     "LocalHybridCluster", "PerThread",
     "plan", "as_batched", "map_blocks", "register", "PlacementWarning",
+    "Batch",
 ]

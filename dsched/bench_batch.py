@@ -1,0 +1,269 @@
+"""Benchmark of resident batches: J2 load steps with state carried, three ways.
+
+Every row runs the same ``steps`` load steps of the J2 model (radial return,
+linear isotropic hardening) on ``points`` material points, proportional
+loading: at step ``k`` each point's strain is ``(k + 1) / steps`` times its
+final strain, and the plastic strain and hardening carry from one step to the
+next. Rows:
+
+- ``numpy``: one process, each step one :func:`~dsched.models.j2_update` call
+  on the whole batch;
+- ``dispatch``: each step :func:`dsched.dispatch` on worker processes
+  (the inputs shared by the data plane, the outputs written in place), the
+  state carried on the client between steps: what dsched offered before
+  resident batches;
+- ``batch``: a :class:`dsched.Batch` on the same worker processes, every step
+  an update that returns at once; the client waits once, at the end.
+
+Wall time and CPU seconds (the client's process plus the workers', so a loaded
+machine shows up as wall time that CPU time does not explain). Memory: the peak
+of the workers' resident data (Dask's managed bytes) and RSS over steps 1-2,
+against over steps 3-``steps``. Results are checked against the ``numpy``
+row. The workers are CPU processes: nothing here measures a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+__all__ = ["j2_load_step", "final_strain", "measure_load_steps", "format_load_steps"]
+
+
+def final_strain(n):
+    """Each point's strain at the last step, ``(n, 6)``."""
+    from .models import loading_strain
+
+    return loading_strain(np.arange(n))
+
+
+def j2_load_step(final_strain, plastic_strain, alpha, *, factor, tangent=False):
+    """One load step on a chunk: the J2 update at ``factor`` times the final strain; the new state and the stress."""
+    from .models import j2_update
+
+    out = j2_update(final_strain * factor, plastic_strain, alpha, tangent=tangent)
+    result = {"plastic_strain": out["plastic_strain"], "alpha": out["alpha"], "stress": out["stress"]}
+    if tangent:
+        result["tangent"] = out["tangent"]
+    return result
+
+
+def _factor(step, steps):
+    return (step + 1) / steps
+
+
+def run_numpy(strain, steps, tangent=False):
+    """The reference: every step on the whole batch in this process."""
+    plastic, alpha = np.zeros_like(strain), np.zeros(len(strain))
+    for step in range(steps):
+        out = j2_load_step(strain, plastic, alpha, factor=_factor(step, steps), tangent=tangent)
+        plastic, alpha = out["plastic_strain"], out["alpha"]
+    return out
+
+
+class _Dispatched:
+    """``dispatch``'s model: one step's update on a chunk (a picklable class, so worker processes can load it)."""
+
+    def __init__(self, factor, tangent):
+        self.factor, self.tangent = factor, tangent
+
+    def __call__(self, strain, plastic, alpha):
+        return j2_load_step(strain, plastic, alpha, factor=self.factor, tangent=self.tangent)
+
+
+def run_dispatch(client, scheduler, strain, steps, tangent=False):
+    """Every step re-dispatched: inputs out and outputs back, a barrier between steps."""
+    import dsched
+
+    plastic, alpha = np.zeros_like(strain), np.zeros(len(strain))
+    for step in range(steps):
+        out = dsched.dispatch(_Dispatched(_factor(step, steps), tangent), strain, plastic, alpha,
+                              scheduler=scheduler, client=client)
+        plastic, alpha = out["plastic_strain"], out["alpha"]
+    return out
+
+
+def run_batch(client, scheduler, strain, steps, tangent=False, on_step=None):
+    """The steps on a resident batch: pushed at once, ordered per chunk by the engine; ``get`` waits at the end."""
+    import dsched
+
+    with dsched.Batch({"final_strain": strain, "plastic_strain": np.zeros_like(strain),
+                       "alpha": np.zeros(len(strain))}, scheduler, client=client) as batch:
+        written = ["plastic_strain", "alpha", "stress"] + (["tangent"] if tangent else [])
+        for step in range(steps):
+            batch.update(j2_load_step, reads=["final_strain", "plastic_strain", "alpha"],
+                         writes=[f for f in written if f in batch.fields],
+                         outputs=[f for f in written if f not in batch.fields], label="j2-step",
+                         kwargs={"factor": _factor(step, steps), "tangent": tangent})
+            if on_step is not None:
+                on_step(step, batch)
+        return {f: batch.get(f) for f in ("plastic_strain", "alpha", "stress")}
+
+
+# --- measuring workers -------------------------------------------------------------
+
+_sampler = {}
+
+
+def _start_sampler(dask_worker=None, interval=0.01):
+    """On a worker: a thread keeping the peak of the worker's managed bytes and RSS since the last reset."""
+    import psutil
+
+    if _sampler.get("thread") is not None:
+        return
+    process = psutil.Process()
+    _sampler.update(peak_data=0, peak_rss=0, stop=False)
+
+    def sample():
+        while not _sampler["stop"]:
+            try:
+                data = sum(ts.nbytes for ts in list(dask_worker.state.tasks.values()) if ts.state == "memory")
+            except RuntimeError:  # the task table changed while we read it
+                data = 0
+            _sampler["peak_data"] = max(_sampler["peak_data"], data)
+            _sampler["peak_rss"] = max(_sampler["peak_rss"], process.memory_info().rss)
+            time.sleep(interval)
+
+    _sampler["thread"] = threading.Thread(target=sample, daemon=True, name="dsched-bench-sampler")
+    _sampler["thread"].start()
+
+
+def _read_sampler(reset=True):
+    peaks = {"data": _sampler.get("peak_data", 0), "rss": _sampler.get("peak_rss", 0)}
+    if reset:
+        _sampler["peak_data"] = _sampler["peak_rss"] = 0
+    return peaks
+
+
+def _stop_sampler():
+    _sampler["stop"] = True
+    thread = _sampler.pop("thread", None)
+    if thread is not None:
+        thread.join()
+
+
+def _worker_cpu():
+    import psutil
+
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
+def _cpu_seconds(client):
+    """CPU seconds so far of this process and every worker process."""
+    own = time.process_time()
+    return own + sum(client.run(_worker_cpu).values())
+
+
+def _timed(client, fn):
+    cpu, wall = _cpu_seconds(client), time.perf_counter()
+    out = fn()
+    return time.perf_counter() - wall, _cpu_seconds(client) - cpu, out
+
+
+# --- the benchmark ---------------------------------------------------------------
+
+def measure_load_steps(points=1_000_000, steps=100, *, batch_size=131072, tangent=False, client=None,
+                       progress=None) -> dict:
+    """Time ``steps`` J2 load steps on ``points`` points: NumPy, re-dispatching, a resident batch.
+
+    Starts a ``LocalHybridCluster(["cpu"], processes=True)`` (one CPU worker
+    process with two threads) unless ``client`` is given. Returns a dict with
+    per row ``wall_s``, ``cpu_s``, and for the batch the memory peaks
+    (``after_2`` and ``after_all``: the workers' managed bytes and RSS) and the
+    largest difference from the NumPy result.
+    """
+    import dsched
+
+    say = progress or (lambda message: None)
+    strain = final_strain(points)
+    own = None
+    if client is None:
+        from distributed import Client
+
+        own = dsched.LocalHybridCluster(["cpu"], processes=True, dashboard_address=None)
+        client = Client(own)
+    try:
+        scheduler = dsched.SimpleScheduler("cpu", batch_size, capacity=2 * batch_size)
+        say("numpy")
+        start_cpu, start = time.process_time(), time.perf_counter()
+        reference = run_numpy(strain, steps, tangent)
+        rows = {"numpy": {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - start_cpu}}
+        run_dispatch(client, scheduler, strain[:batch_size], 1, tangent)  # warm up the workers
+        say("dispatch")
+        wall, cpu, out = _timed(client, lambda: run_dispatch(client, scheduler, strain, steps, tangent))
+        rows["dispatch"] = {"wall_s": wall, "cpu_s": cpu, "max_abs_diff": _diff(out, reference)}
+        say("batch")
+        client.run(_start_sampler)
+        peaks = {}
+
+        def on_step(step, batch):
+            if step == 1:  # the peak over the first two steps, then over the rest
+                batch.wait()
+                peaks["after_2"] = _sum_peaks(client.run(_read_sampler))
+
+        wall, cpu, out = _timed(client, lambda: run_batch(client, scheduler, strain, steps, tangent, on_step))
+        peaks["after_all"] = _sum_peaks(client.run(_read_sampler))
+        client.run(_stop_sampler)
+        rows["batch"] = {"wall_s": wall, "cpu_s": cpu, "max_abs_diff": _diff(out, reference), "memory": peaks}
+    finally:
+        if own is not None:
+            client.close()
+            own.close()
+    batch, dispatch, numpy_row = rows["batch"], rows["dispatch"], rows["numpy"]
+    return {
+        "points": points, "steps": steps, "batch_size": batch_size, "tangent": tangent, "rows": rows,
+        "batch_vs_dispatch": dispatch["wall_s"] / batch["wall_s"],
+        "batch_vs_numpy": numpy_row["wall_s"] / batch["wall_s"],
+        "memory_ratio": (peaks["after_all"]["data"] / peaks["after_2"]["data"]) if peaks["after_2"]["data"] else None,
+    }
+
+
+def _sum_peaks(per_worker):
+    return {key: sum(p[key] for p in per_worker.values()) for key in ("data", "rss")}
+
+
+def _diff(out, reference):
+    return max(float(np.max(np.abs(np.asarray(out[k]) - reference[k]))) for k in ("plastic_strain", "alpha", "stress"))
+
+
+def format_load_steps(result) -> str:
+    """The benchmark as a small text table."""
+    rows = result["rows"]
+    lines = [f"J2 load steps: {result['points']:,} points x {result['steps']} steps, chunks of "
+             f"{result['batch_size']:,}, tangent={result['tangent']} (CPU worker process; no GPU measured)",
+             f"{'row':<10}{'wall s':>10}{'CPU s':>10}{'max |diff|':>14}"]
+    for name in ("numpy", "dispatch", "batch"):
+        row = rows[name]
+        diff = row.get("max_abs_diff")
+        lines.append(f"{name:<10}{row['wall_s']:>10.2f}{row['cpu_s']:>10.2f}"
+                     f"{'' if diff is None else format(diff, '.2e'):>14}")
+    memory = rows["batch"]["memory"]
+    lines.append(f"batch vs dispatch: {result['batch_vs_dispatch']:.2f}x; batch vs numpy: {result['batch_vs_numpy']:.2f}x")
+    lines.append(f"workers' resident data, peak: steps 1-2 {memory['after_2']['data'] / 2**20:.0f} MiB, "
+                 f"steps 3-{result['steps']} {memory['after_all']['data'] / 2**20:.0f} MiB; RSS peak "
+                 f"{memory['after_2']['rss'] / 2**20:.0f} / {memory['after_all']['rss'] / 2**20:.0f} MiB")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points", type=int, default=1_000_000)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=131072)
+    parser.add_argument("--tangent", action="store_true")
+    args = parser.parse_args(argv)
+    # Through the module, not __main__: worker-side helpers must be pickled by reference.
+    from dsched.bench_batch import format_load_steps, measure_load_steps
+
+    result = measure_load_steps(args.points, args.steps, batch_size=args.batch_size, tangent=args.tangent,
+                                progress=lambda m: print(f"... {m}", flush=True))
+    print(format_load_steps(result))
+
+
+if __name__ == "__main__":
+    main()

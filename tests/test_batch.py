@@ -1,0 +1,247 @@
+"""Resident batches on real Dask clusters: in-process (cpu + emulated cuda:0) and worker processes.
+
+Emulated CUDA workers compute with NumPy: these tests check placement, ordering,
+errors and faults, never GPU behaviour.
+"""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from distributed import Client
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dsched
+from dsched import Batch, ChunkResultError, StaticHybridScheduler
+from dsched.bench_batch import final_strain, j2_load_step, run_batch, run_numpy
+
+
+def hybrid_scheduler(small=3, large=5):
+    return StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[small, large], priorities=[1, 2])
+
+
+def where_am_i(x):
+    """Each item's device, as the chunk's task sees it: 0 for the CPU, 1 for cuda:0."""
+    return {"where": np.full(len(x), 0 if dsched.current_device().type == "cpu" else 1)}
+
+
+@pytest.fixture(scope="module")
+def process_client():
+    """Worker processes: a CPU and an emulated cuda:0, each restarted by its nanny if killed."""
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                                   dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            yield client
+
+
+def test_chunks_live_on_their_planned_devices(hybrid_client):
+    scheduler = hybrid_scheduler()
+    with Batch({"x": np.arange(20.0)}, scheduler, client=hybrid_client) as batch:
+        planned = dsched.plan(20, scheduler)
+        assert [(c.device, c.size) for c in batch.chunks] == planned
+        batch.update(where_am_i, reads=["x"], outputs=["where"])
+        expected = np.concatenate([np.full(size, 0 if device.type == "cpu" else 1) for device, size in planned])
+        np.testing.assert_array_equal(batch.get("where"), expected)
+
+
+def test_updates_carry_state_and_reduce_syncs(hybrid_client):
+    x = np.arange(23.0)
+    with Batch({"x": x, "acc": np.zeros((23, 2))}, hybrid_scheduler(), client=hybrid_client) as batch:
+        handles = []
+        for step in range(1, 6):
+            handles.append(batch.update(lambda x, acc, k: {"acc": acc + k * x[:, None]}, reads=["x", "acc"],
+                                        writes=["acc"], kwargs={"k": step}))
+        assert batch.reduce(lambda a: a[:, 0].sum(), "acc") == pytest.approx(15 * x.sum())
+        assert all(h.done() for h in handles)
+        np.testing.assert_array_equal(batch.get("acc"), np.repeat(15 * x[:, None], 2, axis=1))
+        np.testing.assert_array_equal(batch.get("x"), x)
+        assert batch.reduce(np.max, "x", combine=max) == 22.0
+        assert batch.reduce(len, "x", combine=list) == [5, 3, 5, 3, 5, 2]  # dispatch order
+
+
+def test_set_streams_host_values(hybrid_client):
+    with Batch({"x": np.zeros(12)}, hybrid_scheduler(), client=hybrid_client) as batch:
+        batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])
+        batch.set("x", np.arange(12.0)).wait()
+        batch.update(lambda x: {"x": 2 * x}, reads=["x"], writes=["x"])
+        np.testing.assert_array_equal(batch.get("x"), 2 * np.arange(12.0))
+        batch.set("y", np.ones((12, 3)))
+        assert batch.fields == ["x", "y"]
+        np.testing.assert_array_equal(batch.get("y"), np.ones((12, 3)))
+
+
+def test_inplace_update_mutates_after_earlier_reads(hybrid_client):
+    def mutate(x):
+        x *= 3  # in place: allowed only because the engine ran the earlier reads first
+        return {"x": x}
+
+    with Batch({"x": np.arange(10.0)}, hybrid_scheduler(), client=hybrid_client) as batch:
+        batch.update(lambda x: {"before": x.copy()}, reads=["x"], outputs=["before"])
+        batch.update(mutate, reads=["x"], writes=["x"], inplace=True)
+        np.testing.assert_array_equal(batch.get("before"), np.arange(10.0))
+        np.testing.assert_array_equal(batch.get("x"), 3 * np.arange(10.0))
+
+
+def test_read_only_unless_inplace(hybrid_client):
+    def mutate(x):
+        x += 1
+        return {"x": x}
+
+    with Batch({"x": np.arange(10.0)}, hybrid_scheduler(), client=hybrid_client) as batch:
+        with pytest.raises(ValueError, match="read-only"):
+            batch.update(mutate, reads=["x"], writes=["x"]).wait()
+        np.testing.assert_array_equal(batch.get("x"), np.arange(10.0))
+
+
+def test_bad_names_are_refused_before_any_work(hybrid_client):
+    with Batch({"x": np.arange(10.0)}, hybrid_scheduler(), client=hybrid_client) as batch:
+        with pytest.raises(ValueError, match=r"reads: no field 'strian' in this batch \(fields: x\)"):
+            batch.update(lambda strian: {"x": strian}, reads=["strian"], writes=["x"])
+        with pytest.raises(ValueError, match=r"writes: no field 'y' in this batch \(fields: x\)"):
+            batch.update(lambda x: {"y": x}, reads=["x"], writes=["y"])
+        with pytest.raises(ValueError, match=r"field: no field 'z' in this batch"):
+            batch.get("z")
+        with pytest.raises(ValueError, match=r"fields\['x'\]: 9 items along axis 0; the batch has 10"):
+            batch.set("x", np.zeros(9))
+    with pytest.raises(ValueError, match=r"fields\['b'\]: 3 items along axis 0; the batch has 2"):
+        Batch({"a": np.zeros(2), "b": np.zeros(3)}, hybrid_scheduler(), client=hybrid_client)
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda x: {"y": x}, r"update 'bad': chunk 0 on cuda:0 \(items 0:5\) returned no field 'x' \(it writes: x\)"),
+    (lambda x: {"x": x[:-1]}, r"update 'bad': chunk 0 on cuda:0 \(items 0:5\): field 'x' has 4 items \(shape "
+                              r"\(4,\)\); expected 5 items along axis 0 \(the chunk's size\)"),
+    (lambda x: x, r"update 'bad': chunk 0 on cuda:0 \(items 0:5\) returned ndarray; expected a dict"),
+])
+def test_bad_results_name_the_field_and_chunk_and_the_batch_stays_usable(hybrid_client, fn, message):
+    with Batch({"x": np.arange(8.0)}, hybrid_scheduler(), client=hybrid_client) as batch:
+        batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])
+        with pytest.raises(ChunkResultError, match=message):
+            # Only chunk 0 fails: the others return what they should.
+            batch.update(lambda x: fn(x) if x[0] == 1 else {"x": x}, reads=["x"], writes=["x"], label="bad").wait()
+        np.testing.assert_array_equal(batch.get("x"), np.arange(8.0) + 1)  # back at the last good version
+        batch.update(lambda x: {"x": x * 2}, reads=["x"], writes=["x"])
+        np.testing.assert_array_equal(batch.get("x"), 2 * (np.arange(8.0) + 1))
+
+
+def test_to_zarr_streams_every_field(hybrid_client, tmp_path):
+    import zarr
+
+    with Batch({"x": np.arange(12.0), "v": np.ones((12, 2), np.float32)}, hybrid_scheduler(), client=hybrid_client) as b:
+        b.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])
+        path = b.to_zarr(tmp_path / "state.zarr")
+        with pytest.raises(ValueError, match="already exists"):
+            b.to_zarr(tmp_path / "state.zarr")
+    group = zarr.open_group(path, mode="r")
+    np.testing.assert_array_equal(group["x"][:], np.arange(12.0) + 1)
+    assert group["v"].dtype == np.float32 and group["v"].shape == (12, 2)
+
+
+operations = st.lists(st.tuples(st.frozensets(st.sampled_from("abc"), min_size=1),
+                                st.frozensets(st.sampled_from("abc"), min_size=1)), min_size=1, max_size=6)
+
+
+def _apply(index, reads, writes, arrays):
+    """What every example's update computes: each written field from the op's index and the fields it read."""
+    total = sum(arrays[f] for f in sorted(reads))
+    return {f: total * 0.5 + index + ord(f) for f in writes}
+
+
+class _Op:
+    """One example's update, picklable."""
+
+    def __init__(self, index, reads, writes):
+        self.index, self.reads, self.writes = index, reads, writes
+
+    def __call__(self, **arrays):
+        result = _apply(self.index, self.reads, self.writes, arrays)
+        for field, value in result.items():
+            if field in arrays and arrays[field].flags.writeable:  # in place: a reader still running would see it
+                arrays[field][...] = value
+                result[field] = arrays[field]
+        return result
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=operations, inplace=st.booleans())
+def test_random_update_sequences_equal_program_order(hybrid_client, ops, inplace):
+    # The engine's own property test (tests/test_engine.py) tries many schedules; this one runs on Dask.
+    start = {f: np.arange(11.0) * (i + 1) for i, f in enumerate("abc")}
+    expected = dict(start)
+    for index, (reads, writes) in enumerate(ops):
+        expected.update(_apply(index, reads, writes, expected))
+    with Batch(start, hybrid_scheduler(), client=hybrid_client) as batch:
+        for index, (reads, writes) in enumerate(ops):
+            batch.update(_Op(index, reads, writes), reads=sorted(reads), writes=sorted(writes), inplace=inplace)
+        for field in "abc":
+            np.testing.assert_array_equal(batch.get(field), expected[field], err_msg=field)
+
+
+class _SlowStep:
+    """A load step that takes a while, so that a worker can be killed while later steps are pending."""
+
+    def __init__(self, factor, delay):
+        self.factor, self.delay = factor, delay
+
+    def __call__(self, final_strain, plastic_strain, alpha):
+        time.sleep(self.delay)
+        return j2_load_step(final_strain, plastic_strain, alpha, factor=self.factor)
+
+
+def _steps(batch, first, last, steps, delay=0.0):
+    handles = []
+    for step in range(first, last):
+        handles.append(batch.update(_SlowStep((step + 1) / steps, delay),
+                                    reads=["final_strain", "plastic_strain", "alpha"],
+                                    writes=["plastic_strain", "alpha", "stress"][: 3 if step else 2],
+                                    outputs=[] if step else ["stress"], label="j2-step"))
+    return handles
+
+
+def test_a_killed_worker_process_loses_nothing(process_client):
+    n, steps = 60, 8
+    strain = final_strain(n)
+    reference = run_numpy(strain, steps)
+    scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[10, 20], priorities=[1, 2])
+    cuda_worker = dsched.ownership.device_owners(process_client, ["cuda:0"])[dsched.Device("cuda:0")][0]
+    pid = process_client.run(os.getpid, workers=[cuda_worker])[cuda_worker]
+    with Batch({"final_strain": strain, "plastic_strain": np.zeros((n, 6)), "alpha": np.zeros(n)}, scheduler,
+               client=process_client) as batch:
+        handles = _steps(batch, 0, 3, steps, delay=0.05)
+        handles[0].wait()
+        # set() values travel through shared memory too: they are part of the lineage to rebuild.
+        batch.set("final_strain", strain.copy())
+        handles += _steps(batch, 3, steps, steps, delay=0.05)
+        assert not handles[-1].done()
+        os.kill(pid, signal.SIGKILL)  # mid-sequence: steps 2..8 of cuda:0's chunks still pending or held there
+        result = {f: batch.get(f) for f in ("plastic_strain", "alpha", "stress")}
+    owners = dsched.ownership.device_owners(process_client, ["cuda:0"])[dsched.Device("cuda:0")]
+    assert len(owners) == 1 and process_client.run(os.getpid, workers=owners)[owners[0]] != pid  # replaced
+    for field in result:
+        np.testing.assert_array_equal(result[field], reference[field], err_msg=field)
+    assert reference["alpha"].max() > 0  # the points did yield: the state carried matters
+
+
+def test_load_steps_on_worker_processes_equal_numpy(process_client):
+    strain = final_strain(50)
+    scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[10, 20], priorities=[1, 2])
+    reference = run_numpy(strain, 5)
+    result = run_batch(process_client, scheduler, strain, 5)
+    for field in result:
+        np.testing.assert_array_equal(result[field], reference[field], err_msg=field)
+
+
+def test_shared_memory_is_released_at_close(process_client):
+    before = {e for e in os.listdir("/dev/shm") if e.startswith(f"dsched-{os.getpid()}-")}
+    scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[10, 20], priorities=[1, 2])
+    batch = Batch({"x": np.arange(40.0)}, scheduler, client=process_client)
+    batch.set("x", np.ones(40))
+    assert len({e for e in os.listdir("/dev/shm") if e.startswith(f"dsched-{os.getpid()}-")} - before) == 2
+    np.testing.assert_array_equal(batch.get("x"), np.ones(40))
+    batch.close()
+    assert {e for e in os.listdir("/dev/shm") if e.startswith(f"dsched-{os.getpid()}-")} == before
+    with pytest.raises(RuntimeError, match="closed"):
+        batch.get("x")
