@@ -245,3 +245,14 @@ def test_shared_memory_is_released_at_close(process_client):
     assert {e for e in os.listdir("/dev/shm") if e.startswith(f"dsched-{os.getpid()}-")} == before
     with pytest.raises(RuntimeError, match="closed"):
         batch.get("x")
+
+
+def test_load_steps_example_runs_and_checks_itself():
+    import subprocess
+    import sys
+
+    example = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "load_steps.py")
+    done = subprocess.run([sys.executable, example, "--points", "600", "--steps", "4", "--report-every", "2",
+                           "--emulate", "--check"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step    2:" in done.stdout and "check: equal to the same steps in NumPy" in done.stdout
