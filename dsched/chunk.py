@@ -11,7 +11,7 @@ from .devices import Device, running_on, selected
 from .report import ChunkRecord
 from .store import resolve_work
 
-__all__ = ["ChunkProgram", "InFlight", "run_chunk"]
+__all__ = ["ChunkProgram", "InFlight", "PackError", "run_chunk", "run_pack"]
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,8 @@ class _InitOnce:
 
 
 class InFlight(NamedTuple):
-    """A submitted chunk: its record, its work, its future, whether its worker writes its result in place,
-    and when it times out (``time.monotonic()``; infinity without a timeout)."""
+    """A submitted chunk: its record, its work, the future of its task (shared by a pack), whether its
+    worker writes its result in place, and when it times out (``time.monotonic()``; infinity without)."""
 
     record: ChunkRecord
     work: object
@@ -63,8 +63,40 @@ class InFlight(NamedTuple):
     deadline: float
 
 
+class PackError(Exception):
+    """Raised by a pack in which some chunks failed: ``outcomes`` says, per chunk, what happened.
+
+    Each outcome is ``(ok, value, start, stop)``: the result (``None`` when written
+    in place) or the chunk's exception, and its epoch-second timings.
+    """
+
+    def __init__(self, outcomes):
+        self.outcomes = outcomes
+        failed = sum(1 for ok, *_ in outcomes if not ok)
+        super().__init__(f"{failed} of the {len(outcomes)} chunks of a pack failed")
+
+    def __reduce__(self):
+        return PackError, (self.outcomes,)
+
+
+def _initialise(program, device, worker):
+    if program.thread_init is not None:
+        with _init_registry_lock:
+            registry = worker.__dict__.setdefault("_dsched_thread_init", {})
+            once = registry.setdefault((program.dispatcher_id, device), _InitOnce())
+        once(program.thread_init, device)
+
+
+def _compute(program, device, work, slot):
+    result = program.run(device, resolve_work(work))
+    if slot is not None:
+        slot.write(result, device)
+        return None
+    return result
+
+
 def run_chunk(program: ChunkProgram, device: Device, work, slot=None):
-    """The task that runs on a device worker: initialise once, then compute one chunk.
+    """The task that runs one chunk on a device worker: initialise once, then compute.
 
     ``work`` may hold references into the run's store (resolved to views here);
     with a ``slot`` the result is checked and written in place, and only the
@@ -73,14 +105,37 @@ def run_chunk(program: ChunkProgram, device: Device, work, slot=None):
     from distributed import get_worker
 
     worker = get_worker()
-    if program.thread_init is not None:
-        with _init_registry_lock:
-            registry = worker.__dict__.setdefault("_dsched_thread_init", {})
-            once = registry.setdefault((program.dispatcher_id, device), _InitOnce())
-        once(program.thread_init, device)
+    _initialise(program, device, worker)
     start = time.time()
-    result = program.run(device, resolve_work(work))
-    if slot is not None:
-        slot.write(result, device)
-        result = None
+    result = _compute(program, device, work, slot)
     return result, worker.address, start, time.time()
+
+
+def run_pack(program: ChunkProgram, device: Device, works, slots, topic=None):
+    """The task that runs several chunks of one device one after another (batched submission).
+
+    Each chunk's completion is published as it happens on the Dask event
+    ``topic`` (``(task key, index in the pack, ok, start, stop)``), so the client keeps
+    per-chunk progress and load accounting while the pack goes on. A chunk that
+    fails does not stop the others; the pack then raises :class:`PackError`.
+    Returns ``(worker address, outcomes)``.
+    """
+    from distributed import get_worker
+
+    worker = get_worker()
+    key = worker.get_current_task() if topic is not None else None
+    _initialise(program, device, worker)
+    outcomes = []
+    for i, (work, slot) in enumerate(zip(works, slots)):
+        start = time.time()
+        try:
+            value, ok = _compute(program, device, work, slot), True
+        except Exception as err:  # isolated: the pack's other chunks still run
+            value, ok = err, False
+        stop = time.time()
+        outcomes.append((ok, value, start, stop))
+        if topic is not None:
+            worker.log_event(topic, (key, i, ok, start, stop))
+    if not all(ok for ok, *_ in outcomes):
+        raise PackError(outcomes)
+    return worker.address, outcomes

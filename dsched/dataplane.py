@@ -119,6 +119,11 @@ class RunData:
                                        hash=False)
         return future
 
+    def writes_in_place(self, device) -> bool:
+        """Whether ``device``'s chunks write their rows where they run (for chunks of the scheduler's sizes)."""
+        return self.axis is not None and self.targets is not None and device not in self.remote and all(
+            isinstance(t, (ZarrTarget, ArrayRef)) for t in self.targets)
+
     def slot(self, device, start, stop, index):
         """The chunk's :class:`OutputSlot` when its worker can write in place; ``None`` to return the result."""
         if self.axis is None or self.targets is None or device in self.remote:

@@ -17,16 +17,18 @@ import time
 import uuid
 import weakref
 from collections import defaultdict
+
+import dask
 from dataclasses import dataclass
 
 from . import backends
-from .chunk import ChunkProgram, InFlight, run_chunk
+from .chunk import ChunkProgram, InFlight, PackError, run_chunk, run_pack
 from .completion import DeviceWatch, notify_when_done, wait_for_one
 from .dataplane import RunData, check_out, direct_to_workers, zarr_chunk_items
-from .devices import Device, device_resource, running_on
+from .devices import Device, device_resource, placement_device, running_on
 from .errors import AggregateError, ChunkTimeoutError
 from .outputs import OutputLayout
-from .ownership import check_devices_owned, device_owners
+from .ownership import check_devices_owned, device_owners, device_threads
 from .report import ChunkRecord, RunReport
 from .store import resolve_work
 from .trace import DispatchTracer, check_trace_path
@@ -357,12 +359,14 @@ class WorkDispatcher:
         run = _AsyncRun(self, client, data, report, f"dsched-{self._program.dispatcher_id[:8]}-{next(self._runs)}")
         try:
             run.loop()
+            run.gather()
         except BaseException:
             # Interrupted (or the generator, scheduler or submission failed): nothing
             # more will be collected, so cancel what was sent and give the loads back.
             run.abandon()
             raise
-        run.gather()
+        finally:
+            run.close()
 
     def _account_completed(self, record):
         self.scheduler.completed_work(record.device, record.size)
@@ -393,18 +397,37 @@ class _AsyncRun:
     The loop is NEML2's: schedule while the scheduler has room, submit, wait
     for one completion (or a tick), account for it, repeat; after a failure,
     stop scheduling and wait for what is in flight.
+
+    Batched submission: chunks of one device chosen in the same round travel as
+    one task (a *pack*, :func:`~dsched.chunk.run_pack`) when there are several;
+    the worker runs them one after another and publishes each chunk's
+    completion as it happens, so accounting, progress, traces and failures stay
+    per chunk while Dask's per-task cost is paid once per pack.
     """
 
     def __init__(self, dispatcher, client, data, report, run_id):
         self.dispatcher, self.client, self.data, self.report, self.run_id = dispatcher, client, data, report, run_id
         self.scheduler = dispatcher.scheduler
-        self.done = queue.Queue()  # futures land here from the client's event loop
-        self.in_flight = {}  # future key -> InFlight
+        self.done = queue.Queue()  # futures, and (key, i, ok, start, stop) pack events, from the event loop
+        self.in_flight = {}  # record index -> InFlight, until the chunk is accounted for
+        self.members = {}  # task key -> record indexes of its chunks
         self.outstanding = {}  # record index -> record dispatched and not yet completed
-        self.futures = []  # per record, its (last) future
+        self.futures = []  # per record, the (last) future of its task
         self.failed = False
         self.watch = DeviceWatch(client)
         self.retries = itertools.count(1)
+        self.observe = getattr(self.scheduler, "observe", None)  # a policy that learns from chunk timings
+        self.pack = bool(dask.config.get("dsched.batched-submission", True))
+        self.packs = set()  # keys of tasks that are packs
+        self.threads = device_threads(client)  # chunks of a device that can run at once
+        self.topic = f"{run_id}-chunks"
+        client.subscribe_topic(self.topic, self._on_event)
+
+    def _on_event(self, event):  # on the client's event loop
+        self.done.put(event[1])
+
+    def close(self):
+        self.client.unsubscribe_topic(self.topic)
 
     def loop(self):
         generator = self.data.generator
@@ -427,12 +450,12 @@ class _AsyncRun:
                         "a scheduler cannot be shared by dispatchers running at the same time"
                     )
                 return
-            future = wait_for_one(self.done, self._tick_seconds())
-            if future is None:
+            item = wait_for_one(self.done, self._tick_seconds())
+            if item is None:
                 self._tick()
-            while future is not None:
-                self.failed |= self._complete(future)
-                future = wait_for_one(self.done, 0) if not self.done.empty() else None
+            while item is not None:
+                self.failed |= self._event(item) if isinstance(item, tuple) else self._complete(item)
+                item = wait_for_one(self.done, 0) if not self.done.empty() else None
 
     def _dispatched(self, device, m, work, offset):
         if self.dispatcher._tracer is None:
@@ -446,66 +469,159 @@ class _AsyncRun:
         self.futures.append(None)
         return record, work
 
+    # --- submission -------------------------------------------------------------
+
     def _submit(self, device, chunks, retry=False):
-        """Send ``chunks`` (``(record, work)``) to ``device``'s workers."""
-        resource, data = device_resource(device), self.data
+        """Send ``chunks`` (``(record, work)``) to ``device``'s workers, as packs or one task per chunk.
+
+        Chunks beyond the device's threads would only queue on its workers: they are
+        packed, as many packs as the device has threads, so that its threads stay busy.
+        """
+        lanes = max(1, self.threads.get(placement_device(device), 1))
+        # A result that travels back by value is available only when its whole pack ends: such chunks
+        # (before the output layout is known, or for a remote device) are not packed.
+        packable = self.dispatcher.join is None or self.data.writes_in_place(device)
+        if self.pack and packable and len(chunks) > lanes:
+            for lane in range(lanes):
+                self._send(device, chunks[lane::lanes], retry)
+        else:
+            for chunk in chunks:
+                self._send(device, [chunk], retry)
+
+    def _send(self, device, chunks, retry):
+        """One task for ``chunks``: a pack if there are several (or the policy learns from timings)."""
         timeout = self.dispatcher.timeout
         deadline = time.monotonic() + timeout if timeout is not None else float("inf")
         suffix = f"-retry{next(self.retries)}" if retry else ""
-        # One client.map per chunk size: a chunk requests as much of its device's
-        # resource as it has items, which is how the worker bounds items in flight.
-        by_size = defaultdict(list)
-        for record, work in chunks:
-            by_size[record.size].append((record, work))
-        submitted = []
-        for size, group in by_size.items():
-            slots = [data.slot(device, r.offset, r.offset + r.size, r.index) for r, _ in group]
-            futures = self.client.map(
-                run_chunk,
-                [self.dispatcher._program] * len(group),
-                [device] * len(group),
-                [data.task_work(device, work) for _, work in group],
-                slots,
-                key=[f"{self.run_id}-{record.index}{suffix}" for record, _ in group],
-                resources={resource: self.watch.request(device, size)},
-                pure=False,
-            )
-            for (record, work), slot, future in zip(group, slots, futures):
-                self.in_flight[future.key] = InFlight(record, work, future, slot is not None, deadline)
-                self.futures[record.index] = future
-                submitted.append(future)
-        notify_when_done(self.client, submitted, self.done.put)
+        slots = [self.data.slot(device, r.offset, r.offset + r.size, r.index) for r, _ in chunks]
+        works = [self.data.task_work(device, work) for _, work in chunks]
+        resource = device_resource(device)
+        # A policy that learns needs each chunk's time as it finishes: packs (even of one) publish it.
+        if len(chunks) > 1 or (self.pack and self.observe is not None):
+            # The pack requests its items (the scheduler admitted them all), capped by what the
+            # worker holds: its chunks run one after another.
+            [future] = self.client.map(
+                run_pack, [self.dispatcher._program], [device], [works], [slots], [self.topic],
+                key=[f"{self.run_id}-{chunks[0][0].index}-pack{len(chunks)}{suffix}"],
+                resources={resource: self.watch.request(device, sum(r.size for r, _ in chunks))}, pure=False)
+            futures = [future] * len(chunks)
+            self.packs.add(future.key)
+        else:
+            # One client.map per chunk size: a chunk requests as much of its device's
+            # resource as it has items, which is how the worker bounds items in flight.
+            futures = [None] * len(chunks)
+            by_size = defaultdict(list)
+            for position, (record, _) in enumerate(chunks):
+                by_size[record.size].append(position)
+            for size, positions in by_size.items():
+                mapped = self.client.map(
+                    run_chunk, [self.dispatcher._program] * len(positions), [device] * len(positions),
+                    [works[p] for p in positions], [slots[p] for p in positions],
+                    key=[f"{self.run_id}-{chunks[p][0].index}{suffix}" for p in positions],
+                    resources={resource: self.watch.request(device, size)}, pure=False)
+                for p, future in zip(positions, mapped):
+                    futures[p] = future
+        for (record, work), slot, future in zip(chunks, slots, futures):
+            self.in_flight[record.index] = InFlight(record, work, future, slot is not None, deadline)
+            self.members.setdefault(future.key, []).append(record.index)
+            self.futures[record.index] = future
+        notify_when_done(self.client, list({f.key: f for f in futures}.values()), self.done.put)
 
-    def _complete(self, future) -> bool:
-        """Account for one finished future; whether it failed."""
-        entry = self.in_flight.pop(future.key, None)
-        if entry is None:
-            return False  # cancelled by a timeout, or resubmitted elsewhere
-        record, data = entry.record, self.data
-        if future.status == "lost" and not entry.in_place:
-            # It finished, then its worker died holding the result: run it again.
-            self._submit(self.watch.where(record.device), [(record, entry.work)], retry=True)
-            return False
+    # --- completion ------------------------------------------------------------
+
+    def _event(self, event) -> bool:
+        """A pack's chunk finished: account for it now if it succeeded and needs nothing from its outcome."""
+        key, position, ok, start, stop = event
+        indexes = self.members.get(key)
+        if not ok or indexes is None or position >= len(indexes):
+            return False  # a failure is reported with the pack's outcomes
+        entry = self.in_flight.get(indexes[position])
+        if entry is None or (not entry.in_place and self.dispatcher.join is not None):
+            return False  # already accounted for, or its result is written from the pack's outcomes
+        entry.record.start, entry.record.stop = start, stop
+        return self._done(entry)
+
+    def _done(self, entry, error=None) -> bool:
+        """Account for one chunk (load, trace, observation, progress); whether it failed."""
+        record = entry.record
+        del self.in_flight[record.index]
         del self.outstanding[record.index]
         self.dispatcher._account_completed(record)
-        if future.status in ("finished", "lost"):  # lost: written in place, only its timings died with its worker
-            try:
-                if self.dispatcher.join is not None and not entry.in_place:
-                    # A result the worker could not write in place: fetch it now and write it here,
-                    # so the client never holds more than one chunk's result at a time.
-                    result, record.worker, record.start, record.stop = data.fetch(future)
-                    data.accept(record, result)
-            except Exception as err:  # the result does not fit its chunk
-                return self._fail(record, err)
-            if self.dispatcher.on_chunk_done is not None:
-                self.dispatcher.on_chunk_done(record)
+        if error is not None:
+            return self._fail(record, error)
+        if self.observe is not None and record.stop > record.start:
+            self.observe(record.device, record.size, record.stop - record.start)
+        if self.dispatcher.on_chunk_done is not None:
+            self.dispatcher.on_chunk_done(record)
+        return False
+
+    def _complete(self, future) -> bool:
+        """A task finished (or failed, or was cancelled): account for its chunks not yet accounted for."""
+        indexes = self.members.get(future.key, [])
+        pending = {i: self.in_flight[i] for i in indexes
+                   if i in self.in_flight and self.in_flight[i].future is future}
+        if not pending:
+            return False  # accounted for by events, cancelled by a timeout, or resubmitted elsewhere
+        entries = list(pending.values())
+        if future.status == "lost":
+            # It finished, then its worker died holding its outcome: run what is not accounted for again.
+            for entry in entries:
+                del self.in_flight[entry.record.index]
+            self._submit(self.watch.where(entries[0].record.device), [(e.record, e.work) for e in entries],
+                         retry=True)
             return False
+        if future.status == "finished":
+            if self.dispatcher.join is None or all(e.in_place for e in entries):
+                # Nothing to do with its outcome now: timings (and results) come with the final gather.
+                return any([self._done(entry) for entry in entries])
+            try:
+                address, outcomes = self._outcomes(future, self.data.fetch(future))
+            except Exception as err:
+                return any([self._done(entry, err) for entry in entries])
+            return self._settle(indexes, pending, address, outcomes)
         try:
             error = future.exception()
         except BaseException as err:  # a cancelled future raises instead of returning
             error = err
-        return self._fail(record, error or RuntimeError(f"chunk {record.index} on {record.device} ended as "
-                                                         f"{future.status}"))
+        if isinstance(error, PackError):
+            return self._settle(indexes, pending, None, error.outcomes)
+        error = error or RuntimeError(f"{future.key} ended as {future.status}")
+        return any([self._done(entry, error) for entry in entries])
+
+    def _outcomes(self, future, value):
+        """``(worker address, [(ok, value, start, stop)] per chunk)`` of a task's value."""
+        if future.key in self.packs:
+            return value
+        result, address, start, stop = value
+        return address, [(True, result, start, stop)]
+
+    def _settle(self, indexes, pending, address, outcomes) -> bool:
+        """Account for a task's chunks from its outcomes (one per chunk, in the task's order)."""
+        failed = False
+        for index, (ok, value, start, stop) in zip(indexes, outcomes):
+            entry = pending.get(index)
+            if entry is None:
+                continue
+            record = entry.record
+            record.start, record.stop = start, stop
+            record.worker = address or record.worker
+            if not ok:
+                failed |= self._done(entry, value)
+                continue
+            if not entry.in_place:
+                try:
+                    self._keep(record, value)
+                except Exception as err:  # the result does not fit its chunk
+                    failed |= self._done(entry, err)
+                    continue
+            failed |= self._done(entry)
+        return failed
+
+    def _keep(self, record, result):
+        if self.dispatcher.join is not None:
+            self.data.accept(record, result)  # written in place here, so the client holds one chunk at a time
+        else:
+            self.report.results[record.index] = result
 
     def _fail(self, record, error) -> bool:
         record.error = error
@@ -522,48 +638,57 @@ class _AsyncRun:
         now = time.monotonic()
         expired = [e for e in self.in_flight.values() if e.deadline <= now]
         if expired:
-            self.client.cancel([e.future for e in expired])
-            for entry in expired:
-                del self.in_flight[entry.future.key]
-                del self.outstanding[entry.record.index]
-                self.dispatcher._account_completed(entry.record)
-                self._fail(entry.record, ChunkTimeoutError(
-                    f"chunk {entry.record.index} on {entry.record.device} ran over its timeout of "
+            keys = {e.future.key for e in expired}
+            self.client.cancel(list({e.future.key: e.future for e in expired}.values()))
+            # A pack's other chunks are cancelled with it: they waited behind the one that ran over.
+            for entry in [e for e in self.in_flight.values() if e.future.key in keys]:
+                record = entry.record
+                self._done(entry, ChunkTimeoutError(
+                    f"chunk {record.index} on {record.device} ran over its timeout of "
                     f"{self.dispatcher.timeout:g} s and was cancelled"))
             self.failed = True
         busy = {self.watch.where(e.record.device) for e in self.in_flight.values()}
         for lost, fallback in self.watch.check(busy).items():
             moved = [e for e in self.in_flight.values() if e.record.device == lost]
             if moved:
-                self.client.cancel([e.future for e in moved])
+                self.client.cancel(list({e.future.key: e.future for e in moved}.values()))
                 for entry in moved:
-                    del self.in_flight[entry.future.key]
+                    del self.in_flight[entry.record.index]
                 self._submit(fallback, [(e.record, e.work) for e in moved], retry=True)
 
     def abandon(self):
         """Cancel every chunk still out, in one call, and give its load back."""
-        pending = [self.futures[r.index] for r in self.outstanding.values() if self.futures[r.index] is not None]
+        pending = {f.key: f for f in (self.futures[r.index] for r in self.outstanding.values()) if f is not None}
         if pending:
-            self.client.cancel(pending)
+            self.client.cancel(list(pending.values()))
         for record in self.outstanding.values():
             self.scheduler.completed_work(record.device, record.size)
         self.outstanding.clear()
 
     def gather(self):
-        """Timings (and results, without an in-place join) of the chunks not collected yet."""
-        report, futures = self.report, self.futures
-        # A chunk whose worker died after it wrote its rows lost only its timings: not gathered.
-        good = [i for i, r in enumerate(report.records)
-                if r.error is None and r.worker is None and futures[i].status == "finished"]
+        """Timings (and results, without an in-place join) of the chunks not collected yet, one call for all."""
+        report = self.report
+        # A chunk whose worker died after it wrote its rows lost only its timings: not gathered. A pack
+        # whose chunks were all accounted for by their events may not have finished here yet: waited for.
+        wanted = [i for i, r in enumerate(report.records)
+                  if r.error is None and r.worker is None and self.futures[i].status in ("finished", "pending")]
+        futures = list({self.futures[i].key: self.futures[i] for i in wanted}.values())
         # Straight from the workers, not relayed by the scheduler (dsched.direct-to-workers).
-        outputs = self.client.gather([futures[i] for i in good], direct=direct_to_workers()) if good else []
-        for i, (result, worker, start, stop) in zip(good, outputs):
-            record = report.records[i]
-            record.worker, record.start, record.stop = worker, start, stop
-            report.results[i] = result
-        for future in futures:
-            if future is not None:
-                future.release()
+        values = self.client.gather(futures, direct=direct_to_workers()) if futures else []
+        for future, value in zip(futures, values):
+            address, outcomes = self._outcomes(future, value)
+            for index, (_, result, start, stop) in zip(self.members_of(future), outcomes):
+                record = report.records[index]
+                if record.worker is None:
+                    record.worker, record.start, record.stop = address, start, stop
+                    if self.dispatcher.join is None:
+                        report.results[index] = result
+        for future in {f.key: f for f in self.futures if f is not None}.values():
+            future.release()
+
+    def members_of(self, future):
+        """The record indexes of a task's chunks, in its order."""
+        return self.members[future.key]
 
 
 def _close_client_and_cluster(client, cluster):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .devices import Device, device_of_resources, device_resource, placement_device
 
-__all__ = ["device_owners", "device_capacities", "check_devices_owned"]
+__all__ = ["device_owners", "device_capacities", "device_threads", "check_devices_owned"]
 
 
 def device_owners(client, devices) -> dict:
@@ -46,3 +46,13 @@ def check_devices_owned(client, scheduler):
                 f"batch_sizes: {s.batch_size} for {s.device} exceeds the {held:g} items its worker may run at once "
                 f"(the worker's {device_resource(s.device)} resource)"
             )
+
+
+def device_threads(client) -> dict:
+    """``{Device: threads of all the workers that own it}``: how many of its chunks can run at once."""
+    threads = {}
+    for info in client.scheduler_info(n_workers=-1)["workers"].values():
+        device = device_of_resources(info.get("resources"))
+        if device is not None:
+            threads[device] = threads.get(device, 0) + int(info.get("nthreads", 1))
+    return threads
