@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-__all__ = ["j2_load_step", "final_strain", "measure_load_steps", "format_load_steps"]
+__all__ = ["j2_load_step", "final_strain", "measure_load_steps", "format_load_steps", "run_batch_benchmarks"]
 
 
 def final_strain(n):
@@ -221,6 +221,24 @@ def measure_load_steps(points=1_000_000, steps=100, *, batch_size=131072, tangen
     }
 
 
+def run_batch_benchmarks(quick=False, *, progress=None) -> dict:
+    """The issue's run for ``dsched bench``: 100 steps on 1,000,000 points (``quick``: 10 steps on 100,000).
+
+    Adds ``targets`` to :func:`measure_load_steps`'s dict: whether the batch is
+    at least 3x faster than re-dispatching, at least 0.9x one NumPy process,
+    and its peak resident data within 10 % of the peak over the first two steps.
+    """
+    points, steps = (100_000, 10) if quick else (1_000_000, 100)
+    result = measure_load_steps(points, steps, batch_size=32768 if quick else 131072, progress=progress)
+    ratio = result["memory_ratio"]
+    result["targets"] = {
+        "batch >= 3x dispatch": result["batch_vs_dispatch"] >= 3.0,
+        "batch >= 0.9x numpy": result["batch_vs_numpy"] >= 0.9,
+        "memory within 10%": ratio is not None and ratio <= 1.10,
+    }
+    return result
+
+
 def _sum_peaks(per_worker):
     return {key: sum(p[key] for p in per_worker.values()) for key in ("data", "rss")}
 
@@ -242,6 +260,8 @@ def format_load_steps(result) -> str:
                      f"{'' if diff is None else format(diff, '.2e'):>14}")
     memory = rows["batch"]["memory"]
     lines.append(f"batch vs dispatch: {result['batch_vs_dispatch']:.2f}x; batch vs numpy: {result['batch_vs_numpy']:.2f}x")
+    for target, met in result.get("targets", {}).items():
+        lines.append(f"target {target}: {'met' if met else 'NOT met'}")
     lines.append(f"workers' resident data, peak: steps 1-2 {memory['after_2']['data'] / 2**20:.0f} MiB, "
                  f"steps 3-{result['steps']} {memory['after_all']['data'] / 2**20:.0f} MiB; RSS peak "
                  f"{memory['after_2']['rss'] / 2**20:.0f} / {memory['after_all']['rss'] / 2**20:.0f} MiB")
