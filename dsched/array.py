@@ -116,6 +116,9 @@ def plan(n, scheduler, *, speeds=None) -> list:
     """
     if isinstance(n, bool) or not isinstance(n, (numbers.Integral,)) or int(n) < 1:
         raise ValueError(f"n: expected an integer number of items >= 1, got {n!r}")
+    own_plan = getattr(scheduler, "plan", None)
+    if speeds is None and callable(own_plan):  # a policy that plans by its own model (PerformanceModelScheduler)
+        return own_plan(int(n))
     status, speed = _policy(scheduler, speeds)
     n = int(n)
     fewest = -(-n // max(s.batch_size for s in status))  # chunks if every one were of the largest size

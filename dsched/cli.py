@@ -263,6 +263,10 @@ def _add_tune(subparsers):
     tune.add_argument("--png", default="dsched-tune.png", help="plot file (default dsched-tune.png)")
     tune.add_argument("--profile-dir", help="profile folder (default $DSCHED_PROFILE_DIR or ~/.cache/dsched/profiles)")
     tune.add_argument("--no-save", action="store_true", help="do not save the profile")
+    tune.add_argument("--scheduler-address", help="measure on the workers of the Dask cluster at this address")
+    tune.add_argument("--scheduler-file", help="measure on the workers of the Dask cluster in this scheduler file")
+    tune.add_argument("--connect-timeout", type=float, default=30.0,
+                      help="seconds to wait for the cluster (and its scheduler file), default 30")
     tune.set_defaults(handler=_tune)
 
 
@@ -274,13 +278,31 @@ def _tune(args) -> int:
     devices = args.devices.split(",") if args.devices else None
     if args.emulate:
         graph.options["emulate"] = True
-    if devices is None:
+    client = None
+    if args.scheduler_address or args.scheduler_file:  # measure on the cluster's workers, where they run
+        field = "--scheduler-file" if args.scheduler_file else "--scheduler-address"
+        if args.scheduler_address and args.scheduler_file:
+            raise UsageError(f"--scheduler-address: {args.scheduler_address!r} and --scheduler-file: "
+                             f"{args.scheduler_file!r} are both set; give one")
+        if args.mode == "sync":
+            raise UsageError(f"--mode: sync times chunks here, not on the cluster of {field}; use --mode async")
+        client = _connect(args.scheduler_address, args.scheduler_file, args.connect_timeout)
+        if devices is None:
+            from .devices import emulated_devices
+
+            try:
+                _check_cluster_devices(client, graph, field)
+            except ValueError:
+                client.close()
+                raise
+            devices = [str(d) for d in graph.devices(present=list(emulated_devices(client)))]
+    elif devices is None:
         graph.check_devices_present()
     elif not graph.emulate:
         _check_listed_devices_present(devices)
     try:
         result = run_tuning(
-            graph, devices, emulate=args.emulate or graph.emulate, mode=args.mode, start=args.start,
+            graph, devices, client=client, emulate=args.emulate or graph.emulate, mode=args.mode, start=args.start,
             max_batch=args.max_batch, max_time=args.max_time, min_time=args.min_time, png_path=args.png,
             profile_dir=args.profile_dir, save=not args.no_save,
             on_point=lambda device, p: print(f"{device}: N={p.batch_size:<9} t={p.seconds * 1e3:9.3f} ms  "
@@ -289,6 +311,9 @@ def _tune(args) -> int:
     except ValueError as err:  # every option is checked before a cluster starts
         print(f"dsched: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if client is not None:
+            client.close()
     print(format_tuning(result))
     return 0
 

@@ -48,7 +48,8 @@ from typing import Callable
 
 import numpy as np
 
-from .costmodel import SaturationFit, fit_saturation, saturation_time
+from .costmodel import (SaturationFit, device_identities, device_identity, fit_saturation, save_costs,
+                        saturation_time)
 from .devices import Device, parse_devices, placement_device
 from .schedulers import SimpleScheduler
 from .work import SliceGenerator
@@ -199,6 +200,14 @@ class TuningResult:
     mode: str = "async"
     profile_path: str | None = None
     png_path: str | None = None
+    identities: dict = dataclasses.field(default_factory=dict)  # Device -> costmodel.DeviceIdentity
+    profile_paths: list = dataclasses.field(default_factory=list)  # one per host, and the cost files
+
+    def for_host(self, host) -> "TuningResult":
+        """The part of this tuning measured on ``host`` (every device when identities are unknown)."""
+        devices = {d: t for d, t in self.devices.items()
+                   if d not in self.identities or self.identities[d].host == host}
+        return dataclasses.replace(self, host=host, devices=devices, profile_paths=[])
 
     def speeds(self) -> dict:
         return {d: t.items_per_s for d, t in self.devices.items()}
@@ -222,6 +231,7 @@ class TuningResult:
                     "items_per_s": t.items_per_s,
                     "peak_items_per_s": t.fit.peak_items_per_s,
                     "emulated": t.emulated,
+                    "hardware": self.identities[d].hardware if d in self.identities else None,
                     "points": [[p.batch_size, p.seconds, p.gap] for p in t.points],
                 }
                 for d, t in self.devices.items()
@@ -291,7 +301,10 @@ def run_tuning(model, devices=None, *, client=None, emulate=False, parameters=No
     devices : list of str or Device, optional
         Defaults to the graph's devices, else the CPU plus every visible GPU.
     client : distributed.Client, optional
-        Without one, a :class:`LocalHybridCluster` over ``devices`` runs the
+        The cluster whose workers measure (``dsched tune --scheduler-address``):
+        each device on the worker that owns it, and its profile saved under
+        that worker's host, its cost entry under its hardware (a GPU's model
+        name). Without one, a :class:`LocalHybridCluster` over ``devices`` runs the
         sweep (``emulate=True`` lets it claim absent CUDA devices: a
         placement test, not a measurement, and the profile says so).
     mode : {"async", "sync"}
@@ -348,6 +361,8 @@ def run_tuning(model, devices=None, *, client=None, emulate=False, parameters=No
             cluster = stack.enter_context(LocalHybridCluster(devices, emulate=emulate, dashboard_address=None))
             client = stack.enter_context(Client(cluster))
         emulated = emulated_devices(client) if client is not None else {}
+        identities = device_identities(devices, client) if client is not None else \
+            {d: device_identity(d, emulated=bool(emulated.get(str(placement_device(d)), False))) for d in devices}
         results = {}
         for device in devices:
             points = sweep_device(workload, device, client=client, mode=mode, start=start, max_batch=max_batch,
@@ -357,9 +372,21 @@ def run_tuning(model, devices=None, *, client=None, emulate=False, parameters=No
             batch, capacity = recommend(fit, min_chunk_time=min_chunk_time, gap=gap)
             results[device] = DeviceTuning(device, points, fit, batch, capacity,
                                            bool(emulated.get(str(placement_device(device)), False)))
-    result = TuningResult(workload.name, host or _host(), results, mode)
+    hosts = sorted({identities[d].host for d in devices})
+    result = TuningResult(workload.name, host or (hosts[0] if len(hosts) == 1 else _host()), results, mode,
+                          identities=identities)
     if directory is not None:
-        result.profile_path = str(save_profile(result, directory))
+        if host is not None or len(hosts) == 1:
+            result.profile_paths = [str(save_profile(result, directory))]
+        else:  # a cluster across hosts: each host's profile holds what its workers measured
+            result.profile_paths = [str(save_profile(result.for_host(h), directory)) for h in hosts]
+        for device, tuning in results.items():
+            identity = identities[device] if host is None else dataclasses.replace(identities[device], host=host)
+            entry = {"t0": tuning.fit.t0, "n_star": tuning.fit.n_star, "rms_log_error": tuning.fit.rms_log_error,
+                     "saturated": tuning.fit.saturated, "samples": sum(len(p.samples) for p in tuning.points),
+                     "items_per_s": tuning.fit.peak_items_per_s, "source": "dsched tune"}
+            result.profile_paths.append(str(save_costs(workload.name, identity, device, entry, directory)))
+        result.profile_path = result.profile_paths[0]
     if png_path is not None:
         result.png_path = str(plot_throughput(result, png_path))
     return result
@@ -529,10 +556,12 @@ def format_tuning(result: TuningResult) -> str:
             f"{str(device):<10} {'yes' if t.emulated else 'no':<9} {t.fit.t0 * 1e3:>9.3f} {t.fit.n_star:>10,.0f} "
             f"{'yes' if t.fit.saturated else 'no':>9} {t.batch_size:>9} {t.capacity:>9} {t.items_per_s:>12,.0f}"
         )
+    for device, identity in result.identities.items():
+        lines.append(f"{device}: measured on {identity.host} ({identity.key})")
     if any(t.emulated for t in result.devices.values()):
         lines.append("emulated devices computed with NumPy on the CPU: their numbers are not a GPU measurement")
-    if result.profile_path:
-        lines.append(f"profile: {result.profile_path}")
+    for path in result.profile_paths or ([result.profile_path] if result.profile_path else []):
+        lines.append(f"profile: {path}")
     if result.png_path:
         lines.append(f"plot: {result.png_path}")
     return "\n".join(lines)

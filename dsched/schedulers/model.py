@@ -62,10 +62,7 @@ class _Lane:
         self.completed = 0
         self.longest = 0.0  # the longest sample seen: exploration stops once it reaches chunk_seconds / 2
         self.load = 0
-
-    @property
-    def fit(self) -> SaturationFit | None:
-        return self.calibration.fit
+        self.fit = calibration.fit  # cached: refreshed with each sample, read at every decision
 
     def exploring(self) -> bool:
         return self.calibration.prior is None and not self.calibration.calibrated and \
@@ -85,24 +82,25 @@ def _finish_target(remaining, lanes, now):
 
     Lane ``d`` starts at ``f_d`` (its queue's end) and does ``rate_d * (T - f_d)``
     items, or none when even its smallest chunk (``t0``) cannot end by ``T``.
+    Solved exactly: lanes join in the order of ``f_d + t0_d``; between two
+    joins the items done grow linearly in ``T``.
     """
-    terms = []
-    for lane, fit, size in lanes:
-        rate = size / fit.seconds(size)
-        terms.append((lane, max(now, lane.free_at), rate, fit.t0))
-
-    def items(t):
-        return sum(rate * (t - start) for _, start, rate, t0 in terms if t - start >= t0)
-
-    lo = min(start for _, start, _, _ in terms)
-    hi = max(start + t0 for _, start, _, t0 in terms) + remaining / max(rate for _, _, rate, _ in terms)
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        if items(mid) >= remaining:
-            hi = mid
-        else:
-            lo = mid
-    return hi, {lane: (rate * (hi - start) if hi - start >= t0 else 0.0) for lane, start, rate, t0 in terms}
+    terms = sorted(((max(now, lane.free_at) + fit.t0, max(now, lane.free_at), size / fit.seconds(size), lane)
+                    for lane, fit, size in lanes), key=lambda term: term[0])
+    rate_sum = weighted_start = 0.0
+    target = math.inf
+    for i, (joins, start, rate, _lane) in enumerate(terms):
+        if rate_sum > 0 and rate_sum * joins - weighted_start >= remaining:
+            target = (remaining + weighted_start) / rate_sum  # done before this lane could join
+            break
+        rate_sum += rate
+        weighted_start += rate * start
+        if rate_sum * joins - weighted_start >= remaining:
+            target = joins  # the lane's first chunk alone covers the rest
+            break
+    else:
+        target = (remaining + weighted_start) / rate_sum
+    return target, {lane: (rate * (target - start) if target >= joins else 0.0) for joins, start, rate, lane in terms}
 
 
 class PerformanceModelScheduler(WorkScheduler):
@@ -192,6 +190,8 @@ class PerformanceModelScheduler(WorkScheduler):
             if choice is None:
                 return None
             self._refresh_status()
+            record = self._index[choice[0]]
+            record.capacity = max(record.capacity, record.load + choice[1])  # what dispatched_work checks
             return choice
 
     def dispatched_work(self, device, n) -> None:
@@ -276,7 +276,7 @@ class PerformanceModelScheduler(WorkScheduler):
             lanes = []
             for lane in self._lanes.values():
                 fit = lane.fit or SaturationFit(lane.chunk_seconds, float(lane.guess_batch), 0.0, False)
-                lanes.append(_Lane(lane.device, lane.chunk_seconds, DeviceCalibration(fit, min_samples=1), 0))
+                lanes.append(_Lane(lane.device, lane.chunk_seconds, DeviceCalibration(fit, min_samples=2), 0))
         return _simulate(lanes, n, self.capacity_chunks)
 
     # --- internals -------------------------------------------------------------------
@@ -285,6 +285,7 @@ class PerformanceModelScheduler(WorkScheduler):
         if seconds <= 0:
             return
         lane.calibration.add(n, seconds)
+        lane.fit = lane.calibration.fit
         lane.completed += 1
         lane.longest = max(lane.longest, seconds)
         self._dirty = True
@@ -347,14 +348,16 @@ def _choose(lanes, remaining, now, start_batch, capacity_chunks):
         if shares:
             n = min(n, math.ceil(shares[lane]) if shares[lane] >= 1 else 0)
         n = min(n, left) if math.isfinite(left) else n
-        if n >= 1 and lane.load + n <= max(capacity_chunks * size, n):
+        # Room is counted in chunks, not items: a refit that shrinks the size by 1 % must not
+        # leave a device with one chunk where it should hold two.
+        if n >= 1 and len(lane.in_flight) < capacity_chunks:
             candidates.append((max(now, lane.free_at) + fit.seconds(n), lane, n))
     for lane in lanes:  # no model yet: a small chunk to learn from, first
         if lane.fit is None:
             n = start_batch * 2 ** lane.completed
             if math.isfinite(left):
                 n = min(n, max(1, math.ceil(left / (64 * len(lanes)))))
-            if lane.load + n <= capacity_chunks * n:
+            if len(lane.in_flight) < capacity_chunks:
                 candidates.append((-math.inf, lane, int(n)))
     if not candidates:
         if all(lane.load == 0 for lane in lanes) and modelled:
@@ -380,6 +383,7 @@ def _simulate(lanes, n, capacity_chunks):
             lane = next(x for x in lanes if x.device == device)
             lane.free_at = max(lane.free_at, now) + lane.predict(m)
             lane.load += m
+            lane.in_flight.append((now, m, 0.0))
             left -= m
             chunks.append((device, m))
             heapq.heappush(events, (lane.free_at, order, lane, m))
@@ -387,6 +391,7 @@ def _simulate(lanes, n, capacity_chunks):
             continue
         now, _, lane, m = heapq.heappop(events)
         lane.load -= m
+        lane.in_flight.popleft()
     return chunks
 
 
