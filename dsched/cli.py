@@ -81,7 +81,7 @@ def _run(args) -> int:
         raise UsageError(f"{field}: options.mode is 'sync' in {graph.source}: every chunk runs on this thread, not on "
                          "a cluster; drop the option or set mode = 'async'")
     dashboard = _dashboard_option(args.dashboard, graph)
-    if graph.mode == "sync" or not remote:  # devices of this machine; a remote cluster's are checked below
+    if not remote:  # devices of this machine; a remote cluster's are checked once connected
         graph.check_devices_present()
     graph.check_memory()
     # Sync chunks run here, with no worker to emulate a device: emulate the missing GPUs on this thread.
