@@ -216,10 +216,12 @@ class PerformanceModelScheduler(WorkScheduler):
             lane.last_done = now
             lane.load -= int(n)
             lane.free_at = now + sum(p for _, _, p in lane.in_flight)
-            if self._hooked:
-                lane.pending.append((int(n), interval))
-            else:
-                self._sample(lane, int(n), interval)
+            if not self._hooked:
+                # No observe() came for the chunks before this one: a dispatcher without the hook.
+                # Their intervals between completions are the samples.
+                while lane.pending:
+                    self._sample(lane, *lane.pending.popleft())
+            lane.pending.append((int(n), interval))
             self._maybe_save()
 
     def observe(self, device, n, seconds) -> None:

@@ -1,0 +1,262 @@
+"""PerformanceModelScheduler: sizes, earliest finish, the tail, idle devices, learning, plan, graphs, real clusters.
+
+The policy tests drive the scheduler through the dispatcher's protocol in
+simulated time (a virtual clock; each device runs its chunks one after
+another in ``t0 + n / rate`` seconds, and every chunk takes 1 ms to reach its
+device and 1 ms to be seen done): the decisions are exact and repeatable.
+The cluster tests run it through ``WorkDispatcher`` on emulated devices
+(workers that claim a CUDA device and compute with NumPy: placement only).
+"""
+
+import heapq
+import json
+import socket
+
+import numpy as np
+import pytest
+
+import dsched
+from dsched import Device, PerformanceModelScheduler, SliceGenerator, WorkDispatcher
+from dsched.costmodel import SaturationFit, costs_path, load_costs
+from dsched.graph import GraphError, parse_graph
+
+LATENCY = 0.001
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def simulate(scheduler, clock, speeds, total, *, observe=True):
+    """Dispatch ``total`` items through the protocol; (wall seconds, {device: items}, [(device, n, start, end)])."""
+    scheduler.begin_run(total)
+    free = {d: clock.now for d in speeds}
+    events, chunks, left, order = [], [], total, 0
+    start = clock.now
+    while left > 0 or events:
+        while left > 0:
+            choice = scheduler.schedule_work()
+            if choice is None:
+                break
+            device, n = str(choice[0]), min(choice[1], left)
+            scheduler.dispatched_work(device, n)
+            left -= n
+            t0, rate = speeds[device]
+            begin = max(free[device], clock.now + LATENCY)
+            free[device] = begin + t0 + n / rate
+            chunks.append((device, n, begin, free[device]))
+            heapq.heappush(events, (free[device] + LATENCY, order, device, n, t0 + n / rate))
+            order += 1
+        assert events, "no room and nothing in flight"
+        clock.now, _, device, n, seconds = heapq.heappop(events)
+        scheduler.completed_work(device, n)
+        if observe:
+            scheduler.observe(device, n, seconds)
+    split = {}
+    for device, n, _, _ in chunks:
+        split[device] = split.get(device, 0) + n
+    return clock.now - start, split, chunks
+
+
+HYBRID = {"cpu": (0.001, 200_000.0), "cuda:0": (0.001, 1_000_000.0), "cuda:1": (0.001, 1_000_000.0)}
+SECONDS = [0.01, 0.02, 0.02]
+
+
+def ideal(speeds, seconds):
+    return sum(r * s / (t0 + s) for (t0, r), s in zip(speeds.values(), seconds))
+
+
+def known(speeds):
+    return {d: SaturationFit(t0, t0 * r, 0.0, True) for d, (t0, r) in speeds.items()}  # t0 + n/r, near enough
+
+
+def test_sizes_follow_the_model():
+    s = PerformanceModelScheduler(["cpu", "cuda:0"], chunk_seconds=[0.008, 0.02],
+                                  costs={"cpu": SaturationFit(0.002, 400.0, 0, True),
+                                         "cuda:0": {"t0": 0.001, "n_star": 1000.0}})
+    assert [(str(r.device), r.batch_size, r.capacity) for r in s.status()] == [
+        ("cpu", 1600, 3200), ("cuda:0", 20000, 40000)]  # N* * chunk_seconds / t0, two chunks of room
+    assert s.status()[1].priority == pytest.approx(1_000_000)  # the model's speed, items/s
+    # Without begin_run the batch is endless: every device takes full chunks, earliest finish first.
+    order = []
+    while (choice := s.schedule_work()) is not None:
+        s.dispatched_work(*choice)
+        order.append((str(choice[0]), choice[1]))
+    # cpu ends at 8 ms, then 16 ms; cuda:0 at 20 ms, then 40 ms; then two chunks each: no room.
+    assert order == [("cpu", 1600), ("cpu", 1600), ("cuda:0", 20000), ("cuda:0", 20000)]
+    s.completed_work("cpu", 1600)
+    assert s.schedule_work() == (Device("cpu"), 1600)
+
+
+def test_known_speeds_efficiency_and_a_tail_within_one_fast_chunk():
+    clock = Clock()
+    s = PerformanceModelScheduler(list(HYBRID), chunk_seconds=SECONDS, costs=known(HYBRID), clock=clock)
+    wall, split, chunks = simulate(s, clock, HYBRID, 4_000_000)
+    assert 4_000_000 / wall / ideal(HYBRID, SECONDS) >= 0.98
+    ends = {d: max(end for dev, _, _, end in chunks if dev == d) for d in HYBRID}
+    assert max(ends.values()) - min(ends.values()) <= 0.021  # one fast-device chunk (20 ms)
+    assert sum(split.values()) == 4_000_000
+    assert all(n >= 1 for _, n, _, _ in chunks)
+
+
+def test_a_device_150_times_slower_never_slows_the_fast_one():
+    pair = {"cpu": (0.001, 10_000.0), "cuda:0": (0.001, 1_500_000.0)}
+    clock = Clock()
+    alone = PerformanceModelScheduler(["cuda:0"], costs=known({"cuda:0": pair["cuda:0"]}), clock=clock)
+    wall_alone, _, _ = simulate(alone, clock, {"cuda:0": pair["cuda:0"]}, 4_000_000)
+    both = PerformanceModelScheduler(list(pair), costs=known(pair), clock=clock)
+    wall, split, chunks = simulate(both, clock, pair, 4_000_000)
+    assert wall <= wall_alone * 1.0  # the CPU helps a little, never hurts
+    assert 0 < split["cpu"] < 0.01 * 4_000_000
+    cpu_end = max(end for d, _, _, end in chunks if d == "cpu")
+    assert cpu_end <= max(end for d, _, _, end in chunks if d == "cuda:0")
+    # A batch the fast device finishes before the CPU's smallest chunk (10 ms) could: the CPU stays idle.
+    pair["cpu"] = (0.01, 10_000.0)
+    clock2 = Clock()
+    small = PerformanceModelScheduler(list(pair), costs=known(pair), clock=clock2)
+    _, split, _ = simulate(small, clock2, pair, 6_000)
+    assert split == {"cuda:0": 6_000}
+    _, split, _ = simulate(small, clock2, pair, 60_000)  # 40 ms of work: now a CPU chunk ends in time
+    assert 0 < split["cpu"] < 600
+
+
+def test_unknown_speeds_first_and_second_run(tmp_path):
+    clock = Clock()
+    first = PerformanceModelScheduler(list(HYBRID), chunk_seconds=SECONDS, model="sim", profile_dir=tmp_path,
+                                      clock=clock)
+    assert all(fit is None for fit in first.estimates().values())
+    wall, _, chunks = simulate(first, clock, HYBRID, 4_000_000)
+    assert 4_000_000 / wall / ideal(HYBRID, SECONDS) >= 0.95
+    # Exploration: each device starts at start_batch and doubles as samples come in.
+    assert [n for d, n, _, _ in chunks if d == "cuda:0"][:4] == [1024, 1024, 2048, 4096]
+    saved = load_costs("sim", socket.gethostname(), tmp_path)
+    assert sorted(saved) == sorted(first.identities[Device(d)].key for d in HYBRID)
+    assert all(entry["samples"] >= 10 for entry in saved.values())
+    second = PerformanceModelScheduler(list(HYBRID), chunk_seconds=SECONDS, model="sim", profile_dir=tmp_path,
+                                       clock=clock)
+    for device, (t0, rate) in HYBRID.items():  # the saved models, before any chunk of the second run
+        fit = second.estimates()[Device(device)]
+        assert fit.seconds(20_000) == pytest.approx(t0 + 20_000 / rate, rel=0.15)
+    wall, _, _ = simulate(second, clock, HYBRID, 4_000_000)
+    assert 4_000_000 / wall / ideal(HYBRID, SECONDS) >= 0.97
+
+
+def test_samples_are_the_smaller_of_worker_seconds_and_completion_intervals():
+    clock = Clock()
+    s = PerformanceModelScheduler(["cuda:0"], costs={"cuda:0": SaturationFit(0.01, 10000.0, 0, True)}, clock=clock)
+    s.begin_run(100_000)
+    for _ in range(2):
+        device, n = s.schedule_work()
+        s.dispatched_work(device, n)
+    clock.now += 0.020
+    s.completed_work("cuda:0", 20000)
+    s.observe("cuda:0", 20000, 0.020)
+    clock.now += 0.020  # the second chunk waited 20 ms on its worker behind the first: its worker says 40 ms
+    s.completed_work("cuda:0", 20000)
+    s.observe("cuda:0", 20000, 0.040)
+    calibration = s.calibration("cuda:0")
+    assert calibration.seen == 2 and calibration.samples == 1
+    assert calibration.fit.seconds(20000) == pytest.approx(0.020)  # the prior still rules: not calibrated
+    assert list(calibration._by_size[20000.0]) == [pytest.approx(0.020)]  # 40 ms at the worker, 20 ms between ends
+
+
+def test_plan_is_the_policy_in_predicted_time():
+    s = PerformanceModelScheduler(list(HYBRID), chunk_seconds=SECONDS, costs=known(HYBRID))
+    chunks = dsched.plan(1_000_000, s)
+    assert chunks == s.plan(1_000_000)  # a pure function of n and the models
+    assert sum(n for _, n in chunks) == 1_000_000
+    assert {str(d) for d, _ in chunks} == set(HYBRID)
+    assert max(n for d, n in chunks if d == Device("cuda:0")) == s.status()[1].batch_size
+    # A device no run has measured: its guess (batch_sizes in chunk_seconds).
+    guess = PerformanceModelScheduler(["cpu", "cuda:0"], batch_sizes=[100, 1000])
+    assert guess.plan(2200)[:2] == [(Device("cpu"), 100), (Device("cuda:0"), 1000)]
+    assert sum(n for _, n in guess.plan(2200)) == 2200
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"chunk_seconds": 0}, r"chunk_seconds\[0\]: expected a positive number of seconds, got 0"),
+    ({"chunk_seconds": [0.01, 0.02, 0.03]}, "chunk_seconds: expected 1 or 2 values"),
+    ({"capacity_chunks": 0}, "capacity_chunks: must be >= 1, got 0"),
+    ({"start_batch": 1.5}, "start_batch: expected an integer >= 1, got 1.5"),
+    ({"model": "../x"}, "model: expected a plain name for the cost files, got '../x'"),
+    ({"costs": {"cuda:3": {"t0": 1, "n_star": 2}}}, r"costs\['cuda:3'\]: not one of the scheduler's devices"),
+    ({"costs": {"cpu": {"t0": 0}}}, r"costs\['cpu'\]: expected a SaturationFit"),
+])
+def test_bad_configuration_names_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PerformanceModelScheduler(["cpu", "cuda:0"], **kwargs)
+
+
+def test_protocol_misuse_is_a_runtime_error():
+    s = PerformanceModelScheduler(["cpu"], costs={"cpu": SaturationFit(0.01, 100.0, 0, True)})
+    with pytest.raises(RuntimeError, match="Device not found: cuda:0"):
+        s.dispatched_work("cuda:0", 1)
+    with pytest.raises(RuntimeError, match="Device load underflow"):
+        s.completed_work("cpu", 5)
+    assert s.all_work_completed()
+
+
+def _sum_of_slice(work, device):
+    return int(np.arange(work.start, work.stop).sum())
+
+
+def test_dispatcher_on_emulated_cluster(hybrid_client, tmp_path):
+    """Through WorkDispatcher on an in-process cluster (emulated cuda:0): every item once, models calibrated."""
+    s = PerformanceModelScheduler(["cpu", "cuda:0"], model="cluster", profile_dir=tmp_path, start_batch=256,
+                                  client=hybrid_client)
+    dispatcher = WorkDispatcher(s, _sum_of_slice, reduce=sum, client=hybrid_client)
+    total = 40_000
+    s.begin_run(total)
+    assert dispatcher.run(SliceGenerator(0, total)) == total * (total - 1) // 2
+    records = dispatcher.last_run.records
+    assert sum(r.size for r in records) == total and s.all_work_completed()
+    assert {str(r.device) for r in records} == {"cpu", "cuda:0"}
+    assert sum(s.calibration(d).seen for d in ("cpu", "cuda:0")) == len(records)
+    assert s.identities[Device("cuda:0")].key == "emulated cuda:0"
+
+
+def test_worker_processes_save_costs_under_the_workers_host_and_reuse_them(tmp_path):
+    from distributed import Client
+
+    from dsched import LocalHybridCluster
+
+    with LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        s = PerformanceModelScheduler(["cpu", "cuda:0"], model="proc", profile_dir=tmp_path, start_batch=64,
+                                      min_samples=3, client=client)
+        s.begin_run(60_000)
+        WorkDispatcher(s, _sum_of_slice, reduce=sum, client=client).run(SliceGenerator(0, 60_000))
+        data = json.loads(costs_path("proc", socket.gethostname(), tmp_path).read_text())
+        assert "emulated cuda:0" in data["devices"]
+        assert data["devices"]["emulated cuda:0"]["device"] == "cuda:0"
+        again = PerformanceModelScheduler(["cpu", "cuda:0"], model="proc", profile_dir=tmp_path, client=client)
+        saved = data["devices"]["emulated cuda:0"]
+        assert again.estimates()[Device("cuda:0")] == SaturationFit(saved["t0"], saved["n_star"],
+                                                                    saved["rms_log_error"], saved["saturated"])
+
+
+GRAPH = {"model": {"name": "j2"}, "batch": {"size": 1000},
+         "scheduler": {"devices": ["cpu", "cuda:0"]}, "options": {"emulate": True}}
+
+
+def test_graph_type_and_auto(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSCHED_PROFILE_DIR", str(tmp_path))
+    graph = parse_graph({**GRAPH, "scheduler": {**GRAPH["scheduler"], "type": "PerformanceModelScheduler",
+                                                "chunk_seconds": [0.01, 0.02]}})
+    s = graph.build_scheduler()
+    assert isinstance(s, PerformanceModelScheduler) and s.model == "j2"
+    assert type(parse_graph(GRAPH).build_scheduler()).__name__ == "StaticHybridScheduler"  # nothing saved yet
+    for device in ("cpu", "cuda:0"):
+        s.calibration(device).add(1, 1.0)
+        for n in range(100, 1200, 100):
+            s.calibration(device).add(n, n / 1e5)
+    s.save_costs()
+    assert isinstance(parse_graph(GRAPH).build_scheduler(), PerformanceModelScheduler)  # auto: the saved models
+    with pytest.raises(GraphError, match="scheduler.chunk_seconds: only for type = 'PerformanceModelScheduler'"):
+        parse_graph({**GRAPH, "scheduler": {"type": "StaticHybridScheduler", "chunk_seconds": 0.01}})
+    with pytest.raises(GraphError, match="scheduler.capacities: not a setting of PerformanceModelScheduler"):
+        parse_graph({**GRAPH, "scheduler": {"type": "PerformanceModelScheduler", "capacities": [4, 8]}})
