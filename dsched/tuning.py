@@ -444,7 +444,9 @@ def load_profile(model=None, *, host=None, directory=None) -> dict | None:
     """
     if model is None:
         folder = _resolve_profile_dir(directory) / _safe(host or _host())
-        candidates = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+        # The cost files of dsched.costmodel live beside the profiles: not profiles.
+        candidates = sorted((p for p in folder.glob("*.json") if not p.name.endswith(".costs.json")),
+                            key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
         if not candidates:
             return None
         path = candidates[-1]

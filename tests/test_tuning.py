@@ -196,4 +196,42 @@ def test_dsched_tune_command(tmp_path, capsys):
     assert "cpu: N=64 " in out and "cpu: N=256 " in out and "profile: " in out
     assert png.exists() and list((tmp_path / "profiles").glob("*/j2.json"))
     assert main(["tune", "--devices", "gpu", "--mode", "sync"]) == 2
-    assert "devices: device: 'gpu' is not a device" in capsys.readouterr().err
+    assert "--devices: 'gpu' is not a device" in capsys.readouterr().err
+
+
+def test_dsched_tune_on_a_cluster_saves_per_worker_host_and_hardware(tmp_path, capsys):
+    """``dsched tune --scheduler-address``: measured on the cluster's workers (processes), keyed by what ran them."""
+    import socket
+
+    from distributed import Client
+
+    from dsched import LocalHybridCluster
+    from dsched.cli import main
+    from dsched.costmodel import load_costs
+
+    profiles = tmp_path / "profiles"
+    with LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, dashboard_address=None) as cluster:
+        assert main(["tune", "--devices", "cuda:0", "--scheduler-address", cluster.scheduler_address,
+                     "--start", "64", "--max-batch", "256", "--min-time", "0", "--png", str(tmp_path / "t.png"),
+                     "--profile-dir", str(profiles)]) == 0
+        with Client(cluster) as client:  # the cluster is still there for others: tune closed only its client
+            assert len(client.scheduler_info()["workers"]) == 2
+    out = capsys.readouterr().out
+    host = socket.gethostname()
+    assert f"cuda:0: measured on {host} (emulated cuda:0)" in out
+    profile = load_profile("j2", host=host, directory=profiles)
+    assert profile["devices"]["cuda:0"]["hardware"] == "cuda:0" and profile["devices"]["cuda:0"]["emulated"]
+    costs = load_costs("j2", host, profiles)
+    assert list(costs) == ["emulated cuda:0"] and costs["emulated cuda:0"]["source"] == "dsched tune"
+
+
+def test_dsched_tune_cluster_options_are_checked(capsys):
+    from dsched.cli import main
+
+    assert main(["tune", "--scheduler-address", "tcp://127.0.0.1:8786", "--scheduler-file", "sf.json"]) == 2
+    assert "--scheduler-address: 'tcp://127.0.0.1:8786' and --scheduler-file: 'sf.json' are both set" in \
+        capsys.readouterr().err
+    assert main(["tune", "--scheduler-address", "not an address"]) == 2
+    assert "--scheduler-address: 'not an address' is not a Dask scheduler address" in capsys.readouterr().err
+    assert main(["tune", "--scheduler-address", "tcp://127.0.0.1:8786", "--mode", "sync"]) == 2
+    assert "--mode: sync times chunks here" in capsys.readouterr().err
