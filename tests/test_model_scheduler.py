@@ -108,16 +108,21 @@ def test_a_device_150_times_slower_never_slows_the_fast_one():
     clock = Clock()
     alone = PerformanceModelScheduler(["cuda:0"], costs=known({"cuda:0": pair["cuda:0"]}), clock=clock)
     wall_alone, _, _ = simulate(alone, clock, {"cuda:0": pair["cuda:0"]}, 4_000_000)
+    # The CPU would do 1/151 of the work: under min_share (1 %), it stays idle.
     both = PerformanceModelScheduler(list(pair), costs=known(pair), clock=clock)
+    wall, split, _ = simulate(both, clock, pair, 4_000_000)
+    assert split == {"cuda:0": 4_000_000} and wall == pytest.approx(wall_alone, rel=1e-9)
+    # Asked to use it anyway (min_share=0), the CPU helps a little and never ends after the GPU.
+    both = PerformanceModelScheduler(list(pair), costs=known(pair), clock=clock, min_share=0)
     wall, split, chunks = simulate(both, clock, pair, 4_000_000)
-    assert wall <= wall_alone * 1.0  # the CPU helps a little, never hurts
+    assert wall <= wall_alone
     assert 0 < split["cpu"] < 0.01 * 4_000_000
     cpu_end = max(end for d, _, _, end in chunks if d == "cpu")
     assert cpu_end <= max(end for d, _, _, end in chunks if d == "cuda:0")
     # A batch the fast device finishes before the CPU's smallest chunk (10 ms) could: the CPU stays idle.
     pair["cpu"] = (0.01, 10_000.0)
     clock2 = Clock()
-    small = PerformanceModelScheduler(list(pair), costs=known(pair), clock=clock2)
+    small = PerformanceModelScheduler(list(pair), costs=known(pair), clock=clock2, min_share=0)
     _, split, _ = simulate(small, clock2, pair, 6_000)
     assert split == {"cuda:0": 6_000}
     _, split, _ = simulate(small, clock2, pair, 60_000)  # 40 ms of work: now a CPU chunk ends in time
@@ -181,6 +186,7 @@ def test_plan_is_the_policy_in_predicted_time():
     ({"chunk_seconds": 0}, r"chunk_seconds\[0\]: expected a positive number of seconds, got 0"),
     ({"chunk_seconds": [0.01, 0.02, 0.03]}, "chunk_seconds: expected 1 or 2 values"),
     ({"capacity_chunks": 0}, "capacity_chunks: must be >= 1, got 0"),
+    ({"min_share": 1}, r"min_share: expected a fraction in \[0, 1\), got 1"),
     ({"start_batch": 1.5}, "start_batch: expected an integer >= 1, got 1.5"),
     ({"model": "../x"}, "model: expected a plain name for the cost files, got '../x'"),
     ({"costs": {"cuda:3": {"t0": 1, "n_star": 2}}}, r"costs\['cuda:3'\]: not one of the scheduler's devices"),

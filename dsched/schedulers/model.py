@@ -18,7 +18,9 @@ kept per host, model and hardware between runs. From the models:
   fast-device chunk of the others;
 - **idle devices**: a device whose smallest chunk (``t0``) cannot end before
   ``T`` gets nothing, so a CPU next to a GPU 150 times faster never holds the
-  run up at its end.
+  run up at its end; and a device under ``min_share`` (1 %) of the total
+  speed gets nothing at all, since its chunks would cost the client as much
+  dispatching as they save.
 
 A device with no model yet is explored: chunks of ``start_batch`` items,
 doubling with every sample until a chunk takes half of ``chunk_seconds``.
@@ -138,11 +140,17 @@ class PerformanceModelScheduler(WorkScheduler):
         Save calibrated models (10 samples or more) when a run ends.
     min_samples : int
         Samples (after the discarded first) before a device counts as calibrated.
+    min_share : float
+        A device whose model speed is below this fraction of all the devices'
+        together stays idle (default 1 %): it cannot shorten the run by more,
+        and each of its chunks costs the client as much as a fast device's.
+    clock : callable
+        Seconds, monotonic (``time.monotonic``); tests pass a simulated clock.
     """
 
     def __init__(self, devices, *, model=None, chunk_seconds=0.02, capacity_chunks=2, start_batch=1024,
                  batch_sizes=None, costs=None, client=None, profile_dir=None, save=True, min_samples=10,
-                 clock=time.monotonic):
+                 min_share=0.01, clock=time.monotonic):
         status = build_status(devices, 1, None)
         devices = [s.device for s in status]
         seconds = broadcast(chunk_seconds, len(devices), "chunk_seconds")
@@ -151,6 +159,9 @@ class PerformanceModelScheduler(WorkScheduler):
                 raise ValueError(f"chunk_seconds[{i}]: expected a positive number of seconds, got {value!r}")
         self.capacity_chunks = check_positive_int(capacity_chunks, "capacity_chunks")
         self.start_batch = check_positive_int(start_batch, "start_batch")
+        if isinstance(min_share, bool) or not isinstance(min_share, (int, float)) or not 0 <= min_share < 1:
+            raise ValueError(f"min_share: expected a fraction in [0, 1), got {min_share!r}")
+        self.min_share = float(min_share)
         min_samples = check_positive_int(min_samples, "min_samples")
         guesses = broadcast(batch_sizes, len(devices), "batch_sizes")
         guesses = [DEFAULT_GUESS[d.type] if g is None else check_positive_int(g, f"batch_sizes[{i}]")
@@ -186,7 +197,7 @@ class PerformanceModelScheduler(WorkScheduler):
         """``(device, n)``: the earliest finish among the devices with room and a share of the rest, or ``None``."""
         with self._lock:
             choice = _choose(list(self._lanes.values()), self._remaining, self._clock(), self.start_batch,
-                             self.capacity_chunks)
+                             self.capacity_chunks, self.min_share)
             if choice is None:
                 return None
             self._refresh_status()
@@ -279,7 +290,7 @@ class PerformanceModelScheduler(WorkScheduler):
             for lane in self._lanes.values():
                 fit = lane.fit or SaturationFit(lane.chunk_seconds, float(lane.guess_batch), 0.0, False)
                 lanes.append(_Lane(lane.device, lane.chunk_seconds, DeviceCalibration(fit, min_samples=2), 0))
-        return _simulate(lanes, n, self.capacity_chunks)
+        return _simulate(lanes, n, self.capacity_chunks, self.min_share)
 
     # --- internals -------------------------------------------------------------------
 
@@ -332,7 +343,7 @@ class PerformanceModelScheduler(WorkScheduler):
         return f"PerformanceModelScheduler({', '.join(parts)})"
 
 
-def _choose(lanes, remaining, now, start_batch, capacity_chunks):
+def _choose(lanes, remaining, now, start_batch, capacity_chunks, min_share=0.0):
     """The next chunk ``(device, n)`` for these lanes, or ``None``: the policy itself (pure)."""
     left = math.inf if remaining is None else remaining
     if left <= 0:
@@ -342,6 +353,12 @@ def _choose(lanes, remaining, now, start_batch, capacity_chunks):
         fit = lane.fit
         if fit is not None:
             modelled.append((lane, fit, _steady_size(fit, lane.chunk_seconds)))
+    if min_share > 0 and len(modelled) > 1:
+        # A device that would do less than min_share of the work cannot shorten the run by more,
+        # and each of its chunks costs the client as much as a fast device's: it stays idle.
+        rates = [size / fit.seconds(size) for _, fit, size in modelled]
+        total = sum(rates)
+        modelled = [m for m, rate in zip(modelled, rates) if rate >= min_share * total]
     shares = _finish_target(left, modelled, now)[1] if modelled and math.isfinite(left) else {}
     for lane, fit, size in modelled:
         n = size
@@ -371,7 +388,7 @@ def _choose(lanes, remaining, now, start_batch, capacity_chunks):
     return lane.device, int(n)
 
 
-def _simulate(lanes, n, capacity_chunks):
+def _simulate(lanes, n, capacity_chunks, min_share):
     """Replay the policy in predicted time: every chunk completes when its device's model says."""
     import heapq
 
@@ -379,7 +396,7 @@ def _simulate(lanes, n, capacity_chunks):
     for lane in lanes:
         lane.free_at = 0.0
     while left > 0:
-        choice = _choose(lanes, left, now, 1, capacity_chunks)
+        choice = _choose(lanes, left, now, 1, capacity_chunks, min_share)
         if choice is not None:
             device, m = choice
             lane = next(x for x in lanes if x.device == device)
