@@ -33,7 +33,8 @@ import threading
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-__all__ = ["ThreadLimits", "thread_share", "apply_thread_limit", "limit_this_thread", "restore_mmap_threshold"]
+__all__ = ["ThreadLimits", "thread_share", "apply_thread_limit", "limit_this_thread", "restore_mmap_threshold",
+           "user_thread_settings"]
 
 MMAP_THRESHOLD = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit systems
 
@@ -99,8 +100,7 @@ class ThreadLimits(WorkerPlugin):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads: expected an integer >= 1, got {threads!r}")
         self.threads = threads
-        # Read where the cluster is built: the user's choice, not what Dask's nanny sets in its children.
-        self.user_set = {name: os.environ[name] for name in USER_VARIABLES if name in os.environ}
+        self.user_set = user_thread_settings()
         self.creator_pid = os.getpid()
         self.applied = None
 
@@ -113,6 +113,20 @@ class ThreadLimits(WorkerPlugin):
             return
         _share = self.threads
         self.applied = apply_thread_limit(self.threads, own_process=os.getpid() != self.creator_pid)
+
+
+def user_thread_settings() -> dict:
+    """The user's ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` in this process.
+
+    Dask's nanny writes its own values (``distributed.nanny.pre-spawn-environ``,
+    1 thread) into the environment of the process that starts worker
+    processes, and leaves them there; those are not the user's choice.
+    """
+    import dask
+
+    dask_values = dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {}
+    return {name: os.environ[name] for name in USER_VARIABLES
+            if name in os.environ and os.environ[name] != str(dask_values.get(name))}
 
 
 def limit_this_thread() -> None:

@@ -1,6 +1,5 @@
 """Per-thread models (dsched.per_thread) and compute threads per worker (dsched.threads)."""
 
-import os
 import pickle
 import threading
 
@@ -9,7 +8,7 @@ import pytest
 
 import dsched
 from dsched.per_thread import PerThread
-from dsched.threads import ThreadLimits, apply_thread_limit, thread_share
+from dsched.threads import ThreadLimits, apply_thread_limit, thread_share, user_thread_settings
 
 BUILDS = []  # (thread id, device) of every model built, in this process
 
@@ -72,8 +71,8 @@ def test_thread_share_divides_the_cores_among_worker_threads():
 
 
 def test_chunk_threads_of_in_process_workers_limit_torch_threads(hybrid_client):
-    torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'dsched[neml2]')")
-    if "OMP_NUM_THREADS" in os.environ or "MKL_NUM_THREADS" in os.environ:
+    pytest.importorskip("torch", reason="torch is not installed (pip install 'dsched[neml2]')")
+    if user_thread_settings():
         pytest.skip("the user's OMP_NUM_THREADS / MKL_NUM_THREADS take precedence")
     # torch's thread count belongs to each thread (OpenMP): it is set in the threads that run chunks.
     y = dsched.dispatch(_threads_seen, np.zeros(8), scheduler=dsched.SimpleScheduler("cpu", 4), client=hybrid_client)
@@ -86,18 +85,20 @@ def _threads_seen(x):
     return np.full(len(x), float(torch.get_num_threads()))
 
 
-def test_a_user_setting_is_left_alone(monkeypatch):
+def test_a_user_setting_is_left_alone_but_not_dasks(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     plugin = ThreadLimits(1)
     plugin.setup(worker=None)
     assert plugin.applied == {}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Dask's nanny leaves in the process that starts workers
+    assert "OMP_NUM_THREADS" not in user_thread_settings()
 
 
 def test_worker_processes_get_their_share_before_torch_is_imported():
     from distributed import Client
 
     pytest.importorskip("torch", reason="torch is not installed (pip install 'dsched[neml2]')")
-    if "OMP_NUM_THREADS" in os.environ or "MKL_NUM_THREADS" in os.environ:
+    if user_thread_settings():
         pytest.skip("the user's OMP_NUM_THREADS / MKL_NUM_THREADS take precedence")
     with dsched.LocalHybridCluster(["cpu"], processes=True, threads_per_worker=1, dashboard_address=None) as cluster:
         with Client(cluster) as client:
