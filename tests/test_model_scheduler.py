@@ -266,3 +266,15 @@ def test_graph_type_and_auto(tmp_path, monkeypatch):
         parse_graph({**GRAPH, "scheduler": {"type": "StaticHybridScheduler", "chunk_seconds": 0.01}})
     with pytest.raises(GraphError, match="scheduler.capacities: not a setting of PerformanceModelScheduler"):
         parse_graph({**GRAPH, "scheduler": {"type": "PerformanceModelScheduler", "capacities": [4, 8]}})
+
+
+def test_bind_reads_the_models_of_the_workers_hosts(hybrid_client, tmp_path):
+    from dsched.costmodel import DeviceIdentity, save_costs
+
+    here = socket.gethostname()
+    save_costs("bound", DeviceIdentity(here, "cuda:0", True), "cuda:0", {"t0": 0.003, "n_star": 3000.0}, tmp_path)
+    s = PerformanceModelScheduler(["cpu", "cuda:0"], model="bound", profile_dir=tmp_path, client=False)
+    s.bind(hybrid_client)  # the worker that owns cuda:0 says it is emulated: its entry is found
+    assert s.identities[Device("cuda:0")] == DeviceIdentity(here, "cuda:0", True)
+    assert s.estimates()[Device("cuda:0")] == SaturationFit(0.003, 3000.0, 0.0, True)
+    assert s.estimates()[Device("cpu")] is None

@@ -133,7 +133,8 @@ class PerformanceModelScheduler(WorkScheduler):
     client : distributed.Client, optional
         Where to ask which host and hardware runs each device (each device's
         worker answers); default: the current client if there is one, else
-        this process's host and hardware.
+        this process's host and hardware (``False``: this process's, always).
+        :meth:`bind` does it again for a client known later.
     profile_dir : str or path, optional
         Where cost files live (default ``$DSCHED_PROFILE_DIR`` or ``~/.cache/dsched/profiles``).
     save : bool
@@ -172,8 +173,9 @@ class PerformanceModelScheduler(WorkScheduler):
         self.model, self.profile_dir, self.save = model, profile_dir, bool(save)
         self._clock = clock
         self.identities = _identities(devices, client) if model is not None else {}
-        priors = dict(self._saved_priors(devices)) if model is not None else {}
+        priors = dict(self._saved_priors(devices, self.identities)) if model is not None else {}
         priors.update(given)
+        self._given = set(given)
         self._lanes = {d: _Lane(d, float(s), DeviceCalibration(priors.get(d), min_samples=min_samples), g)
                        for d, s, g in zip(devices, seconds, guesses)}
         self._remaining = None  # items left in the current run, when the dispatcher says
@@ -192,6 +194,25 @@ class PerformanceModelScheduler(WorkScheduler):
             now = self._clock()
             for lane in self._lanes.values():
                 lane.free_at = max(lane.free_at, now)
+
+    def bind(self, client) -> None:
+        """Identify the devices on ``client``'s workers (host and hardware) and load their saved models.
+
+        For a scheduler built before its cluster was known (a graph file is read
+        before ``dsched run`` connects): a device's saved model is its worker's,
+        not this host's. Devices already calibrated keep their calibration.
+        """
+        if self.model is None:
+            return
+        identities = _identities(list(self._lanes), client)
+        priors = dict(self._saved_priors(list(self._lanes), identities))
+        with self._lock:
+            self.identities = identities
+            for device, lane in self._lanes.items():
+                if device in priors and not lane.calibration.calibrated and device not in self._given:
+                    lane.calibration.prior = priors[device]
+                    lane.fit = lane.calibration.fit
+            self._refresh_status()
 
     def schedule_work(self):
         """``(device, n)``: the earliest finish among the devices with room and a share of the rest, or ``None``."""
@@ -322,10 +343,10 @@ class PerformanceModelScheduler(WorkScheduler):
             # (plan_blocks) sees the measured ones.
             record.priority = size / fit.seconds(size) if fit is not None else 1.0
 
-    def _saved_priors(self, devices):
+    def _saved_priors(self, devices, identities):
         by_host = {}
         for device in devices:
-            identity = self.identities[device]
+            identity = identities[device]
             if identity.host not in by_host:
                 by_host[identity.host] = load_costs(self.model, identity.host, self.profile_dir)
             fit = fit_of(by_host[identity.host].get(identity.key))
@@ -436,7 +457,9 @@ def _given_costs(costs, devices) -> dict:
 
 
 def _identities(devices, client):
-    if client is None:
+    if client is False:  # identify here, whatever client is current
+        client = None
+    elif client is None:
         try:
             from distributed import default_client
 
