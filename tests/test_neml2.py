@@ -232,3 +232,32 @@ def test_graph_errors_name_the_key(tmp_path):
     graph_file.write_text('[model]\nname = "j2"\ninput = "x.i"\n[batch]\nsize = 4\n')
     with pytest.raises(GraphError, match=r"model\.input: only for name = 'neml2'"):
         load_graph(graph_file)
+
+
+def test_neml2_solve_failures_in_user_functions_are_recoverable():
+    failing = neml2.load_input(str(VISCOPLASTIC), additional_args=["Solvers/newton/max_its:=1"]).get_model("model")
+
+    def user_fn(inputs):  # NEML2 called directly, not through NEML2Model
+        state = {k: torch.as_tensor(np.asarray(v, dtype=np.float64)) for k, v in inputs.items()}
+        return failing.call_by_name(state)["stress"].data.detach()
+
+    with pytest.raises(NEML2ConvergenceError, match="NEML2: .*MAXITER") as info:
+        dsched.dispatch(user_fn, _viscoplastic_inputs(6), scheduler=dsched.SimpleScheduler("cpu", 3), mode="sync")
+    assert info.value.recoverable
+
+
+@pytest.mark.gpu
+def test_a_real_gpu_matches_neml2_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU visible to torch")
+    from distributed import Client
+
+    inputs = _viscoplastic_inputs(50_000)
+    model = NEML2Model(VISCOPLASTIC, "model")
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], dashboard_address=None) as cluster, Client(cluster) as client:
+        out = model.dispatch(inputs, scheduler=dsched.StaticHybridScheduler(["cpu", "cuda:0"], [5_000, 20_000]),
+                             client=client)
+    direct = neml2.load_model(str(VISCOPLASTIC), "model").to(device="cuda:0").call_by_name(
+        {k: torch.as_tensor(np.asarray(v, dtype=np.float64), device="cuda:0") for k, v in inputs.items()})
+    for name, value in direct.items():
+        np.testing.assert_allclose(out[name], value.data.detach().cpu().numpy(), **NEWTON)

@@ -35,11 +35,22 @@ from ..errors import RecoverableError
 from ..per_thread import PerThread
 from ..threads import limit_this_thread
 
-__all__ = ["NEML2Model", "NEML2ConvergenceError", "NEML2Parameters", "neml2_chunk", "graph_parameters"]
+__all__ = ["NEML2Model", "NEML2ConvergenceError", "NEML2Parameters", "neml2_chunk", "graph_parameters",
+           "as_recoverable"]
 
 
 class NEML2ConvergenceError(RecoverableError):
     """NEML2's nonlinear solve did not converge on a chunk (retry it, e.g. with a smaller step)."""
+
+
+def as_recoverable(err):
+    """A :class:`NEML2ConvergenceError` for NEML2's ``ConvergenceError`` (raised by user code calling NEML2), else ``None``."""
+    import sys
+
+    solvers = sys.modules.get("neml2.solvers")
+    if solvers is not None and isinstance(err, solvers.ConvergenceError):
+        return NEML2ConvergenceError(f"NEML2: {err}")
+    return None
 
 
 def _import_neml2():
