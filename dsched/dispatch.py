@@ -792,7 +792,16 @@ class _CallOnChunk:
 
         limit_this_thread()  # torch's thread count is per thread: give this one the worker's share
         args = self.layout.rebuild(backends.to_device(chunk, device, keep_grad=self.keep_grad))
-        return backends.to_host(self.fn(*args, **self.kwargs), keep_grad=self.keep_grad)
+        try:
+            result = self.fn(*args, **self.kwargs)
+        except RuntimeError as err:
+            from .models.neml2 import as_recoverable
+
+            recoverable = as_recoverable(err)  # NEML2's own solve failures, from user code calling NEML2
+            if recoverable is None:
+                raise
+            raise recoverable from err
+        return backends.to_host(result, keep_grad=self.keep_grad)
 
 
 def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file=None, out=None, overwrite=False,
