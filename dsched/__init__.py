@@ -9,6 +9,7 @@ Examples
 """
 
 from .array import as_batched, map_blocks, plan
+from .backends import torch_device
 from .batch import Batch
 from .cluster import LocalHybridCluster
 from .devices import Device, array_module, current_device, visible_gpus
@@ -26,7 +27,7 @@ from .work import ArrayLoader, MappingLoader, SliceGenerator, WorkGenerator
 __version__ = "0.1.0"
 
 __all__ = [
-    "Device", "current_device", "visible_gpus", "array_module",
+    "Device", "current_device", "visible_gpus", "array_module", "torch_device",
     "WorkScheduler", "DeviceStatus", "SimpleScheduler", "StaticHybridScheduler", "SimpleMPIScheduler",
     "PerformanceModelScheduler",
     "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader",
