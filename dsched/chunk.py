@@ -10,6 +10,7 @@ from typing import NamedTuple
 from .devices import Device, running_on, selected
 from .report import ChunkRecord
 from .store import resolve_work
+from .transfer import chunk_stream, is_real_gpu
 
 __all__ = ["ChunkProgram", "InFlight", "PackError", "run_chunk", "run_pack"]
 
@@ -88,10 +89,13 @@ def _initialise(program, device, worker):
 
 
 def _compute(program, device, work, slot):
-    result = program.run(device, resolve_work(work))
-    if slot is not None:
-        slot.write(result, device)
-        return None
+    # On a real GPU: page-locked inputs and a stream of the chunk's own (dsched.transfer); no-ops elsewhere.
+    gpu = is_real_gpu(device)
+    with chunk_stream(device):
+        result = program.run(device, resolve_work(work, pinned=gpu))
+        if slot is not None:
+            slot.write(result, device, pinned=gpu)
+            return None
     return result
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from .errors import DispatchError
 from .store import ArrayRef
+from .transfer import copy_to_host
 
 __all__ = ["OutputLayout", "ChunkResultError", "OutputSlot", "ZarrTarget", "check_out_path"]
 
@@ -174,17 +175,25 @@ def _index(axis, start, stop):
     return (slice(None),) * axis + (slice(start, stop),)
 
 
-def write_rows(target, axis: int, start: int, stop: int, values):
-    """Write ``values`` into items ``start:stop`` along ``axis`` of ``target`` (an ArrayRef, a ZarrTarget or an array)."""
+def write_rows(target, axis: int, start: int, stop: int, values, pinned=False):
+    """Write ``values`` into items ``start:stop`` along ``axis`` of ``target`` (an ArrayRef, a ZarrTarget or an array).
+
+    ``pinned``: through this process's page-locked mapping of the segment, so that
+    a CuPy result is copied from the GPU by DMA (on the chunk's stream).
+    """
     if isinstance(target, ArrayRef):
         if axis == 0:
-            target.rows(start, stop, writable=True)[...] = values
+            copy_to_host(values, target.rows(start, stop, writable=True, pinned=pinned and target.shared))
         else:
-            target.whole(writable=True)[_index(axis, start, stop)] = values
+            target.whole(writable=True)[_index(axis, start, stop)] = _host(values)
     elif isinstance(target, ZarrTarget):
-        target.open()[_index(axis, start, stop)] = np.asarray(values)
+        target.open()[_index(axis, start, stop)] = _host(values)
     else:
-        target[_index(axis, start, stop)] = values
+        target[_index(axis, start, stop)] = _host(values)
+
+
+def _host(values):
+    return values.get() if hasattr(values, "__cuda_array_interface__") and hasattr(values, "get") else values
 
 
 @dataclass(frozen=True)
@@ -203,10 +212,10 @@ class OutputSlot:
     def __reduce__(self):
         return OutputSlot, (self.layout, self.targets, self.start, self.stop, self.index)
 
-    def write(self, result, device):
+    def write(self, result, device, pinned=False):
         arrays = self.layout.check(result, self.stop - self.start, f"chunk {self.index} on {device}")
         for target, array in zip(self.targets, arrays):
-            write_rows(target, self.layout.axis, self.start, self.stop, array)
+            write_rows(target, self.layout.axis, self.start, self.stop, array, pinned)
 
 
 def check_out_path(path, overwrite: bool, field: str = "out") -> str:

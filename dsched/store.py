@@ -70,8 +70,12 @@ class ArrayRef:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
-    def rows(self, start: int, stop: int, *, writable: bool = False) -> np.ndarray:
-        """Rows ``start:stop`` (along axis 0) as a view: the client's own array, or a mapping of just those rows."""
+    def rows(self, start: int, stop: int, *, writable: bool = False, pinned: bool = False) -> np.ndarray:
+        """Rows ``start:stop`` (along axis 0) as a view: the client's own array, or a mapping of just those rows.
+
+        ``pinned``: from this process's page-locked mapping of the whole segment
+        (:func:`pinned_segment`), so that a GPU copies them by DMA, asynchronously.
+        """
         if self.pid == os.getpid():
             array = _local_arrays.get(self.token)
             if array is not None:
@@ -85,6 +89,11 @@ class ArrayRef:
         per_row = int(np.prod(self.shape[1:], dtype=np.int64))
         itemsize = np.dtype(self.dtype).itemsize
         count = stop - start
+        if pinned:
+            base = pinned_segment(self.token, writable)
+            first = self.offset + start * per_row * itemsize
+            view = base[first:first + count * per_row * itemsize].view(self.dtype)
+            return view.reshape((count,) + tuple(self.shape[1:]))
         buffer, delta = _map_range(self.token, self.offset + start * per_row * itemsize, count * per_row * itemsize,
                                    writable)
         return np.frombuffer(buffer, self.dtype, count=count * per_row, offset=delta).reshape(
@@ -93,11 +102,49 @@ class ArrayRef:
     def whole(self, *, writable: bool = False) -> np.ndarray:
         return self.rows(0, self.shape[0], writable=writable)
 
-    def take(self, axis: int, start: int, stop: int) -> np.ndarray:
+    def take(self, axis: int, start: int, stop: int, pinned: bool = False) -> np.ndarray:
         """Items ``start:stop`` along ``axis`` (read-only); only axis 0 maps less than the whole array."""
         if axis == 0:
-            return self.rows(start, stop)
+            return self.rows(start, stop, pinned=pinned and self.shared)
         return self.whole()[(slice(None),) * axis + (slice(start, stop),)]
+
+
+_pinned: dict = {}  # token -> (mapping, bytes view, pointer) of segments this process page-locked for a GPU
+_pinned_lock = threading.Lock()
+
+
+def pinned_segment(token: str, writable: bool) -> np.ndarray:
+    """This process's page-locked mapping of a whole segment, as bytes; made once per segment.
+
+    Page-locked (``cudaHostRegister``) host memory is what lets a GPU copy a
+    chunk by DMA while it computes another. Registration is costly, so it is
+    done once per segment and process; segments that have since been unlinked
+    are unregistered and unmapped the next time one is added.
+    """
+    with _pinned_lock:
+        entry = _pinned.get(token)
+        if entry is None:
+            import cupy
+
+            _forget_vanished_pins(cupy)
+            fd = os.open(os.path.join(SHM_DIR, token), os.O_RDWR if writable else os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                buffer = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+            finally:
+                os.close(fd)
+            view = np.frombuffer(buffer, np.uint8)
+            # cudaHostRegisterPortable (1), plus cudaHostRegisterReadOnly (8) for inputs.
+            cupy.cuda.runtime.hostRegister(view.ctypes.data, size, 1 if writable else 1 | 8)
+            _pinned[token] = entry = (buffer, view, view.ctypes.data)
+        return entry[1]
+
+
+def _forget_vanished_pins(cupy):
+    for token in [t for t in _pinned if not os.path.exists(os.path.join(SHM_DIR, t))]:
+        _, _, pointer = _pinned.pop(token)
+        cupy.cuda.runtime.hostUnregister(pointer)
 
 
 def _map_range(token: str, offset: int, length: int, writable: bool):
@@ -324,8 +371,8 @@ class SliceRef:
     def __reduce__(self):
         return SliceRef, (self.ref, self.axis, self.start, self.stop)
 
-    def resolve(self):
-        return self.ref.take(self.axis, self.start, self.stop)
+    def resolve(self, pinned=False):
+        return self.ref.take(self.axis, self.start, self.stop, pinned)
 
 
 @dataclass(frozen=True)
@@ -337,15 +384,16 @@ class SharedWork:
     def __reduce__(self):
         return SharedWork, (self.payload,)
 
-    def resolve(self):
+    def resolve(self, pinned=False):
         if isinstance(self.payload, SliceRef):
-            return self.payload.resolve()
-        return {k: (v.resolve() if isinstance(v, SliceRef) else v) for k, v in self.payload.items()}
+            return self.payload.resolve(pinned)
+        return {k: (v.resolve(pinned) if isinstance(v, SliceRef) else v) for k, v in self.payload.items()}
 
 
-def resolve_work(work):
-    """The work a chunk's code sees: references resolved to array views, anything else unchanged."""
-    return work.resolve() if isinstance(work, SharedWork) else work
+def resolve_work(work, pinned=False):
+    """The work a chunk's code sees: references resolved to array views (page-locked ones for a GPU with
+    ``pinned``), anything else unchanged."""
+    return work.resolve(pinned) if isinstance(work, SharedWork) else work
 
 
 def _shareable(array) -> bool:
