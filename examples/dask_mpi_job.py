@@ -36,8 +36,9 @@ def parse_args(argv=None):
 def run_client(args) -> int:
     from distributed import Client
 
-    from dsched import StaticHybridScheduler, WorkDispatcher, concat_reduce
-    from dsched.models import j2_chunk
+    from dsched import StaticHybridScheduler, WorkDispatcher, dispatch
+    from dsched.models import j2_chunk, j2_update, loading_strain
+    from dsched.store import classify_workers
     from dsched.mpi import cluster_layout, format_layout
     from dsched.work import SliceGenerator
 
@@ -55,12 +56,20 @@ def run_client(args) -> int:
         capacities = [2 * b * owners[d] for b, d in zip(batch_sizes, devices)]
         priorities = [2 if d.startswith("cuda") else 1 for d in devices]  # GPUs first, the CPU takes the rest
         scheduler = StaticHybridScheduler(devices, batch_sizes, capacities, priorities)
-        dispatcher = WorkDispatcher(scheduler, j2_chunk, reduce=concat_reduce, client=client)
+        # Outputs written in place by the workers (shared memory on this node, sent back from others).
+        dispatcher = WorkDispatcher(scheduler, j2_chunk, join="concat", client=client)
         result = dispatcher.run(SliceGenerator(0, args.points))
         reference = j2_chunk(slice(0, args.points))
         for key, value in reference.items():
             np.testing.assert_allclose(result[key], value, rtol=1e-12, atol=0, err_msg=key)
         print(f"J2 over {args.points} points: result matches the direct evaluation", flush=True)
+        # Inputs by reference: ranks on this node map the client's shared-memory copy of the batch.
+        strain, state = loading_strain(np.arange(args.points)), np.zeros((args.points, 6))
+        stress = dispatch(lambda e, p: j2_update(e, p, np.zeros(len(e)))["stress"], strain, state,
+                          scheduler=scheduler, client=client)
+        np.testing.assert_allclose(stress, reference["stress"], rtol=1e-12, atol=0)
+        kinds = classify_workers(client, list(client.scheduler_info(n_workers=-1)["workers"]))
+        print(f"dispatch with inputs by reference matches; workers: {sorted(set(kinds.values()))}", flush=True)
         print("device    chunks  items   worker", flush=True)
         for device, row in dispatcher.last_run.by_device().items():
             flag = " (emulated)" if str(device.device) in emulated else ""  # rows are per device and host
