@@ -19,6 +19,7 @@ import dsched
 from dsched import Device, PerformanceModelScheduler, SliceGenerator, WorkDispatcher
 from dsched.costmodel import SaturationFit, costs_path, load_costs
 from dsched.graph import GraphError, parse_graph
+from dsched.schedulers.model import wait_for_saves
 
 LATENCY = 0.001
 
@@ -138,6 +139,7 @@ def test_unknown_speeds_first_and_second_run(tmp_path):
     assert 4_000_000 / wall / ideal(HYBRID, SECONDS) >= 0.95
     # Exploration: each device starts at start_batch and doubles as samples come in.
     assert [n for d, n, _, _ in chunks if d == "cuda:0"][:4] == [1024, 1024, 2048, 4096]
+    wait_for_saves()  # written off the dispatcher's thread when the run ended
     saved = load_costs("sim", socket.gethostname(), tmp_path)
     assert sorted(saved) == sorted(first.identities[Device(d)].key for d in HYBRID)
     assert all(entry["samples"] >= 10 for entry in saved.values())
@@ -236,6 +238,7 @@ def test_worker_processes_save_costs_under_the_workers_host_and_reuse_them(tmp_p
                                       min_samples=3, client=client)
         s.begin_run(60_000)
         WorkDispatcher(s, _sum_of_slice, reduce=sum, client=client).run(SliceGenerator(0, 60_000))
+        wait_for_saves()
         data = json.loads(costs_path("proc", socket.gethostname(), tmp_path).read_text())
         assert "emulated cuda:0" in data["devices"]
         assert data["devices"]["emulated cuda:0"]["device"] == "cuda:0"

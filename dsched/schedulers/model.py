@@ -46,6 +46,15 @@ from .base import DeviceStatus, WorkScheduler, broadcast, build_status, check_po
 
 __all__ = ["PerformanceModelScheduler"]
 
+_SAVING: list = []  # threads writing cost files: a scheduler reading them waits for these first
+
+
+def wait_for_saves() -> None:
+    """Wait until every cost file a finished run is writing is written."""
+    while _SAVING:
+        _SAVING.pop().join()
+
+
 DEFAULT_GUESS = {"cpu": 32768, "cuda": 262144}  # sizes a plan assumes for a device no run has measured
 
 
@@ -330,7 +339,10 @@ class PerformanceModelScheduler(WorkScheduler):
         if self._remaining == 0 and all(lane.load == 0 for lane in self._lanes.values()) and \
                 (not self._hooked or not any(lane.pending for lane in self._lanes.values())):
             self._dirty = False
-            self.save_costs()
+            # Off the dispatcher's thread: the run's last completion should not wait for a file.
+            saving = threading.Thread(target=self.save_costs, name="dsched-save-costs")
+            _SAVING.append(saving)
+            saving.start()
 
     def _refresh_status(self):
         for record in self._status:
@@ -344,6 +356,7 @@ class PerformanceModelScheduler(WorkScheduler):
             record.priority = size / fit.seconds(size) if fit is not None else 1.0
 
     def _saved_priors(self, devices, identities):
+        wait_for_saves()
         by_host = {}
         for device in devices:
             identity = identities[device]
