@@ -243,6 +243,8 @@ class RunStore:
         self.shared = shared
         self._segments: list[_Segment] = []
         self._tokens: list[str] = []
+        if shared:
+            sweep_stale_segments()
 
     def __enter__(self):
         return self
@@ -316,6 +318,39 @@ class RunStore:
         with _local_lock:
             for token in tokens:
                 _local_arrays.pop(token, None)
+
+
+def sweep_stale_segments() -> list:
+    """Unlink this user's segments whose creating process is gone; the names removed.
+
+    The resource tracker unlinks a killed client's segments, unless it was
+    killed too (a whole process group killed at once): then the next run on the
+    host removes them. Dask config ``dsched.sweep-stale-segments: false`` turns
+    this off (for containers that share ``/dev/shm`` but not process ids).
+    """
+    from dask import config
+
+    if not config.get("dsched.sweep-stale-segments", True):
+        return []
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        pid = name[len(_PREFIX):].partition("-")[0]
+        if not name.startswith(_PREFIX) or not pid.isdigit():
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its creator is gone
+            try:
+                os.unlink(path)
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+        except (PermissionError, FileNotFoundError):
+            pass
+    return removed
 
 
 # --- which workers can read what ---------------------------------------------

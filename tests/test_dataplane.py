@@ -380,3 +380,27 @@ def test_outputs_beyond_a_memory_limit_go_to_disk(tmp_path):
     stored = zarr.open_group(str(store), mode="r")
     assert stored["tangent"].shape == (2_000_000, 6, 6)
     assert not np.isnan(stored["stress"][-10:]).any()
+
+
+def test_segments_of_a_dead_process_are_swept_by_the_next_run(tmp_path):
+    """A client killed together with its resource tracker leaves segments; the next run removes them."""
+    from dsched.store import RunStore, sweep_stale_segments
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(proc.stdout)
+    stale = os.path.join(SHM_DIR, f"dsched-{dead}-{'0' * 24}")
+    with open(stale, "wb") as f:
+        f.write(b"left behind")
+    alive = os.path.join(SHM_DIR, f"dsched-{os.getpid()}-{'1' * 24}")
+    with open(alive, "wb") as f:
+        f.write(b"mine, in use")
+    try:
+        with RunStore(shared=True):
+            pass
+        assert not os.path.exists(stale)
+        assert os.path.exists(alive)  # a live process's segments are left alone
+        assert sweep_stale_segments() == []
+    finally:
+        for path in (stale, alive):
+            if os.path.exists(path):
+                os.unlink(path)
