@@ -281,3 +281,17 @@ def test_bind_reads_the_models_of_the_workers_hosts(hybrid_client, tmp_path):
     assert s.identities[Device("cuda:0")] == DeviceIdentity(here, "cuda:0", True)
     assert s.estimates()[Device("cuda:0")] == SaturationFit(0.003, 3000.0, 0.0, True)
     assert s.estimates()[Device("cpu")] is None
+
+
+def test_runs_without_begin_run_and_one_after_another(hybrid_client):
+    """A dispatcher that never calls begin_run: full chunks throughout, and the scheduler reusable."""
+    s = PerformanceModelScheduler(["cpu", "cuda:0"], costs={"cpu": {"t0": 0.001, "n_star": 100.0},
+                                                            "cuda:0": {"t0": 0.001, "n_star": 400.0}},
+                                  chunk_seconds=0.01)
+    dispatcher = WorkDispatcher(s, _sum_of_slice, reduce=sum, client=hybrid_client)
+    for total in (10_000, 7_000):
+        assert dispatcher.run(SliceGenerator(0, total)) == total * (total - 1) // 2
+        assert s.all_work_completed()
+    s.begin_run(5_000)
+    assert dispatcher.run(SliceGenerator(0, 5_000)) == 5_000 * 4_999 // 2
+    assert dispatcher.run(SliceGenerator(0, 3_000)) == 3_000 * 2_999 // 2  # announced run over: unknown again

@@ -226,7 +226,10 @@ class PerformanceModelScheduler(WorkScheduler):
     def schedule_work(self):
         """``(device, n)``: the earliest finish among the devices with room and a share of the rest, or ``None``."""
         with self._lock:
-            choice = _choose(list(self._lanes.values()), self._remaining, self._clock(), self.start_batch,
+            # Asked for more once the run's items are all sent: a new run nobody announced
+            # (begin_run), so its size is unknown.
+            remaining = self._remaining or None
+            choice = _choose(list(self._lanes.values()), remaining, self._clock(), self.start_batch,
                              self.capacity_chunks, self.min_share)
             if choice is None:
                 return None
@@ -336,7 +339,7 @@ class PerformanceModelScheduler(WorkScheduler):
     def _maybe_save(self):
         if not (self._dirty and self.save and self.model is not None):
             return
-        if self._remaining == 0 and all(lane.load == 0 for lane in self._lanes.values()) and \
+        if not self._remaining and all(lane.load == 0 for lane in self._lanes.values()) and \
                 (not self._hooked or not any(lane.pending for lane in self._lanes.values())):
             self._dirty = False
             # Off the dispatcher's thread: the run's last completion should not wait for a file.
