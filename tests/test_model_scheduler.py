@@ -182,6 +182,8 @@ def test_plan_is_the_policy_in_predicted_time():
     guess = PerformanceModelScheduler(["cpu", "cuda:0"], batch_sizes=[100, 1000])
     assert guess.plan(2200)[:2] == [(Device("cpu"), 100), (Device("cuda:0"), 1000)]
     assert sum(n for _, n in guess.plan(2200)) == 2200
+    with pytest.raises(ValueError, match=r"n: 1000000000000 items make at least 50000000000 chunks of at most 20"):
+        PerformanceModelScheduler(["cpu"], costs={"cpu": {"t0": 0.01, "n_star": 10.0}}).plan(10**12)
 
 
 @pytest.mark.parametrize("kwargs, message", [

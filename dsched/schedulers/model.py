@@ -46,6 +46,7 @@ from .base import DeviceStatus, WorkScheduler, broadcast, build_status, check_po
 
 __all__ = ["PerformanceModelScheduler"]
 
+MAX_PLAN_CHUNKS = 1_000_000  # dsched.array's bound on a plan
 _SAVING: list = []  # threads writing cost files: a scheduler reading them waits for these first
 
 
@@ -323,6 +324,10 @@ class PerformanceModelScheduler(WorkScheduler):
             for lane in self._lanes.values():
                 fit = lane.fit or SaturationFit(lane.chunk_seconds, float(lane.guess_batch), 0.0, False)
                 lanes.append(_Lane(lane.device, lane.chunk_seconds, DeviceCalibration(fit, min_samples=2), 0))
+        largest = max(_steady_size(lane.fit, lane.chunk_seconds) for lane in lanes)
+        if n / largest > MAX_PLAN_CHUNKS:  # as dsched.plan refuses: minutes of planning, not a plan
+            raise ValueError(f"n: {n} items make at least {math.ceil(n / largest)} chunks of at most {largest} items, "
+                             f"more than a plan holds ({MAX_PLAN_CHUNKS}); raise chunk_seconds")
         return _simulate(lanes, n, self.capacity_chunks, self.min_share)
 
     # --- internals -------------------------------------------------------------------
