@@ -176,8 +176,10 @@ class RunData:
             self.targets, self.outputs = self._create_zarr(layout, shapes)
         elif self.out is not None:
             self.outputs = _user_arrays(self.out, layout, shapes)
-            # In this process the workers write into the user's arrays; other processes cannot, so the client does.
-            self.targets = tuple(self.outputs) if self.store.shared else tuple(map(self.store.register, self.outputs))
+            # In this process the workers write into the user's NumPy arrays; other processes cannot (nor
+            # can anyone write through a slice of a Zarr array, which is a copy), so the client does.
+            self.targets = tuple(self.store.register(a) if isinstance(a, np.ndarray) and not self.store.shared else a
+                                 for a in self.outputs)
         else:
             allocated = self.store.allocate_many([(shapes[leaf.path], leaf.dtype) for leaf in layout.leaves])
             self.targets = tuple(ref for ref, _ in allocated)

@@ -404,3 +404,20 @@ def test_segments_of_a_dead_process_are_swept_by_the_next_run(tmp_path):
         for path in (stale, alive):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_run_failed_fills_a_zarr_output(hybrid_client, tmp_path):
+    """Re-running failed chunks writes their rows into the Zarr store of the first run."""
+    import zarr
+
+    from test_faults import FAILED_ONCE, fail_once_at_200
+
+    FAILED_ONCE.clear()
+    x = np.arange(1000.0)
+    path = str(tmp_path / "retry.zarr")
+    d = dsched.WorkDispatcher(dsched.SimpleScheduler("cpu", 100), fail_once_at_200, join="concat",
+                              client=hybrid_client, out=path)
+    with pytest.raises(dsched.RecoverableError):
+        d.run(dsched.ArrayLoader(x))
+    d.run_failed()
+    np.testing.assert_array_equal(zarr.open_array(path + "/data", mode="r")[:], x + 1)
