@@ -174,6 +174,7 @@ class DeviceCalibration:
         self.dropped = 0  # outliers left out of the last fit
         self._fit = None
         self._fitted_at = -1
+        self._first = None  # the discarded first sample, (n, seconds)
 
     @property
     def samples(self) -> int:
@@ -212,7 +213,7 @@ class DeviceCalibration:
         if self.prior is not None and not self.calibrated:
             return self.prior  # a saved calibration beats a few fresh samples
         if not self._by_size:
-            if self.seen == 1:  # only the discarded first: better than nothing until the next
+            if self._first is not None:  # only the discarded first: better than nothing until the next
                 n, t = self._first
                 return SaturationFit(t / n, 1.0, 0.0, False)
             return None
@@ -230,9 +231,9 @@ class DeviceCalibration:
         if np.unique(n).size < 2:
             # One size says nothing of t0 against N*: take the device as linear (N* = 1), so
             # the next chunks are sized by the throughput measured and a second size is seen.
-            median = float(np.median(t))
+            low = float(np.exp(np.percentile(np.log(t), 25)))  # as _grouped_fit takes a size's time
             self.dropped = 0
-            return SaturationFit(median / float(n[0]), 1.0, float(np.std(np.log(t))), False)
+            return SaturationFit(low / float(n[0]), 1.0, float(np.std(np.log(t))), False)
         fit = _grouped_fit(n, t)
         if self.calibrated:
             residual = np.log(t) - np.log(np.asarray(fit.time(n)))
