@@ -222,12 +222,16 @@ class _Run:
         rate = self.items_done / elapsed if elapsed > 0 else 0.0
         fraction = min(1.0, self.items_done / self.total) if self.total else None
         left = None if self.total is None else max(0, self.total - self.items_done)
+        if left is None or (left and rate <= 0):
+            eta = None  # no total told, or nothing finished yet to measure a rate
+        else:
+            eta = left / rate if left else 0.0
         return {
             "id": self.id, "number": self.number, "name": self.name, "client": self.client,
             "total": self.total, "items_done": self.items_done, "chunks_done": self.chunks_done,
             "items_in_flight": sum(self.in_flight.values()), "chunks_in_flight": len(self.in_flight),
             "fraction": fraction, "items_per_s": rate, "elapsed_s": elapsed,
-            "eta_s": (left / rate if rate > 0 else None) if left else (0.0 if left == 0 else None),
+            "eta_s": eta,
             "started": self.started, "active": self.active, "items_by_device": dict(self.items_by_row),
         }
 
