@@ -379,7 +379,7 @@ def _two_host_scheduler():
 
 def _wait_for_file(x, path):
     """A chunk that holds its device until ``path`` exists (works across worker processes)."""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240
     while not os.path.exists(path):
         if time.monotonic() > deadline:
             raise TimeoutError(f"the test never created {path}")
@@ -558,7 +558,8 @@ def test_page_plots_a_running_dispatch_on_two_hosts_in_headless_chromium(two_hos
 
     shot = ARTIFACTS / "dsched-dashboard-two-hosts.png"
     try:
-        seen = browse(base + PAGE_ROUTE, [(devices_full, gate.touch), (run_complete, None)], screenshot=shot)
+        seen = browse(base + PAGE_ROUTE, [(devices_full, gate.touch), (run_complete, None)], screenshot=shot,
+                      timeout=180)  # a deadline, not a wait: generous for a loaded machine
     finally:
         gate.touch()
         thread.join(timeout=60)
