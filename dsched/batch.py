@@ -31,6 +31,7 @@ How it maps onto Dask:
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import secrets
@@ -45,7 +46,7 @@ from .engine import Engine
 from .errors import AggregateError
 from .outputs import ChunkResultError, ZarrTarget, check_out_path, write_rows
 from .ownership import check_devices_owned, device_owners
-from .store import ArrayRef, RunStore, SliceRef, classify_workers
+from .store import RunStore, SliceRef, classify_workers
 
 __all__ = ["Batch", "Update"]
 
@@ -68,12 +69,28 @@ class _Chunk:
 
 
 class _Task:
-    """An engine op's payload: the chunk's future, and the versions it replaces until it succeeds (for rollback)."""
+    """An engine op's payload: its task until it is handed to Dask, then its future; the versions it replaces
+    until it succeeds (for rollback)."""
 
-    __slots__ = ("future", "previous")
+    __slots__ = ("future", "previous", "submitted", "call")
 
-    def __init__(self, future, previous):
-        self.future, self.previous = future, previous
+    def __init__(self, call, previous):
+        self.call, self.previous = call, previous  # call: (func, args, key, resources) until submitted
+        self.future = None
+        self.submitted = threading.Event()
+
+    def result(self):
+        """The future, once the task was handed to Dask (waits for that)."""
+        self.submitted.wait()
+        return self.future
+
+
+@dataclass(frozen=True)
+class _Version:
+    """A field's version in a task's arguments: replaced by its op's future when the task is handed to Dask."""
+
+    op: object
+    field: str
 
 
 @dataclass(frozen=True)
@@ -166,8 +183,10 @@ def _write(value, name, target, chunk, layout, field):
 
 
 def _partial(fn, value, name, chunk):
+    """``fn`` on a chunk's version of a field, where it lives; a device result comes back to the host."""
     with running_on(chunk.device), selected(chunk.device):
-        return _to_host(fn(_read_only(value[name]))) if hasattr(value[name], "shape") else fn(value[name])
+        result = fn(_read_only(value[name]))
+    return result.get() if hasattr(result, "__cuda_array_interface__") else result
 
 
 # --- the client's side --------------------------------------------------------------
@@ -179,23 +198,25 @@ class Update:
     (several: :class:`~dsched.AggregateError`); ``done()`` tells without blocking.
     """
 
-    def __init__(self, label, futures):
+    def __init__(self, label, tasks):
         self.label = label
-        self.futures = futures
+        self._tasks = tasks
+
+    @property
+    def futures(self) -> list:
+        """The chunks' Dask futures (waits until every chunk's task was handed to Dask)."""
+        return [task.result() for task in self._tasks]
 
     def done(self) -> bool:
-        return all(f.done() for f in self.futures)
+        return all(task.submitted.is_set() and task.future.done() for task in self._tasks)
 
-    def wait(self, timeout=None):
-        from distributed import wait
-
-        wait(self.futures, timeout=timeout)
-        _raise_failures(self.futures)
+    def wait(self):
+        _wait_tasks(self._tasks)
         return self
 
     def __repr__(self):
         state = "done" if self.done() else "pending"
-        return f"<Update {self.label!r}: {len(self.futures)} chunks, {state}>"
+        return f"<Update {self.label!r}: {len(self._tasks)} chunks, {state}>"
 
 
 def _raise_failures(futures):
@@ -223,6 +244,9 @@ class Batch:
         Cuts the items into chunks and places them (:func:`dsched.plan`).
     client : distributed.Client, optional
         The cluster; by default the current Dask client. Its workers must own the scheduler's devices.
+    lookahead : int
+        Operations per chunk handed to Dask ahead of the one running (the rest wait in the engine). Two
+        keep a device busy while the client hears of a completion, and bound the versions alive per chunk.
 
     Examples
     --------
@@ -232,11 +256,14 @@ class Batch:
     55.0
     """
 
-    def __init__(self, fields, scheduler, *, client=None):
+    def __init__(self, fields, scheduler, *, client=None, lookahead=2):
         arrays = _check_fields(fields)
         self.n = len(next(iter(arrays.values())))
         self.scheduler = scheduler
         self.client = _client(client)
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
+            raise ValueError(f"lookahead: expected an integer >= 1, got {lookahead!r}")
+        self.lookahead = lookahead
         check_devices_owned(self.client, scheduler)
         self.chunks = []
         start = 0
@@ -258,6 +285,10 @@ class Batch:
         self._id = f"dsched-batch-{secrets.token_hex(4)}-{next(_batch_ids)}"
         self._ops = itertools.count()
         self._closed = False
+        # Per chunk: operations pushed but not yet handed to Dask (program order), and how many are in Dask.
+        self._queued = {c.index: collections.deque() for c in self.chunks}
+        self._in_dask = {c.index: 0 for c in self.chunks}
+        self._submit_lock = threading.Lock()
         self._load_values(arrays, "init")
 
     # --- the public API -----------------------------------------------------------
@@ -288,20 +319,21 @@ class Batch:
         for field_name, names in (("reads", reads), ("writes", writes)):
             for name in names:
                 if name not in known:
-                    raise ValueError(f"{field_name}: no field {name!r} in this batch (fields: {', '.join(sorted(known))})")
+                    raise ValueError(f"{field_name}: no field {name!r} in this batch "
+                                     f"(fields: {', '.join(sorted(known))})")
         written = tuple(dict.fromkeys(writes + outputs))
         if not written:
             raise ValueError("writes: an update must write at least one field (reduce() computes values)")
         label = label or getattr(fn, "__name__", "update")
         spec = _UpdateSpec(fn, label, reads, written, bool(inplace), dict(kwargs or {}))
-        futures = []
+        tasks = []
         with self._lock:
             self._rollback_failed()
             step = next(self._ops)
             for chunk in self.chunks:
-                versions = {f: self._version(f, chunk) for f in reads}
-                futures.append(self._push(chunk, reads, written, f"{label}-{step}", _update, spec, chunk, versions))
-        return Update(label, futures)
+                versions = {f: (self._version(f, chunk), f) for f in reads}
+                tasks.append(self._push(chunk, reads, written, f"{label}-{step}", _update, spec, chunk, versions))
+        return Update(label, tasks)
 
     def set(self, field, values) -> Update:
         """New values of ``field`` (a new field too) from the host, streamed to where each chunk lives."""
@@ -317,8 +349,8 @@ class Batch:
         """``field`` for every item, in dispatch order (waits for the updates that write it)."""
         self._check_open()
         with RunStore(shared=self._shared) as store:
-            layout, futures, view = self._write_out(field, lambda shape, dtype: store.allocate(shape, dtype))
-            _wait_all(futures)
+            layout, tasks, view = self._write_out(field, lambda shape, dtype: store.allocate(shape, dtype))
+            _wait_tasks(tasks)
         return view
 
     def reduce(self, fn, field, combine=sum):
@@ -332,16 +364,15 @@ class Batch:
         self._check_field(field)
         with self._lock:
             self._rollback_failed()
-            futures, step = [], next(self._ops)
+            tasks, step = [], next(self._ops)
             for chunk in self.chunks:
-                value, name = self._version(field, chunk)
-                futures.append(self._push(chunk, (field,), (), f"reduce-{field}-{step}", _partial, fn, value, name,
-                                          chunk))
-        _wait_all(futures)
-        return combine(self.client.gather(futures, direct=True))
+                tasks.append(self._push(chunk, (field,), (), f"reduce-{field}-{step}", _partial, fn,
+                                        self._version(field, chunk), field, chunk))
+        _wait_tasks(tasks)
+        return combine(self.client.gather([task.future for task in tasks], direct=True))
 
     def to_zarr(self, path, fields=None, *, overwrite=False) -> str:
-        """Stream ``fields`` (default: all) to a new Zarr store at ``path``, written by the workers; returns the path."""
+        """Stream ``fields`` (default: all) to a new Zarr store at ``path``, written by the workers; returns it."""
         import zarr
 
         self._check_open()
@@ -352,22 +383,22 @@ class Batch:
         group = zarr.open_group(store=path, mode="w")
         # Zarr chunks never straddle two batch chunks: no two workers write one Zarr chunk.
         rows = math.gcd(*[c.size for c in self.chunks[:-1]]) if len(self.chunks) > 1 else self.chunks[0].size
-        futures = []
+        tasks = []
         for field in fields:
             def create(shape, dtype, field=field):
                 group.create_array(field, shape=shape, chunks=(rows,) + tuple(shape[1:]), dtype=dtype,
                                    compressors=None)
                 return ZarrTarget(path, field), None
 
-            futures += self._write_out(field, create)[1]
-        _wait_all(futures)
+            tasks += self._write_out(field, create)[1]
+        _wait_tasks(tasks)
         return path
 
     def wait(self):
         """Wait until every pushed update finished; raises the failures of the current versions."""
         with self._lock:
-            futures = [var.last_write.payload.future for var in self._vars.values()]
-        _wait_all(futures)
+            tasks = [var.last_write.payload for var in self._vars.values()]
+        _wait_tasks(tasks)
 
     def close(self):
         """Release every version on the workers and the shared memory of the lineage."""
@@ -377,7 +408,11 @@ class Batch:
         with self._lock:
             # Dropping the client's references releases every version (Dask frees them); pending tasks still
             # finish, reading the lineage's shared memory by name, so the segments go after they end.
-            pending = [var.last_write.payload.future for var in self._vars.values()]
+            with self._submit_lock:
+                for queue in self._queued.values():  # never handed to Dask: nothing to wait for
+                    queue.clear()
+            pending = [var.last_write.payload.future for var in self._vars.values()
+                       if var.last_write.payload.future is not None]
             self._vars.clear()
         try:
             from distributed import wait
@@ -408,64 +443,91 @@ class Batch:
                 var = self._vars[(field, chunk.index)] = self._engine.new_variable((field, chunk.index))
             variables[field] = var
         previous = {f: variables[f].last_write for f in writes}
-        op = self._engine.push([variables[f] for f in reads], [variables[f] for f in writes],
-                               label=key)
+        op = self._engine.push([variables[f] for f in reads], [variables[f] for f in writes], label=key)
+        # Every key is new (a step number in it): Dask would answer a repeated key with the old result.
+        call = (func, args, f"{self._id}-{key}-{chunk.index}", {device_resource(chunk.device): chunk.size})
+        op.payload = _Task(call, previous if writes else None)
+        with self._submit_lock:
+            self._queued[chunk.index].append(op)
+        self._pump(chunk)
+        return op.payload
+
+    def _pump(self, chunk):
+        """Hand the chunk's queued operations to Dask, in program order, while fewer than ``lookahead`` are there.
+
+        Its predecessors are earlier operations on the same chunk, so they were handed over before it.
+        """
+        while True:
+            with self._submit_lock:
+                queue = self._queued[chunk.index]
+                if not queue or self._in_dask[chunk.index] >= self.lookahead:
+                    return
+                op = queue.popleft()
+                self._in_dask[chunk.index] += 1
+            self._submit(chunk, op)
+
+    def _submit(self, chunk, op):
+        task = op.payload
+        func, args, key, resources = task.call
+        task.call = None
         # The data a task reads travels in its arguments; its other predecessors (the earlier reads of
         # what it writes) are passed too, only so that Dask runs it after them.
-        after = [o.payload.future for o in op.after if o.payload is not None]
-        # Every key is new (a step number in it): Dask would answer a repeated key with the old result.
-        future = self.client.submit(_ordered, func, after, *args, key=f"{self._id}-{key}-{chunk.index}",
-                                    resources={device_resource(chunk.device): chunk.size}, pure=False)
-        task = _Task(future, previous if writes else None)
-        op.payload = task
+        after = [o.payload.future for o in op.after]
+        future = self.client.submit(_ordered, func, after, *_resolve(args), key=key, resources=resources,
+                                    pure=False)
+        task.future = future
+        task.submitted.set()
         engine = self._engine
 
-        def finished(f, op=op, task=task):
+        def finished(f):
             if f.status == "finished":
                 task.previous = None  # the replaced versions are no longer needed for rollback
             engine.complete(op)
+            with self._submit_lock:
+                self._in_dask[chunk.index] -= 1
+            if not self._closed:
+                self._pump(chunk)
 
         future.add_done_callback(finished)
-        return future
 
     def _load_values(self, arrays, label):
         refs = self._store.share_many(list(arrays.values()))
-        futures, step = [], next(self._ops)
+        tasks, step = [], next(self._ops)
         for chunk in self.chunks:
             slices = {name: SliceRef(ref, 0, chunk.start, chunk.stop) for name, ref in zip(arrays, refs)}
-            futures.append(self._push(chunk, (), tuple(arrays), f"{label}-{step}", _load, chunk, slices))
-        return Update(label, futures)
+            tasks.append(self._push(chunk, (), tuple(arrays), f"{label}-{step}", _load, chunk, slices))
+        return Update(label, tasks)
 
     def _version(self, field, chunk):
-        """``(future, name)``: the task result holding the current version of ``field`` on ``chunk``."""
-        return self._vars[(field, chunk.index)].last_write.payload.future, field
+        """The current version of ``field`` on ``chunk``: its op's result, once handed to Dask."""
+        return _Version(self._vars[(field, chunk.index)].last_write, field)
 
     def _write_out(self, field, allocate):
-        """Submit one task per chunk writing ``field`` into what ``allocate(shape, dtype)`` returns (a target, a view)."""
+        """One task per chunk writing ``field`` into what ``allocate(shape, dtype)`` returns (a target, a view)."""
         self._check_field(field)
         with self._lock:
             self._rollback_failed()
-            first = self._vars[(field, 0)].last_write.payload.future
-        layout_future = self.client.submit(_item_layout, first, field, key=f"{self._id}-layout-{next(self._ops)}",
+            first = self._vars[(field, 0)].last_write.payload
+        layout_future = self.client.submit(_item_layout, first.result(), field, key=f"{self._id}-layout-{next(self._ops)}",
                                            resources={device_resource(self.chunks[0].device): 1})
         _wait_all([layout_future])
         item_shape, dtype = layout_future.result()
         target, view = allocate((self.n,) + item_shape, dtype)
-        futures = []
+        tasks = []
         with self._lock:
             step = next(self._ops)
             for chunk in self.chunks:
-                value, name = self._version(field, chunk)
-                futures.append(self._push(chunk, (field,), (), f"get-{field}-{step}", _write, value, name, target, chunk,
-                                          (item_shape, dtype), field))
-        return (item_shape, dtype), futures, view
+                tasks.append(self._push(chunk, (field,), (), f"get-{field}-{step}", _write,
+                                        self._version(field, chunk), field, target, chunk, (item_shape, dtype), field))
+        return (item_shape, dtype), tasks, view
 
     def _rollback_failed(self):
         """Point every field whose latest version failed back at its last good version (the batch stays usable)."""
         dropped = set()
         for (field, index), var in list(self._vars.items()):
             op = var.last_write
-            while op is not None and op.payload.future.status in ("error", "cancelled"):
+            while op is not None and op.payload.future is not None and op.payload.future.status in ("error",
+                                                                                                      "cancelled"):
                 op = (op.payload.previous or {}).get(field)
             if op is not var.last_write:
                 if op is None:  # the update that created the field failed here: the field is gone
@@ -490,6 +552,22 @@ def _wait_all(futures):
 
     wait(futures)
     _raise_failures(futures)
+
+
+def _wait_tasks(tasks):
+    """Wait until every task was handed to Dask and finished; raise the failures."""
+    _wait_all([task.result() for task in tasks])
+
+
+def _resolve(args):
+    """Task arguments with every :class:`_Version` replaced by its op's future (nested in tuples and dicts)."""
+    if isinstance(args, _Version):
+        return args.op.payload.future
+    if isinstance(args, tuple):
+        return tuple(_resolve(a) for a in args)
+    if isinstance(args, dict):
+        return {k: _resolve(v) for k, v in args.items()}
+    return args
 
 
 def _names(value, field) -> tuple:
