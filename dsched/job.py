@@ -129,7 +129,7 @@ def format_report(result: JobResult) -> str:
     if several:  # per-node balance: one line per host, its devices together
         lines.append("-" * len(header))
         lines.append(f"{'host':<{width}} {'devices':<9}" + header[width + 10:])
-        for host, row in hosts.items():
+        for host, row in sorted(hosts.items()):
             lines.append(line(host, str(len(row["devices"])), row))
     wall = report.wall_time
     lines.append("-" * len(header))
