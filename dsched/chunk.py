@@ -12,7 +12,11 @@ from .report import ChunkRecord
 from .store import resolve_work
 from .transfer import chunk_stream, is_real_gpu
 
-__all__ = ["ChunkProgram", "InFlight", "PackError", "run_chunk", "run_pack"]
+__all__ = ["ChunkProgram", "InFlight", "PackError", "run_chunk", "run_pack", "ITEMS_ANNOTATION"]
+
+# A chunk task's item count, annotated where it differs from its resource request (a pack, a capped
+# request): observers such as the dashboard count items from it.
+ITEMS_ANNOTATION = "dsched-items"
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ import time
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from .chunk import ITEMS_ANNOTATION  # a chunk task's item count, where it differs from its request
 from .devices import EMULATED_RESOURCE, RESOURCE_PREFIX, UNLIMITED_CAPACITY, Device, device_of_resources
 from .report import worker_host
 
@@ -121,7 +122,6 @@ def _device_of_restrictions(restrictions):
     return None
 
 
-ITEMS_ANNOTATION = "dsched-items"  # a chunk task's item count, where it differs from its resource request
 
 
 def _items(ts, requested):

@@ -70,10 +70,10 @@ def run_client(args) -> int:
         np.testing.assert_allclose(stress, reference["stress"], rtol=1e-12, atol=0)
         kinds = classify_workers(client, list(client.scheduler_info(n_workers=-1)["workers"]))
         print(f"dispatch with inputs by reference matches; workers: {sorted(set(kinds.values()))}", flush=True)
-        print("device    chunks  items   worker", flush=True)
+        print(f"{'device@host':<24}  chunks  items   worker", flush=True)
         for device, row in dispatcher.last_run.by_device().items():
             flag = " (emulated)" if str(device.device) in emulated else ""  # rows are per device and host
-            print(f"{str(device):8}  {row['chunks']:6}  {row['items']:6}  {row['worker']}{flag}", flush=True)
+            print(f"{str(device):<24}  {row['chunks']:6}  {row['items']:6}  {row['worker']}{flag}", flush=True)
     return 0
 
 
