@@ -227,3 +227,23 @@ def test_work_dispatcher_joins_torch_results():
     y = dispatcher.run(dsched.ArrayLoader(x))
     assert isinstance(y, torch.Tensor) and torch.equal(y, x + 1)
 
+
+
+def test_functions_that_move_their_own_inputs_get_them_as_given():
+    from dsched.dispatch import _ArgsLayout, _CallOnChunk
+
+    x = np.arange(4.0)
+
+    def fn(a):
+        assert isinstance(a, np.ndarray)  # not turned into CuPy for the GPU chunk
+        return a + 1
+
+    fn.moves_inputs = True  # as NEML2Model declares: it puts its inputs on its torch device itself
+    layout = _ArgsLayout((x,))
+    with running_on("cuda:0"):  # a chunk on a CUDA device that is not emulated, as far as dsched can tell
+        assert _CallOnChunk(fn, layout, {})(layout.mapping, dsched.Device("cuda:0")).tolist() == [1.0, 2.0, 3.0, 4.0]
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            with pytest.raises(RuntimeError, match="moving NumPy arrays to a CUDA device needs CuPy"):
+                _CallOnChunk(lambda a: a, layout, {})(layout.mapping, dsched.Device("cuda:0"))

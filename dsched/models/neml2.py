@@ -112,6 +112,10 @@ class NEML2Model:
         self.derivatives, self.keep_grad = bool(derivatives), bool(keep_grad)
         self._per_thread = PerThread(self._build)
 
+    #: dispatch() hands the inputs over as they are (NumPy stays NumPy on a GPU chunk): this model
+    #: moves them to its torch device itself, so CuPy is never needed.
+    moves_inputs = True
+
     def _build(self, device):
         return _load(self.input, self.model, self.overrides).to(device=backends.torch_device(device))
 
@@ -194,6 +198,8 @@ def _as_neml2_value(value, variable_type, device, torch):
         return torch.full(base, float(value), dtype=torch.float64, device=device)
     if backend.name == "numpy":
         return backends.TORCH.from_host(np.ascontiguousarray(value), None).to(device)
+    if backend.name == "cupy":
+        return torch.as_tensor(value, device=device)  # through __cuda_array_interface__, no host copy
     return value.to(device)  # torch tensors and NEML2's typed tensors alike
 
 
