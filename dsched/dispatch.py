@@ -22,7 +22,7 @@ import dask
 from dataclasses import dataclass
 
 from . import backends
-from .chunk import ChunkProgram, InFlight, PackError, run_chunk, run_pack
+from .chunk import ITEMS_ANNOTATION, ChunkProgram, InFlight, PackError, run_chunk, run_pack
 from .completion import DeviceWatch, notify_when_done, wait_for_one
 from .dataplane import RunData, check_out, direct_to_workers, zarr_chunk_items
 from .devices import Device, device_resource, placement_device, running_on
@@ -500,10 +500,12 @@ class _AsyncRun:
         if len(chunks) > 1 or (self.pack and self.observe is not None):
             # The pack requests its items (the scheduler admitted them all), capped by what the
             # worker holds: its chunks run one after another.
-            [future] = self.client.map(
-                run_pack, [self.dispatcher._program], [device], [works], [slots], [self.topic],
-                key=[f"{self.run_id}-{chunks[0][0].index}-pack{len(chunks)}{suffix}"],
-                resources={resource: self.watch.request(device, sum(r.size for r, _ in chunks))}, pure=False)
+            items = sum(r.size for r, _ in chunks)
+            with dask.annotate(**{ITEMS_ANNOTATION: items}):  # for observers: the request may be capped
+                [future] = self.client.map(
+                    run_pack, [self.dispatcher._program], [device], [works], [slots], [self.topic],
+                    key=[f"{self.run_id}-{chunks[0][0].index}-pack{len(chunks)}{suffix}"],
+                    resources={resource: self.watch.request(device, items)}, pure=False)
             futures = [future] * len(chunks)
             self.packs.add(future.key)
         else:
@@ -514,11 +516,14 @@ class _AsyncRun:
             for position, (record, _) in enumerate(chunks):
                 by_size[record.size].append(position)
             for size, positions in by_size.items():
-                mapped = self.client.map(
-                    run_chunk, [self.dispatcher._program] * len(positions), [device] * len(positions),
-                    [works[p] for p in positions], [slots[p] for p in positions],
-                    key=[f"{self.run_id}-{chunks[p][0].index}{suffix}" for p in positions],
-                    resources={resource: self.watch.request(device, size)}, pure=False)
+                request = self.watch.request(device, size)
+                annotations = {ITEMS_ANNOTATION: size} if request != size else {}
+                with dask.annotate(**annotations):
+                    mapped = self.client.map(
+                        run_chunk, [self.dispatcher._program] * len(positions), [device] * len(positions),
+                        [works[p] for p in positions], [slots[p] for p in positions],
+                        key=[f"{self.run_id}-{chunks[p][0].index}{suffix}" for p in positions],
+                        resources={resource: request}, pure=False)
                 for p, future in zip(positions, mapped):
                     futures[p] = future
         for (record, work), slot, future in zip(chunks, slots, futures):
