@@ -57,7 +57,7 @@ def _run(args) -> int:
 
     from .devices import emulating, visible_gpus
     from .graph import load_graph
-    from .job import format_report, run_graph
+    from .job import format_report, graph_cluster, run_graph
 
     graph = load_graph(args.graph)  # GraphError → status 2 in main, before any cluster starts
     if args.emulate:
@@ -93,7 +93,7 @@ def _run(args) -> int:
             stack.callback(client.close)
             _check_cluster_devices(client, graph, "--scheduler-file" if args.scheduler_file else "--scheduler-address")
         elif dashboard is not None and graph.mode == "async":
-            client = _dashboard_cluster(stack, graph, dashboard)
+            client = graph_cluster(stack, graph, dashboard_address=dashboard)
         if dashboard is not None and client is not None:
             _show_dashboard(stack, client, graph)
         stack.enter_context(emulating(missing))
@@ -116,19 +116,6 @@ def _dashboard_option(value, graph) -> str | None:
     if not host or not port.isdigit() or int(port) > 65535:
         raise UsageError(f"--dashboard: expected HOST:PORT such as {DEFAULT_DASHBOARD}, got {value!r}")
     return value
-
-
-def _dashboard_cluster(stack, graph, address):
-    """The cluster run_graph would start, with its dashboard at ``address``; a client of it."""
-    from distributed import Client
-
-    from .cluster import LocalHybridCluster
-
-    cluster = stack.enter_context(LocalHybridCluster(
-        graph.build_scheduler().devices, emulate=graph.emulate,
-        threads_per_worker=graph.options.get("threads_per_worker", 2), processes=graph.options.get("processes"),
-        dashboard_address=address))
-    return stack.enter_context(Client(cluster))
 
 
 def _show_dashboard(stack, client, graph):

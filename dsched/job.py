@@ -12,7 +12,7 @@ from .dispatch import WorkDispatcher
 from .report import RunReport
 from .work import SliceGenerator
 
-__all__ = ["run_graph", "JobResult", "format_report"]
+__all__ = ["run_graph", "JobResult", "format_report", "graph_cluster"]
 
 
 @dataclass
@@ -30,9 +30,6 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
     Without ``client`` a :class:`LocalHybridCluster` over the graph's devices is
     started (emulating missing CUDA devices if the graph says so) and closed.
     """
-    from distributed import Client
-
-    from .cluster import LocalHybridCluster
     from .graph import GraphError
     from .models import get_model
     from .outputs import check_out_path
@@ -56,16 +53,7 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
         raise GraphError(f"{err} (in {graph.source})") from None
     with contextlib.ExitStack() as stack:
         if client is None and graph.mode == "async":
-            cluster = stack.enter_context(
-                LocalHybridCluster(
-                    scheduler.devices,
-                    emulate=graph.emulate,
-                    threads_per_worker=graph.options.get("threads_per_worker", 2),
-                    processes=graph.options.get("processes"),
-                    dashboard_address=None,
-                )
-            )
-            client = stack.enter_context(Client(cluster))
+            client = graph_cluster(stack, graph, scheduler.devices)
         emulated = emulated_devices(client) if client is not None else {}
         if report_file is not None and client is not None:
             from distributed import performance_report
@@ -87,6 +75,25 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
         )
         outputs = dispatcher.run(SliceGenerator(0, graph.batch_size))
     return JobResult(outputs, dispatcher.last_run, emulated)
+
+
+def graph_cluster(stack, graph, devices=None, dashboard_address=None):
+    """A client of the :class:`LocalHybridCluster` a graph runs on, entered into ``stack`` (closed with it).
+
+    ``dashboard_address`` serves the cluster's dashboard there (``dsched run --dashboard``); none by default.
+    """
+    from distributed import Client
+
+    from .cluster import LocalHybridCluster
+
+    cluster = stack.enter_context(LocalHybridCluster(
+        devices if devices is not None else graph.build_scheduler().devices,
+        emulate=graph.emulate,
+        threads_per_worker=graph.options.get("threads_per_worker", 2),
+        processes=graph.options.get("processes"),
+        dashboard_address=dashboard_address,
+    ))
+    return stack.enter_context(Client(cluster))
 
 
 def _model_chunk(chunk, parameters, tangent, work, device):
