@@ -279,7 +279,7 @@ class Batch:
         # Worker processes map shared memory; in-process workers read registered arrays.
         self._shared = any(kind == "host" for kind in kinds.values())
         self._store = RunStore(shared=self._shared)  # initial and set() values: the lineage, kept until close()
-        self._engine = Engine()
+        self._engine = Engine(queue_ready=False)  # Dask does the waiting
         self._vars = {}  # (field, chunk index) -> engine Variable; its last write holds the current version
         self._lock = threading.Lock()
         self._id = f"dsched-batch-{secrets.token_hex(4)}-{next(_batch_ids)}"
@@ -494,8 +494,10 @@ class Batch:
         refs = self._store.share_many(list(arrays.values()))
         tasks, step = [], next(self._ops)
         for chunk in self.chunks:
-            slices = {name: SliceRef(ref, 0, chunk.start, chunk.stop) for name, ref in zip(arrays, refs)}
-            tasks.append(self._push(chunk, (), tuple(arrays), f"{label}-{step}", _load, chunk, slices))
+            # One task per field: a field's first version is freed when it is superseded, whatever the others do.
+            for name, ref in zip(arrays, refs):
+                tasks.append(self._push(chunk, (), (name,), f"{label}-{name}-{step}", _load, chunk,
+                                        {name: SliceRef(ref, 0, chunk.start, chunk.stop)}))
         return Update(label, tasks)
 
     def _version(self, field, chunk):

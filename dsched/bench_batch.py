@@ -124,22 +124,46 @@ def run_batch(client, scheduler, strain, steps, tangent=False, on_step=None, loo
 _sampler = {}
 
 
+class PeakMemoryPlugin:
+    """A worker plugin keeping the exact peak of the worker's managed bytes, from every task transition.
+
+    Sampling would miss the instant at which a step's output exists next to its input; counting
+    transitions into and out of memory does not.
+    """
+
+    name = "dsched-bench-peak-memory"
+
+    def setup(self, worker):
+        self.worker, self.current, self.peak, self.sizes = worker, 0, 0, {}
+        _sampler["plugin"] = self
+
+    def transition(self, key, start, finish, **kwargs):
+        if finish == "memory":
+            ts = self.worker.state.tasks.get(key)
+            self.sizes[key] = ts.nbytes if ts is not None and ts.nbytes is not None else 0
+            self.current += self.sizes[key]
+            self.peak = max(self.peak, self.current)
+        elif start == "memory":  # the task may be gone from the worker's table by now: use what it held
+            self.current -= self.sizes.pop(key, 0)
+
+
+def _plugin():
+    from distributed import WorkerPlugin
+
+    return type("PeakMemory", (PeakMemoryPlugin, WorkerPlugin), {})()
+
+
 def _start_sampler(dask_worker=None, interval=0.01):
-    """On a worker: a thread keeping the peak of the worker's managed bytes and RSS since the last reset."""
+    """On a worker: a thread keeping the peak RSS since the last reset."""
     import psutil
 
     if _sampler.get("thread") is not None:
         return
     process = psutil.Process()
-    _sampler.update(peak_data=0, peak_rss=0, stop=False)
+    _sampler.update(peak_rss=0, stop=False)
 
     def sample():
         while not _sampler["stop"]:
-            try:
-                data = sum(ts.nbytes for ts in list(dask_worker.state.tasks.values()) if ts.state == "memory")
-            except RuntimeError:  # the task table changed while we read it
-                data = 0
-            _sampler["peak_data"] = max(_sampler["peak_data"], data)
             _sampler["peak_rss"] = max(_sampler["peak_rss"], process.memory_info().rss)
             time.sleep(interval)
 
@@ -148,9 +172,12 @@ def _start_sampler(dask_worker=None, interval=0.01):
 
 
 def _read_sampler(reset=True):
-    peaks = {"data": _sampler.get("peak_data", 0), "rss": _sampler.get("peak_rss", 0)}
+    plugin = _sampler.get("plugin")
+    peaks = {"data": plugin.peak if plugin is not None else 0, "rss": _sampler.get("peak_rss", 0)}
     if reset:
-        _sampler["peak_data"] = _sampler["peak_rss"] = 0
+        _sampler["peak_rss"] = 0
+        if plugin is not None:
+            plugin.peak = plugin.current
     return peaks
 
 
@@ -213,6 +240,7 @@ def measure_load_steps(points=1_000_000, steps=100, *, batch_size=131072, tangen
         wall, cpu, out = _timed(client, lambda: run_dispatch(client, scheduler, strain, steps, tangent))
         rows["dispatch"] = {"wall_s": wall, "cpu_s": cpu, "max_abs_diff": _diff(out, reference)}
         say("batch")
+        client.register_plugin(_plugin())
         client.run(_start_sampler)
         peaks = {}
 

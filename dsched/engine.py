@@ -88,6 +88,13 @@ class Op:
 class Engine:
     """Orders operations per variable; thread-safe.
 
+    Parameters
+    ----------
+    queue_ready : bool
+        Keep the operations that are ready when pushed for :meth:`ready`. Turn
+        off when another system waits on :attr:`Op.after` (the engine would
+        otherwise keep them).
+
     Examples
     --------
     The lecture's write-after-read example: ``B = A + 1; C = A + 2; A = 3``.
@@ -106,9 +113,12 @@ class Engine:
     ['B = A + 1', 'C = A + 2']
     """
 
-    def __init__(self):
+    def __init__(self, *, queue_ready=True):
         self._lock = threading.Lock()
         self._count = itertools.count()
+        # Ops ready at push, kept for ready(); off for a caller whose task system does the waiting
+        # (the list would otherwise hold every such op, and its payload, forever).
+        self._queue_ready = queue_ready
         self._ready: list[Op] = []
 
     def new_variable(self, name=None) -> Variable:
@@ -137,7 +147,7 @@ class Engine:
                 if not earlier.done:
                     op.waiting += 1
                     earlier._dependents.append(op)
-            if op.waiting == 0:
+            if op.waiting == 0 and self._queue_ready:
                 self._ready.append(op)
         return op
 

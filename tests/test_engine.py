@@ -128,3 +128,22 @@ def test_completing_twice_is_an_error():
     engine.complete(op)
     with pytest.raises(RuntimeError, match=r"operation 0 \(A = 2\) completed twice"):
         engine.complete(op)
+
+
+def test_an_engine_that_does_not_queue_ready_ops_keeps_none():
+    import gc
+    import weakref
+
+    engine = Engine(queue_ready=False)
+    a = engine.new_variable("A")
+
+    class Payload:
+        pass
+
+    payload = Payload()
+    ref = weakref.ref(payload)
+    engine.complete(engine.push(writes=[a], payload=payload))
+    del payload
+    engine.complete(engine.push(writes=[a]))  # the next version: nothing refers to the first one any more
+    gc.collect()
+    assert ref() is None and engine.ready() == []
