@@ -214,6 +214,14 @@ def _sum_of_slice(work, device):
     return int(np.arange(work.start, work.stop).sum())
 
 
+def _sleep_per_item(work, device):
+    """A device of about 1M items/s: chunk sizes stay moderate, so each device runs many."""
+    import time
+
+    time.sleep((work.stop - work.start) / 1e6)
+    return work.stop - work.start
+
+
 def test_dispatcher_on_emulated_cluster(hybrid_client, tmp_path):
     """Through WorkDispatcher on an in-process cluster (emulated cuda:0): every item once, models calibrated."""
     s = PerformanceModelScheduler(["cpu", "cuda:0"], model="cluster", profile_dir=tmp_path, start_batch=256,
@@ -237,9 +245,10 @@ def test_worker_processes_save_costs_under_the_workers_host_and_reuse_them(tmp_p
     with LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         s = PerformanceModelScheduler(["cpu", "cuda:0"], model="proc", profile_dir=tmp_path, start_batch=64,
-                                      min_samples=3, client=client)
-        s.begin_run(60_000)
-        WorkDispatcher(s, _sum_of_slice, reduce=sum, client=client).run(SliceGenerator(0, 60_000))
+                                      min_samples=3, chunk_seconds=0.005, client=client)
+        s.begin_run(300_000)
+        assert WorkDispatcher(s, _sleep_per_item, reduce=sum, client=client).run(SliceGenerator(0, 300_000)) == 300_000
+        assert s.calibration("cpu").calibrated and s.calibration("cuda:0").calibrated
         wait_for_saves()
         data = json.loads(costs_path("proc", socket.gethostname(), tmp_path).read_text())
         assert "emulated cuda:0" in data["devices"]
