@@ -267,7 +267,9 @@ def test_dask_mpi_job_runs_a_hybrid_dispatch_end_to_end_and_shuts_down():
     assert ("dsched-dashboard" in plugins) == _have_module("dsched.dashboard")
     assert "J2 over 6000 points: result matches the direct evaluation" in out
     # Rows are per device and host (cuda:0@127.0.0.1): one host here.
-    table = {line.split()[0].split("@")[0]: line.split() for line in out.split("device    chunks")[1].splitlines()[1:]}
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("device") and "chunks" in line)
+    table = {line.split()[0].split("@")[0]: line.split() for line in lines[header + 1:] if line.strip()}
     assert set(table) == {"cpu", "cuda:0"} and table["cuda:0"][-1] == "(emulated)"
     assert int(table["cpu"][2]) + int(table["cuda:0"][2]) == 6000
     assert time.monotonic() - started < 120
