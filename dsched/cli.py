@@ -55,7 +55,6 @@ def _add_run(subparsers):
 def _run(args) -> int:
     import contextlib
 
-    from .devices import emulating, visible_gpus
     from .graph import load_graph
     from .job import format_report, graph_cluster, run_graph
 
@@ -83,9 +82,7 @@ def _run(args) -> int:
     dashboard = _dashboard_option(args.dashboard, graph)
     if not remote:  # devices of this machine; a remote cluster's are checked once connected
         graph.check_devices_present()
-    graph.check_memory()
-    # Sync chunks run here, with no worker to emulate a device: emulate the missing GPUs on this thread.
-    missing = [d for d in graph.devices() if d.is_cuda and d not in visible_gpus()] if graph.mode == "sync" else []
+    graph.check_memory()  # run_graph checks too; here before any dashboard cluster starts
     client = None
     with contextlib.ExitStack() as stack:
         if remote and graph.mode == "async":
@@ -96,9 +93,7 @@ def _run(args) -> int:
             client = graph_cluster(stack, graph, dashboard_address=dashboard)
         if dashboard is not None and client is not None:
             _show_dashboard(stack, client, graph)
-        stack.enter_context(emulating(missing))
         result = run_graph(graph, client=client, progress=not args.no_progress)
-    result.emulated.update({device: True for device in missing})
     print(f"graph: {graph.source}  model: {graph.model}  batch: {graph.batch_size:,}")
     print(format_report(result))
     return 0

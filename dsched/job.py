@@ -29,7 +29,11 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
 
     Without ``client`` a :class:`LocalHybridCluster` over the graph's devices is
     started (emulating missing CUDA devices if the graph says so) and closed.
+    Before anything starts, the graph is refused (:class:`~dsched.graph.GraphError`)
+    if its outputs cannot fit in memory, or if it needs a GPU this machine lacks
+    and does not emulate it.
     """
+    from .devices import emulating, visible_gpus
     from .graph import GraphError
     from .models import get_model
     from .outputs import check_out_path
@@ -51,7 +55,13 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
             output = check_out_path(output, graph.options.get("overwrite", False), "options.output")
     except ValueError as err:
         raise GraphError(f"{err} (in {graph.source})") from None
+    graph.check_memory()  # never refused when the outputs go to disk
+    if client is None:
+        graph.check_devices_present()  # a cluster started here, or sync chunks on this thread
+    # Sync chunks run on this thread, with no worker to emulate a device: the missing GPUs are emulated here.
+    missing = [d for d in graph.devices() if d.is_cuda and d not in visible_gpus()] if graph.mode == "sync" else []
     with contextlib.ExitStack() as stack:
+        stack.enter_context(emulating(missing))
         if client is None and graph.mode == "async":
             client = graph_cluster(stack, graph, scheduler.devices)
         emulated = emulated_devices(client) if client is not None else {}
@@ -74,6 +84,7 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
             trace_file=trace_file,
         )
         outputs = dispatcher.run(SliceGenerator(0, graph.batch_size))
+    emulated.update({device: True for device in missing})
     return JobResult(outputs, dispatcher.last_run, emulated)
 
 

@@ -421,3 +421,19 @@ def test_run_failed_fills_a_zarr_output(hybrid_client, tmp_path):
         d.run(dsched.ArrayLoader(x))
     d.run_failed()
     np.testing.assert_array_equal(zarr.open_array(path + "/data", mode="r")[:], x + 1)
+
+
+def test_run_graph_refuses_what_the_cli_refuses(tmp_path):
+    """Python callers of run_graph get the CLI's checks: a missing GPU, and outputs that cannot fit."""
+    from dsched.graph import GraphError, load_graph
+    from dsched.job import run_graph
+
+    graph_file = tmp_path / "gpu.toml"
+    graph_file.write_text(SMALL_GRAPH.replace('device = "cpu"', 'device = "cuda:7"').replace('mode = "sync"',
+                                                                                              'mode = "async"'))
+    with pytest.raises(GraphError, match="cuda:7"):
+        run_graph(load_graph(str(graph_file)), progress=False)
+    huge = tmp_path / "huge.toml"
+    huge.write_text(SMALL_GRAPH.replace("size = 5000", "size = 1_000_000_000_000"))
+    with pytest.raises(GraphError, match="batch.size"):
+        run_graph(load_graph(str(huge)), progress=False)
