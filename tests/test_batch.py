@@ -130,7 +130,8 @@ def test_bad_results_name_the_field_and_chunk_and_the_batch_stays_usable(hybrid_
 def test_to_zarr_streams_every_field(hybrid_client, tmp_path):
     import zarr
 
-    with Batch({"x": np.arange(12.0), "v": np.ones((12, 2), np.float32)}, hybrid_scheduler(), client=hybrid_client) as b:
+    fields = {"x": np.arange(12.0), "v": np.ones((12, 2), np.float32)}
+    with Batch(fields, hybrid_scheduler(), client=hybrid_client) as b:
         b.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])
         path = b.to_zarr(tmp_path / "state.zarr")
         with pytest.raises(ValueError, match="already exists"):
