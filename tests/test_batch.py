@@ -108,6 +108,8 @@ def test_bad_names_are_refused_before_any_work(hybrid_client):
             batch.set("x", np.zeros(9))
     with pytest.raises(ValueError, match=r"fields\['b'\]: 3 items along axis 0; the batch has 2"):
         Batch({"a": np.zeros(2), "b": np.zeros(3)}, hybrid_scheduler(), client=hybrid_client)
+    with pytest.raises(ValueError, match=r"lookahead: expected an integer >= 1, got 0"):
+        Batch({"a": np.zeros(2)}, hybrid_scheduler(), client=hybrid_client, lookahead=0)
 
 
 @pytest.mark.parametrize("fn, message", [
