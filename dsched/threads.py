@@ -21,8 +21,8 @@ variable freezes glibc's mmap threshold at 128 KiB: every large temporary
 tensor is then a fresh ``mmap`` with page faults on first touch, which made
 NEML2's viscoplastic update 3 to 4 times slower per chunk than in a plain
 process (measured on 20,000 points). :func:`restore_mmap_threshold` sets the
-threshold to 32 MiB, the ceiling glibc's own adaptive rule reaches; memory
-is still returned to the system above the trim threshold.
+mmap threshold to 32 MiB and the trim threshold to 64 MiB, the values glibc's
+own adaptive rule reaches; memory above them still goes back to the system.
 """
 
 from __future__ import annotations
@@ -144,11 +144,15 @@ def limit_this_thread() -> None:
 
 
 def restore_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Let glibc serve allocations below ``threshold`` bytes from its heap (see the module docs); whether it could."""
+    """Let glibc serve allocations below ``threshold`` bytes from its heap, and keep twice that before trimming it.
+
+    See the module docs; whether it could (only glibc can).
+    """
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, int(threshold)))  # -3: M_MMAP_THRESHOLD
+        # -3: M_MMAP_THRESHOLD; -1: M_TRIM_THRESHOLD (glibc's adaptive rule keeps it at twice the former).
+        return bool(libc.mallopt(-3, int(threshold))) and bool(libc.mallopt(-1, 2 * int(threshold)))
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to restore
         return False
