@@ -82,23 +82,7 @@ def run_dispatch(client, scheduler, strain, steps, tangent=False):
         out = dsched.dispatch(_Dispatched(_factor(step, steps), tangent), strain, plastic, alpha,
                               scheduler=scheduler, client=client)
         plastic, alpha = out["plastic_strain"], out["alpha"]
-        _drop_finished_run_handlers(client)
     return out
-
-
-def _drop_finished_run_handlers(client):
-    """Forget the event handlers of finished dispatch runs.
-
-    distributed 2026.8's ``Client.unsubscribe_topic`` leaves the handler in
-    ``client._event_handlers``, so every finished run (with the client's mapping
-    of its shared-memory inputs) lives as long as the client: 100 dispatches of
-    1M J2 points held 14 GiB and the client was OOM-killed. The fix belongs in
-    ``dsched/dispatch.py`` (``_AsyncRun.close``); until then the benchmark
-    drops them here, after each run has closed.
-    """
-    handlers = getattr(client, "_event_handlers", {})
-    for topic in [t for t in handlers if isinstance(t, str) and t.endswith("-chunks")]:
-        handlers.pop(topic, None)
 
 
 def run_batch(client, scheduler, strain, steps, tangent=False, on_step=None, lookahead=None):

@@ -421,13 +421,14 @@ class _AsyncRun:
         self.packs = set()  # keys of tasks that are packs
         self.threads = device_threads(client)  # chunks of a device that can run at once
         self.topic = f"{run_id}-chunks"
-        client.subscribe_topic(self.topic, self._on_event)
-
-    def _on_event(self, event):  # on the client's event loop
-        self.done.put(event[1])
+        done = self.done  # the handler holds the queue only, never the run and its outputs
+        client.subscribe_topic(self.topic, lambda event: done.put(event[1]))  # on the client's event loop
 
     def close(self):
         self.client.unsubscribe_topic(self.topic)
+        # distributed's unsubscribe_topic tells the scheduler but keeps the handler (2026.8): drop it, or
+        # every run's handler would stay in the client for good.
+        getattr(self.client, "_event_handlers", {}).pop(self.topic, None)
 
     def loop(self):
         generator = self.data.generator

@@ -437,3 +437,17 @@ def test_run_graph_refuses_what_the_cli_refuses(tmp_path):
     huge.write_text(SMALL_GRAPH.replace("size = 5000", "size = 1_000_000_000_000"))
     with pytest.raises(GraphError, match="batch.size"):
         run_graph(load_graph(str(huge)), progress=False)
+
+
+def test_a_finished_run_leaves_nothing_behind_in_the_client(process_client):
+    """No event handler (holding the run and its outputs) outlives a run."""
+    import gc
+    import weakref
+
+    x = np.ones((1000, 2))
+    out = dsched.dispatch(np.negative, x, scheduler=hybrid(100), client=process_client)
+    alive = weakref.ref(out)
+    assert not [t for t in process_client._event_handlers if str(t).endswith("-chunks")]
+    del out
+    gc.collect()
+    assert alive() is None  # the outputs' shared memory is freed with them
