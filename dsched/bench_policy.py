@@ -41,6 +41,7 @@ import statistics
 import tempfile
 import time
 
+from .schedulers.model import wait_for_saves
 from .bench import EmulatedDevice, _DoWork, _run_client_map, _run_threads, _settle, ideal_items_per_s
 
 __all__ = ["HYBRID_DEVICES", "FAST_PAIR", "run_policy_benchmarks", "format_policy_table"]
@@ -173,6 +174,7 @@ def _learning(client, devices, chunk_seconds, total, repeats, say):
             wall, split2 = _dispatch(client, _policy(devices, chunk_seconds, folder, client), devices, total)
             second.append(total / wall / ideal)
             splits.append((split, split2))
+            wait_for_saves()  # its cost files are written off the dispatcher's thread: before the folder goes
     say(f"learning: first run {statistics.median(first):.3f}, second {statistics.median(second):.3f} of the ideal")
     return {"ideal_items_per_s": ideal, "batch_sizes": sizes, "first_run_efficiency": statistics.median(first),
             "second_run_efficiency": statistics.median(second), "first_all": first, "second_all": second,
@@ -216,6 +218,7 @@ def run_policy_benchmarks(json_path=None, quick=False, *, total=None, repeats=No
         ]
         results["fast"] = _fast_pair(client, FAST_PAIR, 0.02, total, repeats, os.path.join(folder, "fast"), say)
         results["learning"] = _learning(client, HYBRID_DEVICES, (0.01, 0.02, 0.02), total, repeats, say)
+        wait_for_saves()
     results["config"]["load_average_after"] = os.getloadavg()
     results["targets"] = _targets(results)
     if json_path is not None:
