@@ -326,21 +326,22 @@ def _add_bench(subparsers):
             "against client.map per task; sleeping emulates the devices, so this measures scheduling, not a GPU. "
             "'data': the J2 update with its tangent on real arrays, dsched.dispatch on two worker processes and "
             "dsched run in-process against one NumPy call and a thread pool, scheduler bytes per chunk, the "
-            "client's peak memory, and dsched run --output of a large batch. Prints tables; --json writes the "
-            "numbers."
+            "client's peak memory, and dsched run --output of a large batch. 'policy': the performance-model "
+            "policy against StaticHybridScheduler and plain Dask (emulated devices). 'batch': J2 load steps on a "
+            "resident batch against re-dispatching every step and NumPy. Prints tables; --json writes the numbers."
         ),
     )
     bench.add_argument("--quick", action="store_true", help="small sizes (a minute or two)")
-    bench.add_argument("--only", choices=["scheduling", "data"], help="run one suite (default: both)")
+    bench.add_argument("--only", choices=SUITES, help="run one suite (default: all)")
     bench.add_argument("--json", help="write the results to this JSON file")
     bench.add_argument("--processes", action="store_true", help="scheduling suite: device workers in processes")
     bench.set_defaults(handler=_bench)
 
 
-def _bench(args) -> int:
-    from .bench import format_table, run_benchmarks
-    from .bench_data import format_data_table, run_data_benchmarks
+SUITES = ("scheduling", "data", "policy", "batch")
 
+
+def _bench(args) -> int:
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         print(f"dsched: error: --json: the folder of {args.json} does not exist", file=sys.stderr)
         return 2
@@ -348,13 +349,10 @@ def _bench(args) -> int:
     command = " ".join(["dsched bench", *(["--quick"] if args.quick else []),
                         *([f"--only {args.only}"] if args.only else []), *(["--processes"] if args.processes else [])])
     results, tables = {"command": command}, []
-    if args.only in (None, "scheduling"):
-        results["scheduling"] = run_benchmarks(None, quick=args.quick, processes=args.processes, progress=say)
-        results["scheduling"]["command"] = command
-        tables.append(format_table(results["scheduling"]))
-    if args.only in (None, "data"):
-        results["data"] = run_data_benchmarks(quick=args.quick, progress=say)
-        tables.append(f"$ {command}\n" + format_data_table(results["data"]))
+    for suite in SUITES:
+        if args.only in (None, suite):
+            results[suite], table = _BENCH_SUITES[suite](args, say)
+            tables.append(f"$ {command}  [{suite}]\n{table}")
     if args.json:
         import json
 
@@ -362,6 +360,38 @@ def _bench(args) -> int:
             json.dump(results, f, indent=2)
     print("\n\n".join(tables))
     return 0
+
+
+def _bench_scheduling(args, say):
+    from .bench import format_table, run_benchmarks
+
+    results = run_benchmarks(None, quick=args.quick, processes=args.processes, progress=say)
+    return results, format_table(results)
+
+
+def _bench_data(args, say):
+    from .bench_data import format_data_table, run_data_benchmarks
+
+    results = run_data_benchmarks(quick=args.quick, progress=say)
+    return results, format_data_table(results)
+
+
+def _bench_policy(args, say):
+    from .bench_policy import format_policy_table, run_policy_benchmarks
+
+    results = run_policy_benchmarks(None, quick=args.quick, processes=args.processes, progress=say)
+    return results, format_policy_table(results)
+
+
+def _bench_batch(args, say):
+    from .bench_batch import format_load_steps, run_batch_benchmarks
+
+    results = run_batch_benchmarks(quick=args.quick, progress=say)
+    return results, format_load_steps(results)
+
+
+_BENCH_SUITES = {"scheduling": _bench_scheduling, "data": _bench_data, "policy": _bench_policy,
+                 "batch": _bench_batch}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -221,14 +221,22 @@ class WorkDispatcher:
         self.last_run = report = RunReport(self.mode, wall_start=time.time())
         self._tracer = None if self.trace_file is None else DispatchTracer(self.trace_file)
         data = None
+        # A policy that plans the run's tail is told its size; one that learns per host binds to the cluster.
+        begin_run = getattr(self.scheduler, "begin_run", None)
         try:
             if self.mode == "sync":
                 data = self._open_data(generator, out)
+                if begin_run is not None:
+                    begin_run(_items(generator))
                 self._run_sync(data, report)
             else:
                 client = self.client
                 check_devices_owned(client, self.scheduler)
+                if hasattr(self.scheduler, "bind"):
+                    self.scheduler.bind(client)
                 data = self._open_data(generator, out, client)
+                if begin_run is not None:
+                    begin_run(_items(generator))
                 self._run_async(client, data, report)
         finally:
             report.wall_stop = time.time()
@@ -372,6 +380,13 @@ class WorkDispatcher:
         self.scheduler.completed_work(record.device, record.size)
         if self._tracer is not None:
             self._tracer.completed(record.device, record.size)
+
+
+def _items(generator) -> int:
+    """How many items ``generator`` will hand out (a re-run's ranges, or all)."""
+    if isinstance(generator, Ranges):
+        return sum(stop - start for start, stop in generator.ranges)
+    return generator.total - generator.offset
 
 
 def _subtract(ranges, done):
