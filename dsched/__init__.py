@@ -20,6 +20,7 @@ from .errors import AggregateError, ChunkTimeoutError, DispatchError, Recoverabl
 from .per_thread import PerThread
 from .placement import PlacementWarning, register
 from .reduce import concat_reduce, derivative_reduce
+from .store import shared_copy, shared_empty
 from .schedulers import (DeviceStatus, PerformanceModelScheduler, SimpleMPIScheduler, SimpleScheduler,
                          StaticHybridScheduler, WorkScheduler)
 from .work import ArrayLoader, MappingLoader, SliceGenerator, WorkGenerator
@@ -32,7 +33,7 @@ __all__ = [
     "PerformanceModelScheduler",
     "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader",
     "concat_reduce", "derivative_reduce",
-    "WorkDispatcher", "dispatch", "ChunkRecord", "RunReport",
+    "WorkDispatcher", "dispatch", "shared_empty", "shared_copy", "ChunkRecord", "RunReport",
     "DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError", "ChunkResultError",
     "LocalHybridCluster", "PerThread",
     "plan", "as_batched", "map_blocks", "register", "PlacementWarning",

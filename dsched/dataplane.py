@@ -25,7 +25,7 @@ import os
 import numpy as np
 
 from .outputs import OutputLayout, OutputSlot, ZarrTarget, check_out_path, write_rows
-from .store import ArrayRef, RunStore, classify_workers, resolve_work, share_generator
+from .store import ArrayRef, RunStore, classify_workers, find_shared, resolve_work, share_generator
 
 __all__ = ["RunData", "check_out", "direct_to_workers", "zarr_chunk_items"]
 
@@ -176,14 +176,25 @@ class RunData:
             self.targets, self.outputs = self._create_zarr(layout, shapes)
         elif self.out is not None:
             self.outputs = _user_arrays(self.out, layout, shapes)
-            # In this process the workers write into the user's NumPy arrays; other processes cannot (nor
-            # can anyone write through a slice of a Zarr array, which is a copy), so the client does.
-            self.targets = tuple(self.store.register(a) if isinstance(a, np.ndarray) and not self.store.shared else a
-                                 for a in self.outputs)
+            self.targets = tuple(self._user_target(a) for a in self.outputs)
         else:
             allocated = self.store.allocate_many([(shapes[leaf.path], leaf.dtype) for leaf in layout.leaves])
             self.targets = tuple(ref for ref, _ in allocated)
             self.outputs = [view for _, view in allocated]
+
+    def _user_target(self, array):
+        """Where workers write into one of the user's ``out`` arrays: a reference, or the array itself.
+
+        In this process the workers write into the user's NumPy arrays, and worker processes into those in
+        shared memory; anything else (private memory of this process, a Zarr array, whose slice is a copy)
+        is written by the client as results arrive.
+        """
+        if not isinstance(array, np.ndarray):
+            return array
+        if not self.store.shared:
+            return self.store.register(array)
+        shared = find_shared(array)  # worker processes write into shared memory directly
+        return array if shared is None else shared
 
     def _create_zarr(self, layout, shapes):
         import zarr

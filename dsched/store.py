@@ -32,11 +32,12 @@ import mmap
 import os
 import secrets
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ArrayRef", "RunStore", "classify_workers", "SHM_DIR"]
+__all__ = ["ArrayRef", "RunStore", "classify_workers", "shared_empty", "shared_copy", "find_shared", "SHM_DIR"]
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "dsched-"
@@ -179,11 +180,15 @@ class _Segment:
         os.close(fd)
 
     def unlink(self):
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        _untrack(self.token)
+        _unlink(self.token, self.path)
+
+
+def _unlink(token, path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    _untrack(token)
 
 
 class Placement:
@@ -264,12 +269,25 @@ class RunStore:
         return [entry.ref for entry in placed]
 
     def place_many(self, arrays) -> list:
-        """:class:`Placement` of each of ``arrays`` in one segment, their rows still to copy (none in-process)."""
+        """:class:`Placement` of each of ``arrays``, their rows still to copy into one new segment.
+
+        Nothing is copied in-process, nor for arrays already in shared memory
+        (:func:`shared_empty`): those are referenced where they are.
+        """
         arrays = [np.asarray(a) for a in arrays]
         if not self.shared:
             return [Placement(self.register(a), None, a) for a in arrays]
-        return [Placement(ref, view, array)
-                for array, (ref, view) in zip(arrays, self.allocate_many([(a.shape, a.dtype) for a in arrays]))]
+        found = [find_shared(a) for a in arrays]
+        to_copy = [a for a, ref in zip(arrays, found) if ref is None]
+        placed = iter(self.allocate_many([(a.shape, a.dtype) for a in to_copy]) if to_copy else [])
+        placements = []
+        for array, ref in zip(arrays, found):
+            if ref is not None:
+                placements.append(Placement(ref, None, array))
+            else:
+                new_ref, view = next(placed)
+                placements.append(Placement(new_ref, view, array))
+        return placements
 
     def allocate(self, shape, dtype):
         """A new uninitialised array: ``(reference, the client's view of it)``."""
@@ -351,6 +369,68 @@ def sweep_stale_segments() -> list:
         except (PermissionError, FileNotFoundError):
             pass
     return removed
+
+
+# --- arrays that live in shared memory from the start ----------------------------
+
+_user_segments: dict = {}  # token -> (address, size) of this process's shared_empty arrays still alive
+_user_lock = threading.Lock()
+
+
+def shared_empty(shape, dtype=float) -> np.ndarray:
+    """A new NumPy array in shared memory, for inputs and outputs used again and again.
+
+    :func:`dsched.dispatch` passes it (or a contiguous slice of it) to worker
+    processes on this host by reference, with no copy; given as ``out=``, the
+    workers write their rows straight into it. Its pages stay mapped between
+    calls, so repeated calls pay no page faults. The segment is unlinked when
+    the array (and every view of it) is gone, or by the resource tracker if
+    the process dies.
+
+    Examples
+    --------
+    >>> strain = shared_empty((1000, 6))
+    >>> strain[:] = 0.0
+    """
+    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise ValueError(f"dtype: arrays of Python objects cannot be shared, got {dtype}")
+    count = int(np.prod(shape, dtype=np.int64))
+    segment = _Segment(count * dtype.itemsize)
+    array = np.frombuffer(segment.buffer, dtype, count=count).reshape(shape)
+    with _user_lock:
+        _user_segments[segment.token] = (array.__array_interface__["data"][0], max(count * dtype.itemsize, 1))
+    buffer, token, path = segment.buffer, segment.token, segment.path
+    del segment  # the finalizer must not hold what holds the mapping, or the mapping would never be collected
+    weakref.finalize(buffer, _release_user_segment, token, path)
+    return array
+
+
+def shared_copy(array) -> np.ndarray:
+    """``array`` copied into a new :func:`shared_empty` array."""
+    array = np.asarray(array)
+    shared = shared_empty(array.shape, array.dtype)
+    np.copyto(shared, array)
+    return shared
+
+
+def _release_user_segment(token, path):
+    with _user_lock:
+        _user_segments.pop(token, None)
+    _unlink(token, path)
+
+
+def find_shared(array):
+    """An :class:`ArrayRef` to ``array`` where it lies, if it is C-contiguous memory of a :func:`shared_empty` array."""
+    if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.dtype.hasobject:
+        return None
+    start = array.__array_interface__["data"][0]
+    with _user_lock:
+        for token, (address, size) in _user_segments.items():
+            if address <= start and start + array.nbytes <= address + size:
+                return ArrayRef(token, tuple(array.shape), array.dtype.str, os.getpid(), True, start - address)
+    return None
 
 
 # --- which workers can read what ---------------------------------------------

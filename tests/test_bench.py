@@ -105,7 +105,8 @@ def test_data_benchmarks_structure_and_honesty():
     from dsched.bench_data import format_data_table, run_data_benchmarks
 
     out = run_data_benchmarks(points=40_000, repeats=1, output_points=50_000)
-    assert set(out["items_per_s"]) == {"numpy", "threads", "dispatch, processes", "job numpy", "job threads",
+    assert set(out["items_per_s"]) == {"numpy", "threads", "dispatch, processes", "dispatch, processes, shared",
+                                       "job numpy", "job threads",
                                        "dsched run, in-process"}
     assert all(rate > 0 for rate in out["items_per_s"].values())
     assert 0 < out["task_bytes_max"] <= 1024

@@ -451,3 +451,33 @@ def test_a_finished_run_leaves_nothing_behind_in_the_client(process_client):
     del out
     gc.collect()
     assert alive() is None  # the outputs' shared memory is freed with them
+
+
+def test_shared_arrays_travel_without_a_copy_and_are_written_in_place(process_client):
+    """Inputs made with shared_empty are referenced where they are; an out= in shared memory is written by the
+    worker processes directly; no segment of the run's own is made; the array's segment goes with the array."""
+    import gc
+
+    x = dsched.shared_copy(np.arange(3000.0).reshape(1000, 3))
+    out = dsched.shared_empty((1000, 3))
+    own = shm_entries()
+    segments_during = []
+
+    d = dsched.WorkDispatcher(hybrid(100, 200), lambda w, dev: w * 2, join="concat", client=process_client,
+                              out=out, on_chunk_done=lambda r: segments_during.append(shm_entries()))
+    result = d.run(dsched.ArrayLoader(x))
+    assert result is out
+    np.testing.assert_array_equal(out, np.arange(3000.0).reshape(1000, 3) * 2)
+    assert all(entries == own for entries in segments_during)  # nothing copied into a run segment
+    assert all(r.worker is not None for r in d.last_run.records)
+    # A contiguous slice of a shared array is shared too.
+    half = dsched.dispatch(np.negative, x[500:], scheduler=hybrid(100), client=process_client)
+    np.testing.assert_array_equal(half, -x[500:])
+    del x, out, result, d
+    gc.collect()
+    assert len(shm_entries()) == len(own) - 2  # both arrays' segments unlinked with them
+
+
+def test_shared_empty_checks_its_dtype():
+    with pytest.raises(ValueError, match="dtype: arrays of Python objects cannot be shared, got object"):
+        dsched.shared_empty(3, object)
