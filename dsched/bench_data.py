@@ -44,6 +44,7 @@ import numpy as np
 
 __all__ = ["run_data_benchmarks", "format_data_table", "j2_inputs"]
 
+CAPACITY_CHUNKS = 2  # chunks in flight per device
 BYTES_IN, BYTES_OUT = 13 * 8, (6 + 6 + 1 + 36) * 8  # per point: strain, plastic strain, alpha / the outputs
 
 
@@ -122,7 +123,7 @@ class _J2Chunk:
 def _hybrid_scheduler(chunk):
     import dsched
 
-    return dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=chunk, capacities=2 * chunk)
+    return dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=chunk, capacities=CAPACITY_CHUNKS * chunk)
 
 
 def _measure_rss(points, chunk) -> dict:

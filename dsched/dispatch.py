@@ -10,6 +10,7 @@ worker, not assignment to it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -29,6 +30,7 @@ from .devices import Device, device_resource, placement_device, running_on
 from .errors import AggregateError, ChunkTimeoutError
 from .outputs import OutputLayout
 from .ownership import check_devices_owned, device_owners, device_threads
+from .reduce import concat_reduce
 from .report import ChunkRecord, RunReport
 from .store import resolve_work
 from .trace import DispatchTracer, check_trace_path
@@ -829,7 +831,7 @@ class _CallOnChunk:
 
 
 def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file=None, out=None, overwrite=False,
-             timeout=None, **kwargs):
+             timeout=None, keep_grad=None, **kwargs):
     """Evaluate ``fn`` over a batch split along ``axis`` by ``scheduler``; the joined result.
 
     Arrays and dicts holding arrays in ``args`` are split (entries of size 1
@@ -842,7 +844,9 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file
     path; ``overwrite`` replaces an existing one) or into arrays you provide.
     On a CUDA device the chunk is moved there (CuPy) before ``fn`` and the
     result back to host memory after. ``trace_file`` writes a Chrome trace of
-    the run (see :mod:`dsched.trace`).
+    the run (see :mod:`dsched.trace`). torch tensors stay torch, their autograd
+    dropped unless ``keep_grad`` (default: the Dask config ``dsched.keep-grad``),
+    which joins the chunks' tensors themselves (in the caller's process only).
 
     Examples
     --------
@@ -853,17 +857,20 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file
     """
     if not callable(fn):
         raise ValueError(f"fn: expected a callable, got {fn!r}")
-    layout = _ArgsLayout(args)
+    keep_grad = _keep_grad(keep_grad)
+    if keep_grad and out is not None:
+        raise ValueError("out: outputs written in place carry no autograd graph; drop out= or keep_grad")
+    layout = _ArgsLayout(args, keep_grad)
     if not layout.mapping:
         raise ValueError("args: dispatch needs at least one array (or dict of arrays) to split")
     loader = MappingLoader(layout.mapping, axis=axis)
+    # Kept autograd needs the tensors themselves joined (torch.cat), not their values copied in place.
+    join = dict(reduce=functools.partial(concat_reduce, axis=axis)) if keep_grad else dict(
+        join="concat", axis=axis, out=out, overwrite=overwrite)
     dispatcher = WorkDispatcher(
         scheduler,
-        _CallOnChunk(fn, layout, kwargs),
-        join="concat",
-        axis=axis,
-        out=out,
-        overwrite=overwrite,
+        _CallOnChunk(fn, layout, kwargs, keep_grad),
+        **join,
         timeout=timeout,
         mode=mode,
         client=client,

@@ -49,9 +49,22 @@ class _Leaf:
     path: tuple
     item_shape: tuple  # the shape without the batch axis
     dtype: str
+    template: object = None  # a torch or NEML2 result: an empty one of its type, to rebuild the joined output
 
     def __reduce__(self):  # positional: every chunk's task carries the layout
-        return _Leaf, (self.path, self.item_shape, self.dtype)
+        return _Leaf, (self.path, self.item_shape, self.dtype, self.template)
+
+
+def _host_leaf(leaf, axis):
+    """``(leaf as an array NumPy can describe, template or None)``: torch and NEML2 results as zero-copy NumPy
+    views of their host copy, with an empty one of their type to rebuild the output from."""
+    from . import backends
+
+    backend = backends.backend_of(leaf, strict=False)
+    if backend is None or backend.name in ("numpy", "cupy"):
+        return leaf, None
+    host = backends.to_host(leaf)
+    return backends.host_view(host), backends.template(host, axis)
 
 
 @dataclass(frozen=True)
@@ -78,9 +91,10 @@ class OutputLayout:
         """The layout of ``result``, a chunk of ``size`` items; raises if it does not fit its chunk."""
         leaves = []
         for path, leaf in _flatten(result):
+            leaf, template = _host_leaf(leaf, axis)
             _check_leaf(path, leaf, size, axis, where)
             shape = tuple(leaf.shape)
-            leaves.append(_Leaf(path, shape[:axis] + shape[axis + 1:], np.dtype(leaf.dtype).str))
+            leaves.append(_Leaf(path, shape[:axis] + shape[axis + 1:], np.dtype(leaf.dtype).str, template))
         return cls(_skeleton(result), tuple(leaves), axis)
 
     @classmethod
@@ -103,7 +117,10 @@ class OutputLayout:
                 f"{where} returned {_describe(result)}; expected the structure of the first chunk's result "
                 f"({', '.join(map(_path_name, expected))})"
             )
+        arrays = []
         for leaf, (path, array) in zip(self.leaves, flat):
+            array, _ = _host_leaf(array, self.axis)
+            arrays.append(array)
             _check_leaf(path, array, size, self.axis, where)
             shape = tuple(array.shape)
             item = shape[:self.axis] + shape[self.axis + 1:]
@@ -113,11 +130,16 @@ class OutputLayout:
                     f"{np.dtype(array.dtype)}; expected {leaf.item_shape} and {np.dtype(leaf.dtype)} as declared "
                     "or as the first chunk returned"
                 )
-        return [array for _, array in flat]
+        return arrays
 
     def build(self, arrays):
-        """The result's structure with ``arrays`` (in leaf order) in place of its arrays."""
-        return _fill(self.skeleton, iter(arrays))
+        """The result's structure with ``arrays`` (in leaf order) in place of its arrays, each rebuilt as the
+        type the chunks returned (a torch tensor sharing the array's memory, say)."""
+        from . import backends
+
+        rebuilt = [array if leaf.template is None or not isinstance(array, np.ndarray)
+                   else backends.from_host(array, leaf.template) for leaf, array in zip(self.leaves, arrays)]
+        return _fill(self.skeleton, iter(rebuilt))
 
 
 def _check_leaf(path, leaf, size, axis, where):

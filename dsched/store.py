@@ -71,11 +71,14 @@ class ArrayRef:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
-    def rows(self, start: int, stop: int, *, writable: bool = False, pinned: bool = False) -> np.ndarray:
+    def rows(self, start: int, stop: int, *, writable: bool = False, pinned: bool = False,
+             private: bool = False) -> np.ndarray:
         """Rows ``start:stop`` (along axis 0) as a view: the client's own array, or a mapping of just those rows.
 
         ``pinned``: from this process's page-locked mapping of the whole segment
         (:func:`pinned_segment`), so that a GPU copies them by DMA, asynchronously.
+        ``private``: a copy-on-write mapping, writable without touching the segment
+        (for torch, whose tensors cannot be read-only).
         """
         if self.pid == os.getpid():
             array = _local_arrays.get(self.token)
@@ -96,7 +99,7 @@ class ArrayRef:
             view = base[first:first + count * per_row * itemsize].view(self.dtype)
             return view.reshape((count,) + tuple(self.shape[1:]))
         buffer, delta = _map_range(self.token, self.offset + start * per_row * itemsize, count * per_row * itemsize,
-                                   writable)
+                                   writable, private)
         return np.frombuffer(buffer, self.dtype, count=count * per_row, offset=delta).reshape(
             (count,) + tuple(self.shape[1:]))
 
@@ -148,14 +151,14 @@ def _forget_vanished_pins(cupy):
         cupy.cuda.runtime.hostUnregister(pointer)
 
 
-def _map_range(token: str, offset: int, length: int, writable: bool):
+def _map_range(token: str, offset: int, length: int, writable: bool, private: bool = False):
     """Map ``length`` bytes of segment ``token`` from ``offset``; the mapping and the offset of the data in it."""
     fd = os.open(os.path.join(SHM_DIR, token), os.O_RDWR if writable else os.O_RDONLY)
     try:
         aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable or private else 0)
         # Rows about to be written are populated in one call: cheaper than a fault per page.
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if writable else 0)
+        flags = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED) | (getattr(mmap, "MAP_POPULATE", 0) if writable else 0)
         buffer = mmap.mmap(fd, max(length + offset - aligned, 1), flags=flags, prot=prot, offset=aligned)
     finally:
         os.close(fd)
@@ -482,12 +485,19 @@ class SliceRef:
     axis: int
     start: int
     stop: int
+    template: object = None  # a torch input: an empty tensor of its type, to rebuild the rows as one
 
     def __reduce__(self):
-        return SliceRef, (self.ref, self.axis, self.start, self.stop)
+        return SliceRef, (self.ref, self.axis, self.start, self.stop, self.template)
 
     def resolve(self, pinned=False):
-        return self.ref.take(self.axis, self.start, self.stop, pinned)
+        if self.template is None:
+            return self.ref.take(self.axis, self.start, self.stop, pinned)
+        from . import backends
+
+        rows = self.ref.rows(self.start, self.stop, private=True) if self.axis == 0 and self.ref.shared else \
+            np.array(self.ref.take(self.axis, self.start, self.stop))
+        return backends.from_host(rows, self.template)
 
 
 @dataclass(frozen=True)
@@ -512,7 +522,21 @@ def resolve_work(work, pinned=False):
 
 
 def _shareable(array) -> bool:
-    return isinstance(array, np.ndarray) and not array.dtype.hasobject
+    return (isinstance(array, np.ndarray) and not array.dtype.hasobject) or _torch_cpu(array)
+
+
+def _torch_cpu(array) -> bool:
+    return type(array).__module__.partition(".")[0] == "torch" and getattr(array, "device", None) is not None \
+        and array.device.type == "cpu" and type(array).__name__ == "Tensor"
+
+
+def _host_and_template(array, axis):
+    """A NumPy view of a shareable array, and (for torch) the template its rows are rebuilt from."""
+    if not _torch_cpu(array):
+        return array, None
+    from . import backends
+
+    return backends.host_view(array), backends.template(array, axis)
 
 
 def share_generator(generator, store: RunStore):
@@ -527,12 +551,15 @@ def share_generator(generator, store: RunStore):
         shared = share_generator(generator.source, store)
         return generator if shared is generator.source else Ranges(shared, generator.ranges)
     if isinstance(generator, ArrayLoader) and _shareable(generator.array):
-        return _SharedLoader(generator, store.place_many([generator.array]), None)
-    if isinstance(generator, MappingLoader):
-        batched = {k: generator.mapping[k] for k in generator._batched}
-        if batched and all(_shareable(v) for v in batched.values()):
-            return _SharedLoader(generator, store.place_many(list(batched.values())), list(batched))
-    return generator
+        arrays, keys = [generator.array], None
+    elif isinstance(generator, MappingLoader) and generator._batched and all(
+            _shareable(generator.mapping[k]) for k in generator._batched):
+        keys = sorted(generator._batched, key=list(generator.mapping).index)
+        arrays = [generator.mapping[k] for k in keys]
+    else:
+        return generator
+    hosts = [_host_and_template(a, generator.axis) for a in arrays]
+    return _SharedLoader(generator, store.place_many([h for h, _ in hosts]), keys, [t for _, t in hosts])
 
 
 class _SharedLoader:
@@ -542,8 +569,8 @@ class _SharedLoader:
     Each chunk's rows are copied into the store just before it is handed out.
     """
 
-    def __init__(self, loader, placements, keys):
-        self.loader, self.placements, self.keys = loader, placements, keys
+    def __init__(self, loader, placements, keys, templates):
+        self.loader, self.placements, self.keys, self.templates = loader, placements, keys, templates
         self.total = loader.total
 
     @property
@@ -563,8 +590,8 @@ class _SharedLoader:
         axis = self.loader.axis
         for placement in self.placements:
             placement.copy(axis, start, stop)
+        slices = [SliceRef(p.ref, axis, start, stop, t) for p, t in zip(self.placements, self.templates)]
         if self.keys is None:
-            return SharedWork(SliceRef(self.placements[0].ref, axis, start, stop))
-        refs = {k: p.ref for k, p in zip(self.keys, self.placements)}
-        return SharedWork({k: (SliceRef(refs[k], axis, start, stop) if k in refs else v)
-                           for k, v in self.loader.mapping.items()})
+            return SharedWork(slices[0])
+        refs = dict(zip(self.keys, slices))
+        return SharedWork({k: refs.get(k, v) for k, v in self.loader.mapping.items()})

@@ -146,14 +146,9 @@ def test_loaders_split_neml2_tensors_and_pass_unbatched_ones_whole():
 
 # --- dispatch with tensors -------------------------------------------------------------
 
-# dispatch() joins its outputs in place through the data plane (dsched/outputs.py, dsched/dataplane.py),
-# which reads results as NumPy; until it goes through backends.host_view / backends.from_host, the
-# one-call form fails on tensor results. The same path (argument splitting, per-chunk call, join)
-# is tested below through WorkDispatcher with concat_reduce, which does go through backends.
-pending_data_plane = pytest.mark.xfail(
-    reason="dispatch()'s in-place join (dsched/outputs.py) does not yet read tensors through dsched.backends",
-    strict=False,
-)
+# dispatch() joins its outputs in place through the data plane, which reads tensor results through
+# backends.host_view and rebuilds them with backends.from_host. The same argument layout and per-chunk
+# call are also tested below through WorkDispatcher with concat_reduce.
 
 
 def _tensor_dispatcher(fn, args, scheduler, mode, client=None, keep_grad=None):
@@ -191,7 +186,7 @@ def _square_and_sum(x):
     return {"square": x * x, "sum": x.sum(dim=1)}
 
 
-@pending_data_plane
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_dispatch_keeps_torch_tensors(mode, hybrid_client):
     x = torch.arange(30.0, dtype=torch.float64).reshape(10, 3)
@@ -201,14 +196,14 @@ def test_dispatch_keeps_torch_tensors(mode, hybrid_client):
     assert torch.equal(out["sum"], x.sum(dim=1))
 
 
-@pending_data_plane
+
 def test_dispatch_of_a_tensor_with_autograd_returns_plain_tensors(hybrid_client):
     x = torch.rand(9, 2, dtype=torch.float64, requires_grad=True)
     y = dsched.dispatch(lambda a: a * 3.0, x, scheduler=dsched.SimpleScheduler("cpu", 4), client=hybrid_client)
     assert not y.requires_grad and torch.allclose(y, x.detach() * 3.0)
 
 
-@pending_data_plane
+
 def test_dispatch_keeps_the_graph_when_asked():
     import dask
 
