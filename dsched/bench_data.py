@@ -156,8 +156,11 @@ def _measure_output_run(points) -> dict:
         with open(graph, "w") as f:
             f.write(f'[model]\nname = "j2"\n\n[batch]\nsize = {points}\n\n[scheduler]\ntype = "auto"\n'
                     f'devices = ["cpu"]\n')
-        code = ("import resource, sys; from dsched.cli import main; rc = main(sys.argv[1:]); "
-                "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024); sys.exit(rc)")
+        # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across fork and exec, so a child would report this
+        # (large) benchmark process's peak as its own.
+        code = ("import sys; from dsched.cli import main; rc = main(sys.argv[1:]); "
+                "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]; "
+                "print('peak', int(hwm.split()[1]) * 1024); sys.exit(rc)")
         start = time.perf_counter()
         done = subprocess.run([sys.executable, "-c", code, "run", graph, "--no-progress", "--output",
                                os.path.join(folder, "out.zarr")], capture_output=True, text=True, timeout=1800)
