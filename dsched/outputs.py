@@ -243,6 +243,10 @@ class OutputSlot:
 def check_out_path(path, overwrite: bool, field: str = "out") -> str:
     """A Zarr store path to create: its folder must exist, and the store must not, unless ``overwrite``."""
     path = os.fspath(path)
+    try:
+        import zarr  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{field}: writing the outputs to a Zarr store needs zarr (pip install 'dsched[zarr]')") from None
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"{field}: the folder {folder} of {path} does not exist")
