@@ -80,10 +80,7 @@ class RunReport:
             row["chunks"] += 1
             row["items"] += r.size
             intervals.setdefault(key, []).append((r.start, r.stop))
-        for key, row in table.items():
-            row["busy"] = _union_length(intervals[key])
-            row["items_per_s"] = row["items"] / row["busy"] if row["busy"] > 0 else float("nan")
-        return table
+        return _with_busy(table, intervals)
 
     def by_host(self) -> dict:
         """Per host: its devices, chunks, items, busy seconds and items per busy second.
@@ -102,10 +99,7 @@ class RunReport:
             row["chunks"] += 1
             row["items"] += r.size
             intervals.setdefault(host, []).append((r.start, r.stop))
-        for host, row in table.items():
-            row["busy"] = _union_length(intervals[host])
-            row["items_per_s"] = row["items"] / row["busy"] if row["busy"] > 0 else float("nan")
-        return table
+        return _with_busy(table, intervals)
 
 
 class DeviceOnHost(NamedTuple):
@@ -134,6 +128,14 @@ def worker_host(address: str | None) -> str:
         return parse_host_port(location)[0]
     except (ImportError, ValueError):  # not a host:port address: keep it whole rather than guess
         return location
+
+
+def _with_busy(table, intervals) -> dict:
+    """``table`` with each row's busy seconds (the union of its chunk intervals) and items per busy second."""
+    for key, row in table.items():
+        row["busy"] = _union_length(intervals[key])
+        row["items_per_s"] = row["items"] / row["busy"] if row["busy"] > 0 else float("nan")
+    return table
 
 
 def _union_length(intervals) -> float:

@@ -23,15 +23,8 @@ The result is saved as a profile per host and model (JSON under
 ``$DSCHED_PROFILE_DIR`` or ``~/.cache/dsched/profiles/<host>/<model>.json``)
 that :func:`profile_speeds` reads back for ``plan()`` and the graph files,
 and is drawn as throughput against sub-batch size (a PNG).
-
-Examples
---------
->>> t = saturation_time([100, 1000, 4000], t0=0.01, n_star=1000)
->>> [round(x, 3) for x in t]
-[0.01, 0.01, 0.04]
->>> fit = fit_saturation([256, 512, 1024, 2048, 4096], [0.01, 0.01, 0.01024, 0.02048, 0.04096])
->>> round(fit.t0, 4), round(fit.n_star)
-(0.01, 1000)
+The cost model itself (``saturation_time``, ``fit_saturation``) lives in
+:mod:`dsched.costmodel`, with its examples.
 """
 
 from __future__ import annotations

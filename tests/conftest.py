@@ -39,3 +39,17 @@ def hybrid_client():
     with LocalHybridCluster(["cpu", "cuda:0"], emulate=True, dashboard_address=None) as cluster:
         with Client(cluster) as client:
             yield client
+
+
+@pytest.fixture(scope="module")
+def process_client():
+    """Worker processes: a CPU and an emulated cuda:0 (NumPy on the CPU), one thread each, restarted by
+    their nannies if killed."""
+    from distributed import Client
+
+    from dsched import LocalHybridCluster
+
+    with LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                            dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            yield client

@@ -10,7 +10,6 @@ import time
 
 import numpy as np
 import pytest
-from distributed import Client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,15 +25,6 @@ def hybrid_scheduler(small=3, large=5):
 def where_am_i(x):
     """Each item's device, as the chunk's task sees it: 0 for the CPU, 1 for cuda:0."""
     return {"where": np.full(len(x), 0 if dsched.current_device().type == "cpu" else 1)}
-
-
-@pytest.fixture(scope="module")
-def process_client():
-    """Worker processes: a CPU and an emulated cuda:0, each restarted by its nanny if killed."""
-    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
-                                   dashboard_address=None) as cluster:
-        with Client(cluster) as client:
-            yield client
 
 
 def test_chunks_live_on_their_planned_devices(hybrid_client):

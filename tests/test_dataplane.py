@@ -28,17 +28,6 @@ def shm_entries(pid=None):
     return {name for name in os.listdir(SHM_DIR) if name.startswith(prefix)}
 
 
-@pytest.fixture(scope="module")
-def process_client():
-    """Worker processes: a CPU worker and an emulated cuda:0 worker, one thread each."""
-    from distributed import Client
-
-    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
-                                   dashboard_address=None) as cluster:
-        with Client(cluster) as client:
-            yield client
-
-
 def hybrid(batch=100, capacity=None):
     return dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=batch, capacities=capacity or batch)
 
