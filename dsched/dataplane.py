@@ -69,10 +69,8 @@ class RunData:
         The run's work; NumPy array and mapping loaders are shared by reference.
     client : distributed.Client or None
         ``None`` for a sync run (everything stays in this process).
-    devices : list of Device
-        The scheduler's devices (to find which workers own them).
     owners : dict
-        ``{Device: [worker address]}`` for async runs.
+        ``{Device: [address of each worker that owns it]}`` for async runs.
     concat_axis : int or None
         The axis results are joined along, in place; ``None`` keeps results as they are.
     layout : OutputLayout, optional
@@ -126,12 +124,10 @@ class RunData:
 
     def slot(self, device, start, stop, index):
         """The chunk's :class:`OutputSlot` when its worker can write in place; ``None`` to return the result."""
-        if self.axis is None or self.targets is None or device in self.remote:
-            return None
+        if not self.writes_in_place(device):
+            return None  # a remote worker, the user's arrays in this process's memory, or no layout yet
         if isinstance(self.out, (str, os.PathLike)) and not self._zarr_aligned(start, stop):
             return None  # a custom size that would share a Zarr chunk with a neighbour: the client writes it
-        if any(not isinstance(t, (ZarrTarget, ArrayRef)) for t in self.targets):
-            return None  # the user's own arrays in the client's memory: written here
         return OutputSlot(self.layout, self.targets, start, stop, index)
 
     def fetch(self, future):

@@ -384,6 +384,11 @@ class WorkDispatcher:
             self._tracer.completed(record.device, record.size)
 
 
+def _distinct(futures) -> list:
+    """``futures`` without repeats (the chunks of a pack share one) or ``None``s, in order."""
+    return list({f.key: f for f in futures if f is not None}.values())
+
+
 def _items(generator) -> int:
     """How many items ``generator`` will hand out (a re-run's ranges, or all)."""
     if isinstance(generator, Ranges):
@@ -548,7 +553,7 @@ class _AsyncRun:
             self.in_flight[record.index] = InFlight(record, work, future, slot is not None, deadline)
             self.members.setdefault(future.key, []).append(record.index)
             self.futures[record.index] = future
-        notify_when_done(self.client, list({f.key: f for f in futures}.values()), self.done.put)
+        notify_when_done(self.client, _distinct(futures), self.done.put)
 
     # --- completion ------------------------------------------------------------
 
@@ -662,7 +667,7 @@ class _AsyncRun:
         expired = [e for e in self.in_flight.values() if e.deadline <= now]
         if expired:
             keys = {e.future.key for e in expired}
-            self.client.cancel(list({e.future.key: e.future for e in expired}.values()))
+            self.client.cancel(_distinct(e.future for e in expired))
             # A pack's other chunks are cancelled with it: they waited behind the one that ran over.
             for entry in [e for e in self.in_flight.values() if e.future.key in keys]:
                 record = entry.record
@@ -674,16 +679,16 @@ class _AsyncRun:
         for lost, fallback in self.watch.check(busy).items():
             moved = [e for e in self.in_flight.values() if e.record.device == lost]
             if moved:
-                self.client.cancel(list({e.future.key: e.future for e in moved}.values()))
+                self.client.cancel(_distinct(e.future for e in moved))
                 for entry in moved:
                     del self.in_flight[entry.record.index]
                 self._submit(fallback, [(e.record, e.work) for e in moved], retry=True)
 
     def abandon(self):
         """Cancel every chunk still out, in one call, and give its load back."""
-        pending = {f.key: f for f in (self.futures[r.index] for r in self.outstanding.values()) if f is not None}
+        pending = _distinct(self.futures[r.index] for r in self.outstanding.values())
         if pending:
-            self.client.cancel(list(pending.values()))
+            self.client.cancel(pending)
         for record in self.outstanding.values():
             self.scheduler.completed_work(record.device, record.size)
         self.outstanding.clear()
@@ -695,7 +700,7 @@ class _AsyncRun:
         # whose chunks were all accounted for by their events may not have finished here yet: waited for.
         wanted = [i for i, r in enumerate(report.records)
                   if r.error is None and r.worker is None and self.futures[i].status in ("finished", "pending")]
-        futures = list({self.futures[i].key: self.futures[i] for i in wanted}.values())
+        futures = _distinct(self.futures[i] for i in wanted)
         # Straight from the workers, not relayed by the scheduler (dsched.direct-to-workers).
         values = self.client.gather(futures, direct=direct_to_workers()) if futures else []
         for future, value in zip(futures, values):
@@ -706,7 +711,7 @@ class _AsyncRun:
                     record.worker, record.start, record.stop = address, start, stop
                     if self.dispatcher.join is None:
                         report.results[index] = result
-        for future in {f.key: f for f in self.futures if f is not None}.values():
+        for future in _distinct(self.futures):
             future.release()
 
     def members_of(self, future):
