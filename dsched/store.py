@@ -67,10 +67,6 @@ class ArrayRef:
         # Positional, without field names: a chunk's task carries several of these.
         return ArrayRef, (self.token, self.shape, self.dtype, self.pid, self.shared, self.offset)
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
     def rows(self, start: int, stop: int, *, writable: bool = False, pinned: bool = False,
              private: bool = False) -> np.ndarray:
         """Rows ``start:stop`` (along axis 0) as a view: the client's own array, or a mapping of just those rows.
@@ -325,10 +321,6 @@ class RunStore:
             _local_arrays[token] = array
         self._tokens.append(token)
         return ArrayRef(token, tuple(array.shape), array.dtype.str, os.getpid(), False)
-
-    @property
-    def segment_names(self) -> list:
-        return [s.token for s in self._segments]
 
     def close(self):
         """Release everything: unlink segments (the client's views stay valid) and drop registrations."""
