@@ -328,7 +328,9 @@ def _add_bench(subparsers):
             "dsched run in-process against one NumPy call and a thread pool, scheduler bytes per chunk, the "
             "client's peak memory, and dsched run --output of a large batch. 'policy': the performance-model "
             "policy against StaticHybridScheduler and plain Dask (emulated devices). 'batch': J2 load steps on a "
-            "resident batch against re-dispatching every step and NumPy. Prints tables; --json writes the numbers."
+            "resident batch against re-dispatching every step and NumPy. 'neml2': a NEML2 viscoplastic model "
+            "through dispatch against a direct chunked loop (needs the neml2 extra). Prints tables; --json writes "
+            "the numbers."
         ),
     )
     bench.add_argument("--quick", action="store_true", help="small sizes (a minute or two)")
@@ -338,7 +340,7 @@ def _add_bench(subparsers):
     bench.set_defaults(handler=_bench)
 
 
-SUITES = ("scheduling", "data", "policy", "batch")
+SUITES = ("scheduling", "data", "policy", "batch", "neml2")
 
 
 def _bench(args) -> int:
@@ -390,8 +392,22 @@ def _bench_batch(args, say):
     return results, format_load_steps(results)
 
 
+def _bench_neml2(args, say):
+    import importlib.util
+
+    from .neml2_bench import VISCOPLASTIC_INPUT, format_result, measure
+
+    if importlib.util.find_spec("neml2") is None or not os.path.exists(VISCOPLASTIC_INPUT):
+        reason = "neml2 is not installed (pip install 'dsched[neml2]')" if importlib.util.find_spec(
+            "neml2") is None else f"its input file {VISCOPLASTIC_INPUT} is not here (a source checkout has it)"
+        say(f"neml2: skipped: {reason}")
+        return {"skipped": reason}, f"neml2 suite skipped: {reason}"
+    results = measure(points=40_000 if args.quick else 200_000, repeats=1 if args.quick else 3)
+    return results, format_result(results)
+
+
 _BENCH_SUITES = {"scheduling": _bench_scheduling, "data": _bench_data, "policy": _bench_policy,
-                 "batch": _bench_batch}
+                 "batch": _bench_batch, "neml2": _bench_neml2}
 
 
 def build_parser() -> argparse.ArgumentParser:
