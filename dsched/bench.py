@@ -144,13 +144,19 @@ def ideal_items_per_s(devices, batch_sizes) -> float:
 # --- the three ways to spread a batch ------------------------------------------
 
 def _run_dsched(client, devices, total, batch_sizes, speeds):
-    from .dispatch import WorkDispatcher
     from .schedulers import StaticHybridScheduler
-    from .work import SliceGenerator
 
     scheduler = StaticHybridScheduler([d.device for d in devices], batch_sizes, [2 * b for b in batch_sizes],
                                       [d.rate for d in devices])
-    dispatcher = WorkDispatcher(scheduler, _emulated_do_work(speeds), reduce=sum, client=client)
+    return timed_dispatch(client, scheduler, _emulated_do_work(speeds), total)
+
+
+def timed_dispatch(client, scheduler, do_work, total):
+    """One async run of ``total`` items of ``do_work`` (counting its items): (wall seconds, {device: items})."""
+    from .dispatch import WorkDispatcher
+    from .work import SliceGenerator
+
+    dispatcher = WorkDispatcher(scheduler, do_work, reduce=sum, client=client)
     start = time.perf_counter()
     done = dispatcher.run(SliceGenerator(0, total))
     wall = time.perf_counter() - start

@@ -39,7 +39,6 @@ import os
 import platform
 import statistics
 import tempfile
-import time
 
 from .schedulers.model import wait_for_saves
 from .bench import EmulatedDevice, _DoWork, _run_client_map, _run_threads, _settle, ideal_items_per_s
@@ -61,20 +60,9 @@ def _speeds(devices):
 
 def _dispatch(client, scheduler, devices, total):
     """One run of ``total`` items under ``scheduler``: (wall seconds, {device: items})."""
-    from .dispatch import WorkDispatcher
-    from .work import SliceGenerator
+    from .bench import timed_dispatch
 
-    dispatcher = WorkDispatcher(scheduler, _DoWork(_speeds(devices)), reduce=sum, client=client)
-    if hasattr(scheduler, "begin_run"):
-        scheduler.begin_run(total)  # the dispatcher does this itself once it knows the hook
-    start = time.perf_counter()
-    done = dispatcher.run(SliceGenerator(0, total))
-    wall = time.perf_counter() - start
-    assert done == total, (done, total)
-    split = {}
-    for r in dispatcher.last_run.records:
-        split[str(r.device)] = split.get(str(r.device), 0) + r.size
-    return wall, split
+    return timed_dispatch(client, scheduler, _DoWork(_speeds(devices)), total)
 
 
 def _static(devices, sizes):
