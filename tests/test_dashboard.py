@@ -182,7 +182,6 @@ _TABLE_JS = r"""(() => {
 
 def render_table(url, until, timeout=45):
     """Open ``url`` in headless Chromium; the page's table once ``until(table)`` holds (or at the timeout)."""
-    from tornado.websocket import websocket_connect
 
     profile = tempfile.mkdtemp(prefix="dsched-chromium-")
     browser = subprocess.Popen(
@@ -194,19 +193,7 @@ def render_table(url, until, timeout=45):
     deadline = time.monotonic() + timeout
 
     async def drive():
-        port_file = Path(profile, "DevToolsActivePort")
-        while not (port_file.exists() and port_file.read_text().strip()):
-            assert time.monotonic() < deadline and browser.poll() is None, "Chromium did not start"
-            await asyncio.sleep(0.05)
-        port = int(port_file.read_text().split()[0])
-        while True:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as response:
-                pages = [t for t in json.load(response) if t["type"] == "page" and t["url"].startswith(url)]
-            if pages:
-                break
-            assert time.monotonic() < deadline, "Chromium opened no page"
-            await asyncio.sleep(0.05)
-        socket = await websocket_connect(pages[0]["webSocketDebuggerUrl"], max_message_size=2**26)
+        socket = await _devtools_page(profile, url, browser, deadline)
         ask = 0
         while True:
             ask += 1
@@ -455,7 +442,6 @@ def browse(url, steps, timeout=60, screenshot=None, window=(1400, 1900)):
     The last entry is ``{"dom": tables as drawn}`` (see ``_TABLE_JS``), read
     once more after the last step. Saves a PNG of the page to ``screenshot``.
     """
-    from tornado.websocket import websocket_connect
 
     profile = tempfile.mkdtemp(prefix="dsched-chromium-")
     browser = subprocess.Popen(
@@ -468,19 +454,7 @@ def browse(url, steps, timeout=60, screenshot=None, window=(1400, 1900)):
     seen = []
 
     async def drive():
-        port_file = Path(profile, "DevToolsActivePort")
-        while not (port_file.exists() and port_file.read_text().strip()):
-            assert time.monotonic() < deadline and browser.poll() is None, "Chromium did not start"
-            await asyncio.sleep(0.05)
-        port = int(port_file.read_text().split()[0])
-        while True:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as response:
-                pages = [t for t in json.load(response) if t["type"] == "page" and t["url"].startswith(url)]
-            if pages:
-                break
-            assert time.monotonic() < deadline, "Chromium opened no page"
-            await asyncio.sleep(0.05)
-        socket = await websocket_connect(pages[0]["webSocketDebuggerUrl"], max_message_size=2**26)
+        socket = await _devtools_page(profile, url, browser, deadline)
         asks = iter(range(1, 10**6))
 
         async def call(method, **params):
@@ -791,3 +765,22 @@ def test_a_task_annotated_with_its_items_counts_them_rather_than_its_request(das
     assert (row["chunks_done"] - before["chunks_done"], row["items_done"] - before["items_done"]) == (1, 7)
     run = next(r for r in after["runs"] if r["id"] == "dsched-0123abcd-0")  # its run, from the key's prefix
     assert (run["chunks_done"], run["items_done"]) == (1, 7)
+
+
+async def _devtools_page(profile, url, browser, deadline):
+    """A DevTools websocket to the page at ``url`` of the headless Chromium started with ``profile``."""
+    from tornado.websocket import websocket_connect
+
+    port_file = Path(profile, "DevToolsActivePort")
+    while not (port_file.exists() and port_file.read_text().strip()):
+        assert time.monotonic() < deadline and browser.poll() is None, "Chromium did not start"
+        await asyncio.sleep(0.05)
+    port = int(port_file.read_text().split()[0])
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as response:
+            pages = [t for t in json.load(response) if t["type"] == "page" and t["url"].startswith(url)]
+        if pages:
+            break
+        assert time.monotonic() < deadline, "Chromium opened no page"
+        await asyncio.sleep(0.05)
+    return await websocket_connect(pages[0]["webSocketDebuggerUrl"], max_message_size=2**26)
