@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from .devices import Device, running_on, selected
 from .report import ChunkRecord
-from .store import resolve_work
+from .store import forget_vanished_segments, resolve_work
 from .transfer import chunk_stream, is_real_gpu
 
 __all__ = ["ChunkProgram", "InFlight", "PackError", "run_chunk", "run_pack", "ITEMS_ANNOTATION"]
@@ -95,6 +95,7 @@ def _initialise(program, device, worker):
 def _compute(program, device, work, slot):
     # On a real GPU: page-locked inputs and a stream of the chunk's own (dsched.transfer); no-ops elsewhere.
     gpu = is_real_gpu(device)
+    forget_vanished_segments()  # unmap what ended runs left mapped in this process
     with chunk_stream(device):
         result = program.run(device, resolve_work(work, pinned=gpu))
         if slot is not None:

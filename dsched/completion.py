@@ -66,14 +66,14 @@ class DeviceWatch:
     worker owns the device again.
     """
 
-    def __init__(self, client, grace=None):
+    def __init__(self, client, grace=None, workers=None):
         from dask import config
 
         self.client = client
         self.grace = float(config.get("dsched.lost-device-timeout", 30.0) if grace is None else grace)
         self.missing_since = {}  # device -> when it was first seen without a worker
         self.redirect = {}  # lost device -> the device its chunks run on instead
-        self.capacities = device_capacities(client)  # Device -> items its workers may run at once
+        self.capacities = device_capacities(client, workers)  # Device -> items its workers may run at once
 
     def check(self, busy):
         """Update from the cluster; the devices newly redirected, ``{lost: fallback}``."""

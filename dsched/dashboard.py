@@ -60,6 +60,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from .chunk import ITEMS_ANNOTATION  # a chunk task's item count, where it differs from its request
 from .devices import EMULATED_RESOURCE, RESOURCE_PREFIX, UNLIMITED_CAPACITY, Device, device_of_resources
+from .feed import CHUNK_EVENT_TOPIC, DASHBOARD_PLUGIN, is_feed_key
 from .report import worker_host
 
 __all__ = [
@@ -80,7 +81,7 @@ __all__ = [
     "COLUMNS",
 ]
 
-PLUGIN_NAME = "dsched-dashboard"
+PLUGIN_NAME = DASHBOARD_PLUGIN
 JSON_ROUTE = "/dsched/status.json"
 PAGE_ROUTE = "/individual-dsched"
 HTML_ROUTE = "/dsched/status"  # a plain page polling the JSON, for schedulers started without the Bokeh page
@@ -254,6 +255,7 @@ class DashboardPlugin(SchedulerPlugin):
         self.window = float(window)
         self.scheduler = None
         self._stats = {}  # (Device, host) -> _DeviceStats
+        self._fed = {}  # (Device, host) -> {chunk key: items} of chunks running on device feeds
         self._runs = collections.OrderedDict()  # run id -> _Run, oldest first
         self._announced = {}  # client id -> (name, total, time): the next run of that client
         self._numbers = itertools.count(1)
@@ -272,8 +274,8 @@ class DashboardPlugin(SchedulerPlugin):
     # --- events ---------------------------------------------------------------
 
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs):
-        if start != "processing" and finish != "processing":
-            return
+        if start != "processing" and finish != "processing" or is_feed_key(key):
+            return  # a feed's chunks are told by its events (log_event)
         ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
         requested = _device_of_restrictions(getattr(ts, "resource_restrictions", None))
         if requested is None:
@@ -296,14 +298,34 @@ class DashboardPlugin(SchedulerPlugin):
             self._stats.setdefault((device, host), _DeviceStats()).add(begin, end, int(items))
             run.add(_label(device, host), str(device), begin, end, int(items))
 
+    def log_event(self, topic, msg):
+        """A chunk that a device feed (:mod:`dsched.feed`) started or finished."""
+        if topic != CHUNK_EVENT_TOPIC:
+            return
+        phase, run_id, client, device, items, address, chunk, start, stop = msg
+        device, host = Device(device), worker_host(address)
+        with self._lock:
+            run = self._run_named(run_id, client)
+            fed = self._fed.setdefault((device, host), {})
+            if phase == "start":
+                run.in_flight[chunk] = fed[chunk] = items
+                return
+            run.in_flight.pop(chunk, None)
+            fed.pop(chunk, None)
+            if phase == "done":
+                self._stats.setdefault((device, host), _DeviceStats()).add(start, stop, int(items))
+                run.add(_label(device, host), str(device), start, stop, int(items))
+
     def _run_of(self, key, ts) -> _Run:
         """The run a chunk belongs to, started on its first chunk (taking its client's announcement)."""
         match = _RUN_KEY.match(str(key))
-        run_id = match.group(1) if match else "other dsched tasks"
+        clients = sorted(cs.client_key for cs in getattr(ts, "who_wants", None) or ())
+        return self._run_named(match.group(1) if match else "other dsched tasks", clients[0] if clients else None)
+
+    def _run_named(self, run_id, client) -> _Run:
+        """The run ``run_id`` of ``client`` (a client id), started now if new."""
         run = self._runs.get(run_id)
         if run is None:
-            clients = sorted(cs.client_key for cs in getattr(ts, "who_wants", None) or ())
-            client = clients[0] if clients else None
             name, total, announced = self._announced.pop(client, (None, None, None))
             run = self._runs[run_id] = _Run(run_id, next(self._numbers), client, name, total, announced)
             while len(self._runs) > HISTORY:
@@ -363,11 +385,12 @@ class DashboardPlugin(SchedulerPlugin):
     def _row(self, device, host, workers, now):
         stats = self._stats.get((device, host)) or _DeviceStats()
         rate, busy = stats.rates(now, self.window)
-        load = in_flight = 0
+        fed = self._fed.get((device, host), {})
+        load, in_flight = sum(fed.values()), len(fed)
         for ws in workers:
             for ts in ws.processing:
                 requested = _device_of_restrictions(ts.resource_restrictions)
-                if requested is not None and requested[0] == device:
+                if requested is not None and requested[0] == device and not is_feed_key(ts.key):
                     load += _items(ts, requested[1])
                     in_flight += 1
         workers = sorted(workers, key=lambda w: w.address)

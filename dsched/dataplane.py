@@ -103,6 +103,9 @@ class RunData:
         self.generator = share_generator(generator, self.store) if local else generator
         self.targets = None  # one write target per output array, once the layout is known
         self.outputs = None  # the client's view of the joined outputs
+        if self.layout is None and self.axis is not None and _out_arrays(out):
+            # The user's out= arrays declare the layout: every chunk, the first ones included, writes in place.
+            self.layout = layout = OutputLayout.of(out, self.total, self.axis, where="out", origin="as out= holds")
         if layout is not None:
             self._allocate(layout)
 
@@ -170,7 +173,7 @@ class RunData:
         shapes = layout.shapes(self.total)
         if isinstance(self.out, (str, os.PathLike)):
             self.targets, self.outputs = self._create_zarr(layout, shapes)
-        elif self.out is not None:
+        elif _out_arrays(self.out):
             self.outputs = _user_arrays(self.out, layout, shapes)
             self.targets = tuple(self._user_target(a) for a in self.outputs)
         else:
@@ -210,6 +213,11 @@ class RunData:
     def _zarr_aligned(self, start, stop):
         c = self.chunk_items
         return start % c == 0 and (stop % c == 0 or stop == self.total)
+
+
+def _out_arrays(out) -> bool:
+    """Whether ``out`` is the user's arrays (not a store path, not absent)."""
+    return out is not None and not isinstance(out, (str, os.PathLike))
 
 
 def _fill_value(dtype):

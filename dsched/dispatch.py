@@ -28,6 +28,7 @@ from .completion import DeviceWatch, notify_when_done, wait_for_one
 from .dataplane import RunData, check_out, direct_to_workers, zarr_chunk_items
 from .devices import Device, device_resource, placement_device, running_on
 from .errors import AggregateError, ChunkTimeoutError
+from .feed import FeedOutcome, Feeds, FeedTicket, is_feed_key
 from .outputs import OutputLayout
 from .ownership import check_devices_owned, device_owners, device_threads
 from .reduce import concat_reduce
@@ -39,6 +40,7 @@ from .work import MappingLoader, Ranges
 __all__ = ["WorkDispatcher", "dispatch", "ChunkRecord", "RunReport"]
 
 MODES = ("sync", "async")
+TICK_SECONDS = 1.0  # how often an async run looks for chunks past their timeout and devices without workers
 
 
 class WorkDispatcher:
@@ -233,13 +235,14 @@ class WorkDispatcher:
                 self._run_sync(data, report)
             else:
                 client = self.client
-                check_devices_owned(client, self.scheduler)
+                cluster = client.scheduler_info(n_workers=-1)  # read once: every question below is answered from it
+                check_devices_owned(client, self.scheduler, cluster["workers"])
                 if hasattr(self.scheduler, "bind"):
                     self.scheduler.bind(client)
-                data = self._open_data(generator, out, client)
+                data = self._open_data(generator, out, client, cluster["workers"])
                 if begin_run is not None:
                     begin_run(_items(generator))
-                self._run_async(client, data, report)
+                self._run_async(client, data, report, cluster)
         finally:
             report.wall_stop = time.time()
             if data is not None:
@@ -288,9 +291,9 @@ class WorkDispatcher:
         finally:
             self.out = saved
 
-    def _open_data(self, generator, out, client=None):
+    def _open_data(self, generator, out, client=None, workers=None):
         """The run's data plane: inputs by reference (async), outputs in place (``join="concat"``)."""
-        owners = None if client is None else device_owners(client, self.scheduler.devices)
+        owners = None if client is None else device_owners(client, self.scheduler.devices, workers)
         sizes = [s.batch_size for s in self.scheduler.status()]
         return RunData(generator, client=client, owners=owners, concat_axis=None if self.join is None else self.axis,
                        layout=self._layout, out=out, chunk_items=zarr_chunk_items(sizes))
@@ -363,10 +366,11 @@ class WorkDispatcher:
             raise box["error"]
         return box["result"]
 
-    def _run_async(self, client, data, report):
+    def _run_async(self, client, data, report, cluster):
         if self._tracer is not None:
             self._tracer.note_cluster(client)
-        run = _AsyncRun(self, client, data, report, f"dsched-{self._program.dispatcher_id[:8]}-{next(self._runs)}")
+        run_id = f"dsched-{self._program.dispatcher_id[:8]}-{next(self._runs)}"
+        run = _AsyncRun(self, client, data, report, run_id, cluster)
         try:
             run.loop()
             run.gather()
@@ -427,7 +431,7 @@ class _AsyncRun:
     per chunk while Dask's per-task cost is paid once per pack.
     """
 
-    def __init__(self, dispatcher, client, data, report, run_id):
+    def __init__(self, dispatcher, client, data, report, run_id, cluster):
         self.dispatcher, self.client, self.data, self.report, self.run_id = dispatcher, client, data, report, run_id
         self.scheduler = dispatcher.scheduler
         self.done = queue.Queue()  # futures, and (key, i, ok, start, stop) pack events, from the event loop
@@ -436,17 +440,34 @@ class _AsyncRun:
         self.outstanding = {}  # record index -> record dispatched and not yet completed
         self.futures = []  # per record, the (last) future of its task
         self.failed = False
-        self.watch = DeviceWatch(client)
+        self.watch = DeviceWatch(client, workers=cluster["workers"])
         self.retries = itertools.count(1)
         self.observe = getattr(self.scheduler, "observe", None)  # a policy that learns from chunk timings
         self.pack = bool(dask.config.get("dsched.batched-submission", True))
         self.packs = set()  # keys of tasks that are packs
-        self.threads = device_threads(client)  # chunks of a device that can run at once
+        self.threads = device_threads(client, cluster["workers"])  # chunks of a device that can run at once
         self.topic = f"{run_id}-chunks"
         done = self.done  # the handler holds the queue only, never the run and its outputs
         client.subscribe_topic(self.topic, lambda event: done.put(event[1]))  # on the client's event loop
+        self.feeds = self._feeds(cluster)
+        self.next_tick = time.monotonic() + TICK_SECONDS  # when to look for timeouts and lost devices
+
+    def _feeds(self, cluster):
+        """The run's device feeds (:mod:`dsched.feed`) for devices whose workers map its store, if enabled.
+
+        A run with a timeout sends its chunks as tasks, which Dask can cancel one by one.
+        """
+        if not dask.config.get("dsched.feeds", True) or self.dispatcher.timeout is not None:
+            return None
+        local = {d: a for d, a in self.data.owners.items() if d not in self.data.remote and a}
+        if not local:
+            return None
+        sizes = {Device(s.device): s.batch_size for s in self.scheduler.status()}
+        return Feeds(self.client, self.dispatcher._program, self.run_id, local, self.done.put, cluster, sizes)
 
     def close(self):
+        if self.feeds is not None:
+            self.feeds.close()
         self.client.unsubscribe_topic(self.topic)
         # distributed's unsubscribe_topic tells the scheduler but keeps the handler (2026.8): drop it, or
         # every run's handler would stay in the client for good.
@@ -474,11 +495,22 @@ class _AsyncRun:
                     )
                 return
             item = wait_for_one(self.done, self._tick_seconds())
-            if item is None:
-                self._tick()
             while item is not None:
-                self.failed |= self._event(item) if isinstance(item, tuple) else self._complete(item)
+                self.failed |= self._handle(item)
                 item = wait_for_one(self.done, 0) if not self.done.empty() else None
+            if time.monotonic() >= self.next_tick:  # also while other chunks keep finishing
+                self._tick()
+
+    def _handle(self, item) -> bool:
+        """One completion notice: a feed's reply, a pack's chunk event, or a finished task; whether it failed."""
+        if isinstance(item, FeedOutcome):
+            return self._fed(item)
+        if isinstance(item, tuple):
+            return self._event(item)
+        if is_feed_key(item.key):
+            self.feeds.ended(item)
+            return False
+        return self._complete(item)
 
     def _dispatched(self, device, m, work, offset):
         if self.dispatcher._tracer is None:
@@ -500,6 +532,9 @@ class _AsyncRun:
         Chunks beyond the device's threads would only queue on its workers: they are
         packed, as many packs as the device has threads, so that its threads stay busy.
         """
+        if self.feeds is not None and self.feeds.serves(device):
+            self._feed(device, chunks)
+            return
         lanes = max(1, self.threads.get(placement_device(device), 1))
         # A result that travels back by value is available only when its whole pack ends: such chunks
         # (before the output layout is known, or for a remote device) are not packed.
@@ -555,7 +590,29 @@ class _AsyncRun:
             self.futures[record.index] = future
         notify_when_done(self.client, _distinct(futures), self.done.put)
 
+    def _feed(self, device, chunks):
+        """Send ``chunks`` to ``device``'s feeds, one message each (no task per chunk)."""
+        slots = [self.data.slot(device, r.offset, r.offset + r.size, r.index) for r, _ in chunks]
+        tickets = self.feeds.send(device, [(r.index, r.size, work, slot) for (r, work), slot in zip(chunks, slots)])
+        for (record, work), slot, ticket in zip(chunks, slots, tickets):
+            self.in_flight[record.index] = InFlight(record, work, ticket, slot is not None, float("inf"))
+            self.members[ticket.key] = [record.index]
+            self.futures[record.index] = ticket
+
     # --- completion ------------------------------------------------------------
+
+    def _fed(self, outcome) -> bool:
+        """A feed replied for a chunk; a chunk whose worker could not be reached runs again, as a task."""
+        entry = self.in_flight.get(outcome.index)
+        if entry is None or entry.future is not outcome.ticket:
+            return False  # moved elsewhere meanwhile (a lost device)
+        if outcome.lost:
+            self.feeds.refuse(outcome.ticket.device)
+            del self.in_flight[outcome.index]
+            self._submit(self.watch.where(entry.record.device), [(entry.record, entry.work)], retry=True)
+            return False
+        return self._settle([outcome.index], {outcome.index: entry}, outcome.address,
+                            [(outcome.ok, outcome.value, outcome.start, outcome.stop)])
 
     def _event(self, event) -> bool:
         """A pack's chunk finished: account for it now if it succeeded and needs nothing from its outcome."""
@@ -658,16 +715,17 @@ class _AsyncRun:
 
     # --- ticks: timeouts and lost devices ---------------------------------------
 
-    def _tick_seconds(self, poll=1.0):
+    def _tick_seconds(self):
         nearest = min((e.deadline for e in self.in_flight.values()), default=float("inf"))
-        return max(0.0, min(poll, nearest - time.monotonic()))
+        return max(0.0, min(self.next_tick, nearest) - time.monotonic())
 
     def _tick(self):
         now = time.monotonic()
+        self.next_tick = now + TICK_SECONDS
         expired = [e for e in self.in_flight.values() if e.deadline <= now]
         if expired:
             keys = {e.future.key for e in expired}
-            self.client.cancel(_distinct(e.future for e in expired))
+            self._cancel(e.future for e in expired)
             # A pack's other chunks are cancelled with it: they waited behind the one that ran over.
             for entry in [e for e in self.in_flight.values() if e.future.key in keys]:
                 record = entry.record
@@ -677,21 +735,29 @@ class _AsyncRun:
             self.failed = True
         busy = {self.watch.where(e.record.device) for e in self.in_flight.values()}
         for lost, fallback in self.watch.check(busy).items():
+            if self.feeds is not None:
+                self.feeds.refuse(lost)
             moved = [e for e in self.in_flight.values() if e.record.device == lost]
             if moved:
-                self.client.cancel(_distinct(e.future for e in moved))
+                self._cancel(e.future for e in moved)
                 for entry in moved:
                     del self.in_flight[entry.record.index]
                 self._submit(fallback, [(e.record, e.work) for e in moved], retry=True)
 
     def abandon(self):
         """Cancel every chunk still out, in one call, and give its load back."""
-        pending = _distinct(self.futures[r.index] for r in self.outstanding.values())
-        if pending:
-            self.client.cancel(pending)
+        self._cancel(self.futures[r.index] for r in self.outstanding.values())
+        if self.feeds is not None:
+            self.feeds.cancel()
         for record in self.outstanding.values():
             self.scheduler.completed_work(record.device, record.size)
         self.outstanding.clear()
+
+    def _cancel(self, futures):
+        """Cancel the tasks of ``futures`` (a chunk on a feed has none: its feed is cancelled with the run)."""
+        tasks = [f for f in _distinct(futures) if not isinstance(f, FeedTicket)]
+        if tasks:
+            self.client.cancel(tasks)
 
     def gather(self):
         """Timings (and results, without an in-place join) of the chunks not collected yet, one call for all."""

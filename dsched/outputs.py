@@ -82,12 +82,14 @@ class OutputLayout:
     skeleton: object  # the result with every array replaced by None
     leaves: tuple
     axis: int = 0
+    origin: str = "as the first chunk returned"  # where it came from, for error messages
 
     def __reduce__(self):
-        return OutputLayout, (self.skeleton, self.leaves, self.axis)
+        return OutputLayout, (self.skeleton, self.leaves, self.axis, self.origin)
 
     @classmethod
-    def of(cls, result, size: int, axis: int = 0, *, where: str = "chunk 0") -> "OutputLayout":
+    def of(cls, result, size: int, axis: int = 0, *, where: str = "chunk 0",
+           origin: str = "as the first chunk returned") -> "OutputLayout":
         """The layout of ``result``, a chunk of ``size`` items; raises if it does not fit its chunk."""
         leaves = []
         for path, leaf in _flatten(result):
@@ -95,13 +97,13 @@ class OutputLayout:
             _check_leaf(path, leaf, size, axis, where)
             shape = tuple(leaf.shape)
             leaves.append(_Leaf(path, shape[:axis] + shape[axis + 1:], np.dtype(leaf.dtype).str, template))
-        return cls(_skeleton(result), tuple(leaves), axis)
+        return cls(_skeleton(result), tuple(leaves), axis, origin)
 
     @classmethod
     def declared(cls, spec: dict, axis: int = 0) -> "OutputLayout":
         """A layout from ``{name: (item_shape, dtype)}``: a result that is a dict of arrays."""
         leaves = tuple(_Leaf((name,), tuple(shape), np.dtype(dtype).str) for name, (shape, dtype) in spec.items())
-        return cls({name: None for name in spec}, leaves, axis)
+        return cls({name: None for name in spec}, leaves, axis, "as output_spec declares")
 
     def shapes(self, total: int) -> dict:
         """``{path: shape}`` of the joined outputs for a batch of ``total`` items."""
@@ -114,8 +116,8 @@ class OutputLayout:
         expected = [leaf.path for leaf in self.leaves]
         if paths != expected:
             raise ChunkResultError(
-                f"{where} returned {_describe(result)}; expected the structure of the first chunk's result "
-                f"({', '.join(map(_path_name, expected))})"
+                f"{where} returned {_describe(result)}; expected {', '.join(map(_path_name, expected))} "
+                f"({self.origin})"
             )
         arrays = []
         for leaf, (path, array) in zip(self.leaves, flat):
@@ -127,8 +129,7 @@ class OutputLayout:
             if item != leaf.item_shape or np.dtype(array.dtype).str != leaf.dtype:
                 raise ChunkResultError(
                     f"{where} returned {_path_name(path)} with items of shape {item} and dtype "
-                    f"{np.dtype(array.dtype)}; expected {leaf.item_shape} and {np.dtype(leaf.dtype)} as declared "
-                    "or as the first chunk returned"
+                    f"{np.dtype(array.dtype)}; expected {leaf.item_shape} and {np.dtype(leaf.dtype)} {self.origin}"
                 )
         return arrays
 

@@ -7,21 +7,30 @@ from .devices import Device, device_of_resources, device_resource, placement_dev
 __all__ = ["device_owners", "device_capacities", "device_threads", "check_devices_owned"]
 
 
-def device_owners(client, devices) -> dict:
-    """``{Device: [address of each worker that owns it]}`` for ``devices``."""
+def _workers(client, workers):
+    """The cluster's workers as ``scheduler_info`` lists them: ``workers`` when the caller read them already."""
+    return client.scheduler_info(n_workers=-1)["workers"] if workers is None else workers
+
+
+def device_owners(client, devices, workers=None) -> dict:
+    """``{Device: [address of each worker that owns it]}`` for ``devices``.
+
+    Each function here takes the ``workers`` of one ``client.scheduler_info()``
+    call, so that a run asks the scheduler once rather than once per question.
+    """
     wanted = {placement_device(d): Device(d) for d in devices}
     owners = {Device(d): [] for d in devices}
-    for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
+    for address, info in _workers(client, workers).items():
         device = device_of_resources(info.get("resources"))
         if device is not None and device in wanted:
             owners[wanted[device]].append(address)
     return owners
 
 
-def device_capacities(client) -> dict:
+def device_capacities(client, workers=None) -> dict:
     """``{Device: smallest capacity in items among the workers that own it}``."""
     capacities = {}
-    for info in client.scheduler_info(n_workers=-1)["workers"].values():
+    for info in _workers(client, workers).values():
         device = device_of_resources(info.get("resources"))
         if device is not None:
             amount = info["resources"][device_resource(device)]
@@ -29,9 +38,9 @@ def device_capacities(client) -> dict:
     return capacities
 
 
-def check_devices_owned(client, scheduler):
+def check_devices_owned(client, scheduler, workers=None):
     """A ValueError, before any work, for a device no worker owns or whose capacity is below its batch size."""
-    capacities = device_capacities(client)
+    capacities = device_capacities(client, workers)
     missing = [str(s.device) for s in scheduler.status() if placement_device(s.device) not in capacities]
     if missing:
         have = ", ".join(sorted(map(str, capacities))) or "none"
@@ -48,10 +57,10 @@ def check_devices_owned(client, scheduler):
             )
 
 
-def device_threads(client) -> dict:
+def device_threads(client, workers=None) -> dict:
     """``{Device: threads of all the workers that own it}``: how many of its chunks can run at once."""
     threads = {}
-    for info in client.scheduler_info(n_workers=-1)["workers"].values():
+    for info in _workers(client, workers).values():
         device = device_of_resources(info.get("resources"))
         if device is not None:
             threads[device] = threads.get(device, 0) + int(info.get("nthreads", 1))

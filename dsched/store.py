@@ -89,15 +89,20 @@ class ArrayRef:
         per_row = int(np.prod(self.shape[1:], dtype=np.int64))
         itemsize = np.dtype(self.dtype).itemsize
         count = stop - start
-        if pinned:
-            base = pinned_segment(self.token, writable)
-            first = self.offset + start * per_row * itemsize
-            view = base[first:first + count * per_row * itemsize].view(self.dtype)
-            return view.reshape((count,) + tuple(self.shape[1:]))
-        buffer, delta = _map_range(self.token, self.offset + start * per_row * itemsize, count * per_row * itemsize,
-                                   writable, private)
-        return np.frombuffer(buffer, self.dtype, count=count * per_row, offset=delta).reshape(
-            (count,) + tuple(self.shape[1:]))
+        first = self.offset + start * per_row * itemsize
+        length = count * per_row * itemsize
+        if private:  # copy-on-write: a mapping of its own, dropped with the chunk
+            buffer, delta = _map_range(self.token, first, length)
+            base = np.frombuffer(buffer, np.uint8, count=length, offset=delta)
+        else:
+            whole = pinned_segment(self.token, writable) if pinned else mapped_segment(self.token, writable)
+            base = whole[first:first + length]
+            if writable and not pinned:
+                _populate(whole, first, length)
+        view = base.view(self.dtype).reshape((count,) + tuple(self.shape[1:]))
+        if not writable and view.flags.writeable:
+            view.flags.writeable = False  # inputs are read-only, also in the process that made the segment
+        return view
 
     def whole(self, *, writable: bool = False) -> np.ndarray:
         return self.rows(0, self.shape[0], writable=writable)
@@ -109,56 +114,108 @@ class ArrayRef:
         return self.whole()[(slice(None),) * axis + (slice(start, stop),)]
 
 
-_pinned: dict = {}  # token -> (mapping, bytes view, pointer) of segments this process page-locked for a GPU
-_pinned_lock = threading.Lock()
+_mapped: dict = {}  # (token, writable) -> mmap of a whole segment, kept for this process's later chunks
+_pinned: dict = {}  # token -> (bytes view, pointer) of segments this process page-locked for a GPU
+_mapped_lock = threading.Lock()
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels refuse it and pages are faulted one by one
+
+
+def mapped_segment(token: str, writable: bool) -> np.ndarray:
+    """This process's mapping of a whole segment, as bytes; made once per segment and process.
+
+    A mapping is kept rather than made per chunk: a page is faulted into this
+    process once, however many chunks (and calls) touch it, which is what lets
+    a worker reading a :func:`shared_empty` array call after call run as fast as
+    if the array were its own. The segment itself lives in this process's own
+    mapping when it made it. Mappings of segments that have since been unlinked
+    (runs that ended) are dropped the next time a chunk maps a segment.
+    """
+    own = _own_segments.get(token)
+    if own is not None:
+        return np.frombuffer(own, np.uint8)
+    with _mapped_lock:
+        buffer = _mapped.get((token, writable))
+        if buffer is None:
+            _forget_vanished_segments()
+            fd = os.open(os.path.join(SHM_DIR, token), os.O_RDWR if writable else os.O_RDONLY)
+            try:
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                buffer = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=prot)
+            finally:
+                os.close(fd)
+            _mapped[(token, writable)] = buffer
+    return np.frombuffer(buffer, np.uint8)
 
 
 def pinned_segment(token: str, writable: bool) -> np.ndarray:
-    """This process's page-locked mapping of a whole segment, as bytes; made once per segment.
+    """This process's page-locked mapping of a whole segment, as bytes; registered once per segment.
 
     Page-locked (``cudaHostRegister``) host memory is what lets a GPU copy a
     chunk by DMA while it computes another. Registration is costly, so it is
     done once per segment and process; segments that have since been unlinked
-    are unregistered and unmapped the next time one is added.
+    are unregistered when their mapping is dropped.
     """
-    with _pinned_lock:
-        entry = _pinned.get(token)
-        if entry is None:
+    view = mapped_segment(token, writable)
+    with _mapped_lock:
+        if token not in _pinned:
             import cupy
 
-            _forget_vanished_pins(cupy)
-            fd = os.open(os.path.join(SHM_DIR, token), os.O_RDWR if writable else os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-                buffer = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
-            finally:
-                os.close(fd)
-            view = np.frombuffer(buffer, np.uint8)
             # cudaHostRegisterPortable (1), plus cudaHostRegisterReadOnly (8) for inputs.
-            cupy.cuda.runtime.hostRegister(view.ctypes.data, size, 1 if writable else 1 | 8)
-            _pinned[token] = entry = (buffer, view, view.ctypes.data)
-        return entry[1]
+            cupy.cuda.runtime.hostRegister(view.ctypes.data, view.nbytes, 1 if writable else 1 | 8)
+            _pinned[token] = (view, view.ctypes.data)
+    return view
 
 
-def _forget_vanished_pins(cupy):
-    for token in [t for t in _pinned if not os.path.exists(os.path.join(SHM_DIR, t))]:
-        _, _, pointer = _pinned.pop(token)
-        cupy.cuda.runtime.hostUnregister(pointer)
+def _forget_vanished_segments():
+    """Drop (and unregister) this process's mappings of segments no longer in ``/dev/shm``: their runs ended."""
+    for key in [k for k in _mapped if not os.path.exists(os.path.join(SHM_DIR, k[0]))]:
+        buffer = _mapped.pop(key)
+        pinned = _pinned.pop(key[0], None)
+        if pinned is not None:
+            import cupy
+
+            cupy.cuda.runtime.hostUnregister(pinned[1])
+        try:
+            buffer.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes when it does
+            pass
 
 
-def _map_range(token: str, offset: int, length: int, writable: bool, private: bool = False):
-    """Map ``length`` bytes of segment ``token`` from ``offset``; the mapping and the offset of the data in it."""
-    fd = os.open(os.path.join(SHM_DIR, token), os.O_RDWR if writable else os.O_RDONLY)
+def forget_vanished_segments():
+    """Unmap this process's mappings of segments whose runs ended (called as a chunk starts)."""
+    if _mapped:
+        with _mapped_lock:
+            _forget_vanished_segments()
+
+
+def _populate(whole, first, length):
+    """Fault in the pages of rows about to be written with one call rather than a fault per page."""
+    page = mmap.PAGESIZE
+    start = first - first % page
+    stop = min(-(-(first + length) // page) * page, whole.nbytes)
+    buffer = whole.base if isinstance(whole.base, mmap.mmap) else None
+    if buffer is not None and stop > start:
+        try:
+            buffer.madvise(_MADV_POPULATE_WRITE, start, stop - start)
+        except (OSError, ValueError):
+            pass
+
+
+def _map_range(token: str, offset: int, length: int):
+    """A private copy-on-write mapping of ``length`` bytes of segment ``token`` from ``offset``, and the offset of
+    the data in it (torch inputs, whose tensors are writable)."""
+    fd = os.open(os.path.join(SHM_DIR, token), os.O_RDONLY)
     try:
         aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable or private else 0)
-        # Rows about to be written are populated in one call: cheaper than a fault per page.
-        flags = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED) | (getattr(mmap, "MAP_POPULATE", 0) if writable else 0)
-        buffer = mmap.mmap(fd, max(length + offset - aligned, 1), flags=flags, prot=prot, offset=aligned)
+        buffer = mmap.mmap(fd, max(length + offset - aligned, 1), flags=mmap.MAP_PRIVATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=aligned)
     finally:
         os.close(fd)
     return buffer, offset - aligned
+
+
+# Segments this process made, by token (weakly: a segment goes when its last view does).
+_own_segments: "weakref.WeakValueDictionary[str, mmap.mmap]" = weakref.WeakValueDictionary()
 
 
 class _Segment:
@@ -172,6 +229,7 @@ class _Segment:
             _track(self.token)
             os.ftruncate(fd, max(nbytes, 1))
             self.buffer = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+            _own_segments[self.token] = self.buffer
         except BaseException:
             os.close(fd)
             self.unlink()

@@ -48,9 +48,12 @@ def test_processes_results_equal_numpy_and_leave_no_segment(process_client):
     out["y"][0] = 1.0  # and writable, like any result
 
 
+@pytest.mark.parametrize("feeds", [True, False])
 @pytest.mark.parametrize("batch", [1_000, 100_000])
-def test_task_size_does_not_grow_with_the_chunk(process_client, batch):
-    """Each chunk's task (what the scheduler holds and forwards) is a small descriptor."""
+def test_task_size_does_not_grow_with_the_chunk(process_client, batch, feeds):
+    """Each chunk's task (what the scheduler holds and forwards) is a small descriptor. With device feeds the
+    scheduler holds one task per device thread (the two feeds), whatever the chunks; without, one per chunk."""
+    import dask
     from distributed.diagnostics.plugin import SchedulerPlugin
 
     sizes = []
@@ -67,11 +70,12 @@ def test_task_size_does_not_grow_with_the_chunk(process_client, batch):
     scheduler.add_plugin(plugin, name="task-sizes")
     try:
         x = np.ones((4 * batch, 6))
-        out = dsched.dispatch(np.negative, x, scheduler=hybrid(batch), client=process_client)
+        with dask.config.set({"dsched.feeds": feeds, "dsched.batched-submission": False}):
+            out = dsched.dispatch(np.negative, x, scheduler=hybrid(batch), client=process_client)
     finally:
         scheduler.remove_plugin(name="task-sizes")
     np.testing.assert_array_equal(out, -x)
-    assert len(sizes) == 4
+    assert len(sizes) == (2 if feeds else 4)
     assert max(sizes) <= 1024, sizes
 
 
@@ -197,7 +201,8 @@ def test_bad_out_is_refused_before_any_work(tmp_path, hybrid_client):
     with pytest.raises(ValueError, match=r"out: shape \(9,\) does not hold 10 items along axis 0"):
         dsched.dispatch(model, x, scheduler=s, mode="sync", out=np.zeros(9))
     assert not calls
-    with pytest.raises(ChunkResultError, match=r"out: shape \(10,\) and dtype int64 do not fit"):
+    with pytest.raises(ChunkResultError, match=r"chunk 0 on cpu returned result with items of shape \(\) and dtype "
+                       r"float64; expected \(\) and int64 as out= holds"):
         dsched.dispatch(model, x, scheduler=s, mode="sync", out=np.zeros(10, dtype=np.int64))
     dsched.dispatch(model, x, scheduler=s, mode="sync", out=str(tmp_path / "exists.zarr"), overwrite=True)
 

@@ -23,6 +23,15 @@ def fails_at_300(work, device):
     return work * 2
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_feeds():
+    """Packs are how chunks travel where there are no device feeds (dsched.feeds off, remote workers)."""
+    import dask
+
+    with dask.config.set({"dsched.feeds": False}):
+        yield
+
+
 @pytest.fixture(scope="module")
 def one_thread_client():
     """One CPU worker with one thread: every chunk admitted beyond the first is packed."""

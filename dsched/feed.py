@@ -1,0 +1,455 @@
+"""Device feeds: a run's chunks reach their worker straight from the client, one small message each.
+
+A chunk sent as its own Dask task costs a scheduler round trip: the graph
+update, the transitions, the worker's task state machine and the completion
+notice. On two cores that is about 5 ms of client CPU and 2 ms of worker CPU
+per chunk (``docs/benchmarks.md``), more than the J2 update of 32,768 points
+costs, and the client's CPU is taken from the workers.
+
+A *feed* pays that once per run and device thread. It is one Dask task
+(:func:`run_feed`) pinned to a device worker like a chunk, holding a share of
+the device's resource, that waits for chunks in an inbox of its worker. The
+client sends each chunk's descriptor (references into the run's store and
+its output slot, a few hundred bytes) with a direct RPC to that worker, over
+Dask's own comms (TLS included); the feed runs it, and the RPC's reply is
+the chunk's outcome and timings. Nothing goes through the scheduler per
+chunk. About 0.35 ms of client CPU and 0.2 ms of worker CPU per chunk.
+
+The scheduler still sees each feed as a task (dashboard task stream, worker
+restrictions, resources), and the dashboard's per-device rows come from one
+event per chunk (``dsched-chunks``). A worker that dies fails its chunks'
+RPCs: the dispatcher runs them again as tasks (:mod:`dsched.dispatch`).
+
+The worker side is a handler installed by :class:`FeedPlugin`, registered by
+the dispatcher on first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol.serialize import ToPickle
+
+from .completion import notify_when_done
+from .devices import device_resource, placement_device
+
+__all__ = ["FeedPlugin", "Feeds", "FeedOutcome", "FeedTicket", "run_feed", "is_feed_key", "CHUNK_EVENT_TOPIC"]
+
+CHUNK_OP, STOP_OP = "dsched_feed_chunk", "dsched_feed_stop"
+# With the dashboard on the scheduler, a feed tells it of each chunk as it starts and ends:
+# (phase "start", "done" or "failed", run id, client id, device, items, worker address, chunk key, start, stop).
+CHUNK_EVENT_TOPIC = "dsched-chunks"
+DASHBOARD_PLUGIN = "dsched-dashboard"  # dsched.dashboard.PLUGIN_NAME, without importing Bokeh here
+_POLL = 0.05  # seconds between an idle feed's checks that its task is still wanted and nobody waits for it
+
+
+# --- the worker's side --------------------------------------------------------
+
+class _Inbox:
+    """The chunks waiting for one feed; once closed, what arrives is refused."""
+
+    def __init__(self):
+        self.queue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.closed = False
+        self.error = None  # why it closed: what chunks that arrive later fail with
+        self.attached = False  # a feed task is taking chunks from it
+        self.stopping = False  # the client said the run is over
+
+    def put(self, item) -> bool:
+        with self.lock:
+            if not self.closed:
+                self.queue.put(item)
+            return not self.closed
+
+    def retire(self) -> bool:
+        """Its feed leaves (a successor will take over); ``False`` if the run is over and it should stop instead."""
+        with self.lock:
+            if self.stopping:
+                return False
+            self.attached = False
+            return True
+
+    def attach(self):
+        with self.lock:
+            self.attached = True
+
+    def stop(self):
+        """The run is over: its feed ends once the inbox is empty; with no feed attached, it closes now."""
+        with self.lock:
+            self.stopping = True
+            attached = self.attached
+            self.queue.put(None)
+        if not attached:
+            self.close(RuntimeError("the run is over"))
+
+    def close(self, error):
+        """Refuse what comes next, and fail what is still waiting, with ``error``."""
+        with self.lock:
+            self.closed = True
+            self.error = error
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                _resolve(item[-2], item[-1], _failure(error))
+
+
+_inboxes: "collections.OrderedDict[str, _Inbox]" = collections.OrderedDict()  # feed id -> inbox, this process
+_inboxes_lock = threading.Lock()
+_CLOSED_KEPT = 1024  # closed inboxes remembered, so that a late chunk is refused rather than left waiting
+
+
+def _inbox(feed: str) -> _Inbox:
+    with _inboxes_lock:
+        inbox = _inboxes.get(feed)
+        if inbox is None:  # the chunk may arrive before its feed's task starts
+            inbox = _inboxes[feed] = _Inbox()
+            closed = [k for k, v in _inboxes.items() if v.closed]
+            for key in closed[:max(0, len(closed) - _CLOSED_KEPT)]:
+                del _inboxes[key]
+        return inbox
+
+
+def _failure(err) -> dict:
+    return {"ok": False, "value": ToPickle(err), "start": 0.0, "stop": 0.0}
+
+
+def _resolve(loop, future, reply):
+    def set_result():
+        if not future.done():
+            future.set_result(reply)
+
+    loop.call_soon_threadsafe(set_result)
+
+
+def _chunk_handler(worker):
+    async def receive_chunk(feed=None, index=None, work=None, slot=None, about=None):
+        """RPC handler: queue a chunk for its feed and reply with its outcome once it ran.
+
+        ``about`` (only with the dashboard): ``(run id, client id, device, items, chunk key)``
+        for the chunk events; the chunk is in flight from here.
+        """
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if about is not None:
+            worker.log_event(CHUNK_EVENT_TOPIC, ("start", *about[:4], worker.address, about[4], None, None))
+        inbox = _inbox(feed)
+        if not inbox.put((index, work, slot, about, loop, future)):
+            return _failure(inbox.error)
+        return await future
+
+    return receive_chunk
+
+
+async def _receive_stop(feed=None):
+    """RPC handler: the run is over; the feed returns once its inbox is empty (at once if it has retired)."""
+    _inbox(feed).stop()
+    return "OK"
+
+
+class FeedPlugin(WorkerPlugin):
+    """Installs the feed handlers on every worker (and on workers that join later)."""
+
+    name = "dsched-feeds"
+    idempotent = True
+
+    def setup(self, worker):
+        worker.handlers[CHUNK_OP] = _chunk_handler(worker)
+        worker.handlers[STOP_OP] = _receive_stop
+
+
+def is_feed_key(key) -> bool:
+    """Whether a task key is a feed's (``<run id>-feed-<n>``, a successor's with ``-<m>`` after it)."""
+    return "-feed-" in str(key)
+
+
+RETIRED = "retired"  # what a feed that gave its thread back returns; its inbox waits for a successor
+
+
+def run_feed(program, device, feed: str):
+    """The task of one feed: run the chunks that arrive in its inbox until told to stop.
+
+    Returns the chunks it ran, or :data:`RETIRED` if it gave its thread back
+    because other tasks wait for the worker (another client's chunks, or a
+    chunk of this run sent as a task): a feed must not hold a device that
+    others share for a whole run. Its inbox stays open, and the client starts
+    a successor on it. It also ends if its task is cancelled (the client went
+    away or gave up on the run).
+    """
+    from distributed import get_worker
+
+    from .chunk import _compute, _initialise
+
+    worker = get_worker()
+    key = worker.get_current_task()
+    inbox = _inbox(feed)
+    inbox.attach()
+    ran = 0
+    ended = RuntimeError(f"feed {feed} has ended")
+    try:
+        try:
+            _initialise(program, device, worker)
+        except Exception as err:  # thread_init failed: so does every chunk sent here
+            ended = err
+            raise
+        while True:
+            if _others_wait(worker, feed):
+                if inbox.retire():
+                    ended = None
+                    return RETIRED
+            try:
+                item = inbox.queue.get(timeout=_POLL)
+            except queue.Empty:
+                if _abandoned(worker, key):
+                    return ran
+                continue
+            if item is None:
+                return ran
+            index, work, slot, about, loop, future = item
+            start = time.time()
+            try:
+                value, ok = _compute(program, device, work, slot), True
+            except Exception as err:  # the chunk's failure, not the feed's
+                value, ok = err, False
+            stop = time.time()
+            if about is not None:  # before the reply: the dashboard counts a chunk no later than the client does
+                phase = "done" if ok else "failed"
+                worker.log_event(CHUNK_EVENT_TOPIC, (phase, *about[:4], worker.address, about[4], start, stop))
+            _resolve(loop, future, {"ok": ok, "value": ToPickle(value), "start": start, "stop": stop})
+            ran += 1
+    finally:
+        if ended is not None:
+            inbox.close(ended)
+
+
+def _others_wait(worker, feed) -> bool:
+    """Whether tasks other than this run's feeds wait for a thread or a resource of this worker."""
+    own = feed.rpartition("-feed-")[0] + "-feed-"
+    state = worker.state
+    return any(not str(ts.key).startswith(own) for waiting in (state.ready, state.constrained) for ts in waiting)
+
+
+def _abandoned(worker, key) -> bool:
+    """Whether the feed's task was cancelled or released, or its worker is closing."""
+    ts = worker.state.tasks.get(key)
+    return ts is None or ts.state not in ("executing", "long-running") or worker.status.name not in (
+        "running", "paused")
+
+
+# --- the client's side -----------------------------------------------------------
+
+@dataclass
+class FeedTicket:
+    """A chunk sent to a feed, standing where a chunk task's future would (``key``, ``status``, ``release``)."""
+
+    key: str
+    device: object
+    status: str = "pending"
+
+    def release(self):
+        pass
+
+
+@dataclass
+class FeedOutcome:
+    """What a feed replied for one chunk: ``lost`` if its worker could not be reached."""
+
+    ticket: FeedTicket
+    index: int
+    address: str
+    ok: bool
+    value: object
+    start: float
+    stop: float
+    lost: bool = False
+
+
+@dataclass
+class _Feed:
+    id: str  # its inbox's name on its worker, and its first task's key
+    device: object
+    address: str
+    future: object  # of its current task (a successor's after it retired)
+    holds: float  # the items of its device it holds: the largest chunk it runs
+    sent: int = 0  # chunks sent and not yet answered
+    tasks: int = 1  # tasks it has had (a successor after each retirement)
+    lost: bool = False
+    stopped: bool = False
+
+
+class Feeds:
+    """The feeds of one run: started per device on its first chunk, stopped when the run ends.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    program : ChunkProgram
+        Shipped once, with each feed's task.
+    run_id : str
+        Feeds' task keys and chunk events carry it.
+    owners : dict
+        ``{Device: [worker address]}``: a device gets one feed per thread of each of its workers.
+    put : callable
+        Called on the client's event loop with each :class:`FeedOutcome`, and with
+        each feed task's future as it ends (for :meth:`ended`).
+    cluster : dict
+        What ``client.scheduler_info()`` said at the run's start.
+    batch_sizes : dict
+        ``{Device: its batch size}``: a worker gets as many feeds as it has threads and room for.
+    """
+
+    def __init__(self, client, program, run_id, owners, put, cluster, batch_sizes):
+        self.client, self.program, self.run_id, self.owners, self.put = client, program, run_id, owners, put
+        self.batch_sizes = batch_sizes
+        self._feeds = {}  # Device -> [_Feed]
+        self._refused = set()  # devices whose feed's worker was lost: their chunks go as tasks
+        self._workers = cluster["workers"]  # address -> its threads and resources
+        self._events = None  # whether the scheduler has the dashboard, asked when a feed first starts
+        self._started = 0  # feeds started, for their keys
+        self._by_key = {}  # task key -> feed, for the tasks not yet ended
+        register_plugin(client, cluster.get("id"))
+
+    def serves(self, device) -> bool:
+        return device in self.owners and device not in self._refused
+
+    def send(self, device, chunks) -> list:
+        """Send ``chunks`` (``(index, items, work, slot)``) to the least busy feeds of ``device``; their tickets.
+
+        Each chunk's :class:`FeedOutcome` is ``put`` when its feed replies. One
+        wake-up of the event loop for them all.
+        """
+        feeds = [f for f in self._feeds.get(device) or self._start(device) if not f.lost]
+        calls = []
+        for index, items, work, slot in chunks:
+            feed = min(feeds, key=lambda f: f.sent)
+            feed.sent += 1
+            ticket = FeedTicket(f"{feed.id}-{index}", device)
+            about = (self.run_id, self.client.id, str(placement_device(device)), items, ticket.key) \
+                if self._events else None
+            calls.append((feed, ticket, index, work, slot, about))
+        self.client.loop.add_callback(self._call_all, calls)
+        return [call[1] for call in calls]
+
+    async def _call_all(self, calls):
+        for call in calls:
+            task = asyncio.ensure_future(self._call(*call))
+            _calls.add(task)
+            task.add_done_callback(_calls.discard)
+
+    def refuse(self, device):
+        """Send no more of ``device``'s chunks to feeds (a worker of it was lost)."""
+        self._refused.add(device)
+
+    async def _call(self, feed, ticket, index, work, slot, about):
+        try:
+            reply = await self.client.rpc(feed.address).dsched_feed_chunk(
+                feed=feed.id, index=index, work=ToPickle(work), slot=ToPickle(slot), about=about)
+            if not isinstance(reply, dict):  # a worker without the handler
+                raise RuntimeError(f"worker {feed.address} has no dsched feed handler")
+            outcome = FeedOutcome(ticket, index, feed.address, reply["ok"], reply["value"], reply["start"],
+                                  reply["stop"])
+        except Exception as err:  # its worker went away
+            feed.lost = True
+            outcome = FeedOutcome(ticket, index, feed.address, False, err, 0.0, 0.0, lost=True)
+        feed.sent -= 1
+        ticket.status = "finished" if outcome.ok else "error"
+        self.put(outcome)
+
+    def _start(self, device):
+        """Start ``device``'s feeds: per worker, as many as it has threads and room for chunks of its batch size.
+
+        Each feed holds its share of the worker's device resource, so that feeds
+        keep the bound a worker's capacity sets on the items it runs at once.
+        """
+        if self._events is None:
+            self._events = self.client.run_on_scheduler(_has_dashboard)
+        resource = device_resource(device)
+        items = self.batch_sizes.get(device, 1)
+        feeds = []
+        for address in self.owners[device]:
+            info = self._workers.get(address, {})
+            held = (info.get("resources") or {}).get(resource, items)
+            lanes = max(1, min(int(info.get("nthreads", 1)), int(held // max(items, 1))))
+            for _ in range(lanes):
+                feed_id = f"{self.run_id}-feed-{self._started}"
+                self._started += 1
+                feed = _Feed(feed_id, device, address, None, held / lanes)
+                self._submit(feed, feed_id)
+                feeds.append(feed)
+        self._feeds[device] = feeds
+        return feeds
+
+    def _submit(self, feed, key):
+        feed.future = self.client.submit(run_feed, self.program, feed.device, feed.id, key=key,
+                                         workers=[feed.address], allow_other_workers=False,
+                                         resources={device_resource(feed.device): feed.holds}, pure=False)
+        self._by_key[key] = feed
+        notify_when_done(self.client, [feed.future], self.put)
+
+    def ended(self, future):
+        """A feed's task ended: one that retired (gave its thread to others) gets a successor on its inbox."""
+        feed = self._by_key.pop(future.key, None)
+        if feed is None or feed.stopped or feed.lost or future.status != "finished":
+            return  # stopped at the run's end, gone with its worker, cancelled, or failed (its chunks were told)
+        feed.tasks += 1
+        self._submit(feed, f"{feed.id}-{feed.tasks}")
+
+    def close(self):
+        """Stop every feed (their inboxes are empty at a run's end) and release their tasks.
+
+        With the dashboard, wait for the feeds' tasks to end: their chunk events
+        then reached the scheduler before the run returns.
+        """
+        feeds = [f for fs in self._feeds.values() for f in fs]
+        if not feeds:
+            return
+        if self._events:
+            self.client.sync(self._stop, feeds, False)
+            for feed in feeds:
+                try:
+                    feed.future.result(timeout=30)  # a retired feed's last task ended already
+                except Exception:  # noqa: S110  a feed that failed told its chunks already
+                    pass
+        self.client.loop.add_callback(self._stop, feeds)
+
+    def cancel(self):
+        """Give up: cancel the feeds' tasks (chunks still queued on them are refused)."""
+        feeds = [f for fs in self._feeds.values() for f in fs]
+        if feeds:
+            self.client.cancel([f.future for f in feeds])
+            self.client.loop.add_callback(self._stop, feeds)
+
+    async def _stop(self, feeds, release=True):
+        for feed in feeds:
+            if not feed.lost and not feed.stopped:
+                feed.stopped = True
+                try:
+                    await self.client.rpc(feed.address).dsched_feed_stop(feed=feed.id)
+                except Exception:  # noqa: S110  its worker is gone, and the feed with it
+                    pass
+            if release:
+                feed.future.release()
+
+
+def _has_dashboard(dask_scheduler=None) -> bool:
+    return DASHBOARD_PLUGIN in dask_scheduler.plugins
+
+
+_calls = set()  # RPCs under way: asyncio keeps only weak references to tasks
+_registered = set()  # ids of the clients' schedulers that have the plugin
+
+
+def register_plugin(client, scheduler_id):
+    """Install :class:`FeedPlugin` on ``client``'s cluster, once per scheduler this process talks to."""
+    if scheduler_id is None or scheduler_id not in _registered:
+        client.register_plugin(FeedPlugin())
+        _registered.add(scheduler_id)

@@ -1,0 +1,194 @@
+"""Device feeds: one task per device thread and run, each chunk a direct message to its worker.
+
+On worker processes (what users with GPUs and every multi-node user run) and
+in-process, against the per-chunk tasks of ``dsched.feeds: false``.
+"""
+
+import os
+import queue
+import time
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+import dsched
+from dsched.feed import _Inbox, _failure, is_feed_key
+
+
+class KeysSeen(SchedulerPlugin):
+    """Every task key the scheduler was given."""
+
+    name = "test-keys-seen"
+
+    def __init__(self):
+        self.keys = []
+
+    def start(self, scheduler):
+        self.scheduler = scheduler
+
+    def update_graph(self, scheduler, *, keys, **kwargs):
+        self.keys.extend(str(k) for k in keys)
+
+
+def _keys_seen(dask_scheduler=None):
+    return list(dask_scheduler.plugins["test-keys-seen"].keys)
+
+
+def _forget_keys(dask_scheduler=None):
+    dask_scheduler.plugins["test-keys-seen"].keys.clear()
+
+
+@pytest.fixture(scope="module")
+def client(process_client):
+    process_client.register_plugin(KeysSeen())
+    return process_client
+
+
+def j2_like(work, device):
+    x = work["x"]
+    return {"y": 2.0 * x, "n": np.full(x.shape[0], 1, dtype=np.int64)}
+
+
+def scheduler(batch=100):
+    return dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=batch, capacities=2 * batch)
+
+
+def test_a_run_on_worker_processes_is_one_feed_task_per_device_thread(client):
+    client.run_on_scheduler(_forget_keys)
+    x = np.arange(1000.0)
+    d = dsched.WorkDispatcher(scheduler(), j2_like, join="concat", client=client)
+    out = d.run(dsched.MappingLoader({"x": x}))
+    np.testing.assert_array_equal(out["y"], 2 * x)
+    np.testing.assert_array_equal(out["n"], np.ones(1000, dtype=np.int64))
+    keys = client.run_on_scheduler(_keys_seen)
+    # Ten chunks, two single-thread device workers: two tasks in all, both feeds.
+    assert len(keys) == 2 and all(is_feed_key(k) for k in keys), keys
+    records = d.last_run.records
+    assert [r.offset for r in records] == list(range(0, 1000, 100))
+    assert {str(r.device) for r in records} == {"cpu", "cuda:0"}
+    assert all(r.worker.startswith("tcp://") and r.stop >= r.start > 0 for r in records)
+
+
+def test_feeds_off_sends_a_task_per_chunk(client):
+    client.run_on_scheduler(_forget_keys)
+    x = np.arange(1000.0)
+    with dask.config.set({"dsched.feeds": False, "dsched.batched-submission": False}):
+        out = dsched.dispatch(lambda a: 2 * a, x, scheduler=scheduler(), client=client)
+    np.testing.assert_array_equal(out, 2 * x)
+    keys = client.run_on_scheduler(_keys_seen)
+    assert len(keys) == 10 and not any(is_feed_key(k) for k in keys), keys
+
+
+def test_a_run_with_a_timeout_sends_tasks_that_dask_can_cancel(client):
+    client.run_on_scheduler(_forget_keys)
+    x = np.arange(400.0)
+    out = dsched.dispatch(lambda a: a + 1, x, scheduler=scheduler(), client=client, timeout=60)
+    np.testing.assert_array_equal(out, x + 1)
+    assert not any(is_feed_key(k) for k in client.run_on_scheduler(_keys_seen))
+
+
+def fails_once_at_300(marker):
+    def run(work, device):
+        if work["x"][0] == 300 and not os.path.exists(marker):
+            open(marker, "w").close()
+            raise dsched.RecoverableError("no convergence at 300")
+        return {"y": work["x"] * 2}
+    return run
+
+
+def test_a_failed_chunk_on_a_feed_keeps_the_others_results(client, tmp_path):
+    x = np.arange(1000.0)
+    d = dsched.WorkDispatcher(scheduler(), fails_once_at_300(str(tmp_path / "failed")), join="concat",
+                              client=client, output_spec={"y": ((), "f8")})
+    with pytest.raises(dsched.RecoverableError, match="no convergence at 300"):
+        d.run(dsched.MappingLoader({"x": x}))
+    y = d.last_run.output["y"]
+    assert np.isnan(y[300:400]).all()
+    done = [r for r in d.last_run.records if r.error is None]
+    assert len(done) >= 3  # the chunks before it, and those in flight with it (scheduling stops at a failure)
+    for r in done:
+        np.testing.assert_array_equal(y[r.offset:r.offset + r.size], 2 * x[r.offset:r.offset + r.size])
+    # And only what was left undone runs again.
+    out = d.run_failed()
+    np.testing.assert_array_equal(out["y"], 2 * x)
+
+
+def exits_once(marker):
+    def run(work):
+        if str(dsched.current_device()) == "cuda:0" and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)  # the worker process dies with the chunk (and its feed) on it
+        return work * 3
+    return run
+
+
+def test_a_chunk_whose_worker_died_runs_again_as_a_task(client, tmp_path):
+    x = np.arange(1000.0)
+    with dask.config.set({"dsched.lost-device-timeout": 60}):
+        out = dsched.dispatch(exits_once(str(tmp_path / "died")), x, scheduler=scheduler(), client=client)
+    np.testing.assert_array_equal(out, 3 * x)
+    assert (tmp_path / "died").exists()
+    client.wait_for_workers(2, timeout=60)
+
+
+def test_a_cancelled_feed_gives_its_thread_back(client):
+    from dsched.chunk import ChunkProgram
+    from dsched.devices import Device
+    from dsched.feed import run_feed
+
+    [cpu_worker] = [a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
+                    if "dsched-cpu" in w["resources"]]
+    program = ChunkProgram("test-cancelled-feed", lambda w, d: w)
+    feed = client.submit(run_feed, program, Device("cpu"), "test-cancel-feed-0", key="test-cancel-feed-0",
+                         workers=[cpu_worker], pure=False)
+    deadline = time.monotonic() + 30
+    while client.run(lambda dask_worker: len(dask_worker.state.executing), workers=[cpu_worker])[cpu_worker] == 0:
+        assert time.monotonic() < deadline, "the feed never started"
+        time.sleep(0.05)
+    feed.cancel()
+    # The worker has one thread: this runs only once the feed has noticed and returned.
+    assert client.submit(lambda: 42, workers=[cpu_worker], pure=False).result(timeout=30) == 42
+
+
+def test_a_closed_inbox_refuses_chunks_and_fails_those_still_waiting():
+    import asyncio
+
+    async def check():
+        loop = asyncio.get_running_loop()
+        inbox = _Inbox()
+        waiting = loop.create_future()
+        assert inbox.put((0, None, None, None, loop, waiting))
+        inbox.close(RuntimeError("feed f has ended"))
+        assert not inbox.put((1, None, None, None, loop, loop.create_future()))
+        reply = await asyncio.wait_for(waiting, 10)
+        assert reply["ok"] is False and str(reply["value"].data) == "feed f has ended"
+        with pytest.raises(queue.Empty):
+            inbox.queue.get_nowait()
+
+    asyncio.run(check())
+    assert _failure(ValueError("x"))["ok"] is False
+
+
+def test_in_process_workers_use_feeds_too(hybrid_client):
+    x = np.arange(777.0)
+    d = dsched.WorkDispatcher(scheduler(), j2_like, join="concat", client=hybrid_client)
+    out = d.run(dsched.MappingLoader({"x": x}))
+    np.testing.assert_array_equal(out["y"], 2 * x)
+    assert [r.size for r in d.last_run.records] == [100] * 7 + [77]
+
+
+def test_out_arrays_declare_the_layout_so_every_chunk_writes_in_place(client):
+    x = dsched.shared_copy(np.arange(1000.0))
+    out = {"y": dsched.shared_empty(1000), "n": dsched.shared_empty(1000, np.int64)}
+    d = dsched.WorkDispatcher(scheduler(), j2_like, join="concat", client=client, out=out)
+    result = d.run(dsched.MappingLoader({"x": x}))
+    assert result["y"] is out["y"] or np.shares_memory(result["y"], out["y"])
+    np.testing.assert_array_equal(out["y"], 2 * np.arange(1000.0))
+    # A result that does not fit the out= arrays is refused, naming the chunk.
+    bad = dsched.WorkDispatcher(scheduler(), lambda w, d: {"y": w["x"], "n": w["x"]}, join="concat",
+                                client=client, out=out)
+    with pytest.raises(Exception, match="chunk 0 on .*dtype float64; expected \\(\\) and int64"):
+        bad.run(dsched.MappingLoader({"x": x}))
