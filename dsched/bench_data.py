@@ -18,6 +18,9 @@ Rows, timed in one run (repeats interleaved, median reported):
   :func:`dsched.shared_copy` and ``out=`` arrays from :func:`dsched.shared_empty`
   reused call after call (how a solver that calls its model again and again
   keeps its state): nothing is copied and no page is faulted again;
+- ``dispatch, processes, shared, tasks``: the same with device feeds off
+  (``dsched.feeds: false``): one Dask task per chunk (packed where several
+  wait for one thread), which is what the feeds replace;
 - the job (``dsched run``'s embedded default, inputs generated in each chunk)
   in-process, against one :func:`~dsched.models.j2_chunk` call on the whole
   batch and a thread pool over the job's chunks.
@@ -103,6 +106,16 @@ def _processes_dispatch(client, inputs, scheduler, sizes=None, out=None):
 
     d = dsched.WorkDispatcher(scheduler, _J2Chunk(), join="concat", client=client, on_chunk_done=record, out=out)
     return d.run(dsched.MappingLoader({"strain": inputs[0], "plastic_strain": inputs[1], "alpha": inputs[2]}))
+
+
+def _without_feeds(fn):
+    """``fn`` run with device feeds off: a task per chunk."""
+    def run(*args, **kwargs):
+        import dask
+
+        with dask.config.set({"dsched.feeds": False}):
+            return fn(*args, **kwargs)
+    return run
 
 
 def _shared_outputs(points):
@@ -195,7 +208,8 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
     graph = load_graph(None)
     graph.batch_size = points
     times = {name: [] for name in ("numpy", "threads", "dispatch, processes", "dispatch, processes, shared",
-                                   "job numpy", "job threads", "dsched run, in-process")}
+                                   "dispatch, processes, shared, tasks", "job numpy", "job threads",
+                                   "dsched run, in-process")}
     sizes = []
     with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
                                    dashboard_address=None) as procs, Client(procs) as procs_client, \
@@ -212,6 +226,8 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
             ("threads", lambda: _thread_pool(inputs, chunk)),
             ("dispatch, processes", lambda: _processes_dispatch(procs_client, inputs, _hybrid_scheduler(chunk))),
             ("dispatch, processes, shared", lambda: _processes_dispatch(
+                procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)),
+            ("dispatch, processes, shared, tasks", lambda: _without_feeds(_processes_dispatch)(
                 procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)),
             ("job numpy", lambda: j2_chunk(slice(0, points))),
             ("job threads", lambda: _job_thread_pool(points, chunk)),
@@ -244,6 +260,8 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
     results["ratios"] = {
         "dispatch, processes / numpy": rates["dispatch, processes"] / rates["numpy"],
         "dispatch, processes, shared / numpy": rates["dispatch, processes, shared"] / rates["numpy"],
+        "feeds / tasks (dispatch, processes, shared)":
+            rates["dispatch, processes, shared"] / rates["dispatch, processes, shared, tasks"],
         "dsched run in-process / best of job numpy, job threads":
             rates["dsched run, in-process"] / max(rates["job numpy"], rates["job threads"]),
     }
@@ -263,15 +281,15 @@ def format_data_table(results) -> str:
     """The data-plane results as text (the README's table)."""
     lines = [f"J2 with tangent, {results['points']:,} points, chunks of {results['chunk']:,}; median of "
              f"{results['repeats']} run(s); {results['emulation']}", ""]
-    header = f"{'row':<26} {'items/s':>12}"
+    header = f"{'row':<36} {'items/s':>12}"
     lines += [header, "-" * len(header)]
     for name, rate in results["items_per_s"].items():
-        lines.append(f"{name:<26} {rate:>12,.0f}")
+        lines.append(f"{name:<36} {rate:>12,.0f}")
     lines.append("")
     for name, ratio in results["ratios"].items():
         lines.append(f"ratio {name}: {ratio:.2f}")
     rss = results["client_rss"]
-    lines.append(f"scheduler bytes per chunk (max over tasks; a pack's over its chunks): "
+    lines.append(f"scheduler bytes per chunk (max over tasks, a feed's whole; a pack's over its chunks): "
                  f"{results['task_bytes_max']:.0f}")
     lines.append(f"client peak RSS {rss['peak'] / 2**20:,.0f} MiB (before the run {rss['before'] / 2**20:,.0f} MiB) "
                  f"for {rss['batch_bytes'] / 2**20:,.0f} MiB of inputs + outputs: {rss['ratio']:.2f} x")

@@ -16,9 +16,17 @@ the chunk's outcome and timings. Nothing goes through the scheduler per
 chunk. About 0.35 ms of client CPU and 0.2 ms of worker CPU per chunk.
 
 The scheduler still sees each feed as a task (dashboard task stream, worker
-restrictions, resources), and the dashboard's per-device rows come from one
-event per chunk (``dsched-chunks``). A worker that dies fails its chunks'
+restrictions, resources), and with the dashboard the per-device rows come
+from chunk events (``dsched-chunks``). A worker that dies fails its chunks'
 RPCs: the dispatcher runs them again as tasks (:mod:`dsched.dispatch`).
+
+Devices are shared: several clients may run on the same workers at once.
+So a feed does not hold its thread for a whole run when others wait for the
+worker. When another task is ready or waits for the device's resource (an
+other client's chunk or feed, or a chunk of this run sent as a task), the
+feed *retires* after its current chunk, leaving its inbox open, and the
+client starts a successor task on that inbox, which queues behind the
+others. Without contention a feed lives as long as its run.
 
 The worker side is a handler installed by :class:`FeedPlugin`, registered by
 the dispatcher on first use.
@@ -319,6 +327,7 @@ class Feeds:
         register_plugin(client, cluster.get("id"))
 
     def serves(self, device) -> bool:
+        """Whether ``device``'s chunks go to feeds: its workers share this host, and none of its feeds was lost."""
         return device in self.owners and device not in self._refused
 
     def send(self, device, chunks) -> list:
@@ -409,7 +418,7 @@ class Feeds:
         With the dashboard, wait for the feeds' tasks to end: their chunk events
         then reached the scheduler before the run returns.
         """
-        feeds = [f for fs in self._feeds.values() for f in fs]
+        feeds = self._forget()
         if not feeds:
             return
         if self._events:
@@ -423,10 +432,17 @@ class Feeds:
 
     def cancel(self):
         """Give up: cancel the feeds' tasks (chunks still queued on them are refused)."""
-        feeds = [f for fs in self._feeds.values() for f in fs]
+        feeds = self._forget()
         if feeds:
             self.client.cancel([f.future for f in feeds])
             self.client.loop.add_callback(self._stop, feeds)
+
+    def _forget(self) -> list:
+        """The run's feeds, and drop what the run held (its model may hold the caller's arrays): the stop
+        messages still under way must not keep them alive."""
+        feeds = [f for fs in self._feeds.values() for f in fs]
+        self.program, self._by_key = None, {}
+        return feeds
 
     async def _stop(self, feeds, release=True):
         for feed in feeds:

@@ -106,8 +106,11 @@ def test_data_benchmarks_structure_and_honesty():
 
     out = run_data_benchmarks(points=40_000, repeats=1, output_points=50_000)
     assert set(out["items_per_s"]) == {"numpy", "threads", "dispatch, processes", "dispatch, processes, shared",
-                                       "job numpy", "job threads",
+                                       "dispatch, processes, shared, tasks", "job numpy", "job threads",
                                        "dsched run, in-process"}
+    assert set(out["ratios"]) == {"dispatch, processes / numpy", "dispatch, processes, shared / numpy",
+                                  "feeds / tasks (dispatch, processes, shared)",
+                                  "dsched run in-process / best of job numpy, job threads"}
     assert all(rate > 0 for rate in out["items_per_s"].values())
     assert 0 < out["task_bytes_max"] <= 1024
     assert out["output_run"]["points"] == 50_000 and out["output_run"]["stored_bytes"] >= 50_000 * 392
