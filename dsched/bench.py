@@ -90,13 +90,39 @@ DEFAULT_DEVICES = (
 _locks_guard = threading.Lock()
 
 
-def _device_lock(worker):
-    """One lock per worker (each worker owns one device): the device runs one chunk at a time."""
+class _DeviceClock:
+    """One emulated device: a lock (it runs one chunk at a time) and when its last chunk was due to end.
+
+    ``time.sleep`` overshoots (0.2 ms or more per call here), and a thread
+    waiting for the lock wakes up late, which would make an emulated device
+    slower than its rate by a few percent at 10 ms chunks. A chunk that was
+    already waiting when the previous one ended starts at that chunk's due
+    end, so a device kept fed runs at exactly its rate; a chunk that arrives
+    after the device went idle starts when it arrives.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.due = float("-inf")  # when the last chunk was due to end
+        self.released = float("-inf")  # when it really ended
+
+    def run(self, seconds):
+        arrived = time.perf_counter()
+        with self.lock:
+            queued = arrived < self.released
+            self.released = float("inf")  # running: a chunk arriving now queues behind this one
+            self.due = (self.due if queued else time.perf_counter()) + seconds
+            time.sleep(max(0.0, self.due - time.perf_counter()))
+            self.released = time.perf_counter()
+
+
+def _device_clock(worker):
+    """One clock per worker (each worker owns one device)."""
     with _locks_guard:
-        lock = worker.__dict__.get("_dsched_bench_lock")
-        if lock is None:
-            lock = worker.__dict__["_dsched_bench_lock"] = threading.Lock()
-        return lock
+        clock = worker.__dict__.get("_dsched_bench_clock")
+        if clock is None:
+            clock = worker.__dict__["_dsched_bench_clock"] = _DeviceClock()
+        return clock
 
 
 def emulated_chunk(n, device, speeds):
@@ -109,8 +135,7 @@ def emulated_chunk(n, device, speeds):
     here = worker_device(worker)
     device = str(here if device is None else Device(device))
     t0, rate = speeds[device]
-    with _device_lock(worker):
-        time.sleep(t0 + n / rate)
+    _device_clock(worker).run(t0 + n / rate)
     return n
 
 
