@@ -39,6 +39,7 @@ import collections
 import queue
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -54,6 +55,7 @@ CHUNK_OP, STOP_OP = "dsched_feed_chunk", "dsched_feed_stop"
 # (phase "start", "done" or "failed", run id, client id, device, items, worker address, chunk key, start, stop).
 CHUNK_EVENT_TOPIC = "dsched-chunks"
 DASHBOARD_PLUGIN = "dsched-dashboard"  # dsched.dashboard.PLUGIN_NAME, without importing Bokeh here
+WINDOW = 2  # chunks of one feed on its worker at a time (one running, one queued): the rest wait on the client
 _POLL = 0.05  # seconds between an idle feed's checks that its task is still wanted and nobody waits for it
 
 
@@ -289,6 +291,8 @@ class _Feed:
     future: object  # of its current task (a successor's after it retired)
     holds: float  # the items of its device it holds: the largest chunk it runs
     sent: int = 0  # chunks sent and not yet answered
+    backlog: collections.deque = dataclasses.field(default_factory=collections.deque)  # waiting for an RPC
+    calling: int = 0  # RPCs under way
     tasks: int = 1  # tasks it has had (a successor after each retirement)
     lost: bool = False
     stopped: bool = False
@@ -350,6 +354,19 @@ class Feeds:
 
     async def _call_all(self, calls):
         for call in calls:
+            call[0].backlog.append(call)
+        for feed in {id(call[0]): call[0] for call in calls}.values():
+            self._pump(feed)
+
+    def _pump(self, feed):
+        """Start RPCs for ``feed``'s waiting chunks, up to :data:`WINDOW` at a time (on the event loop).
+
+        Its worker needs the next chunk queued while it runs one, not the whole
+        backlog: thousands of concurrent RPCs would each open a connection.
+        """
+        while feed.backlog and feed.calling < WINDOW:
+            call = feed.backlog.popleft()
+            feed.calling += 1
             task = asyncio.ensure_future(self._call(*call))
             _calls.add(task)
             task.add_done_callback(_calls.discard)
@@ -369,8 +386,17 @@ class Feeds:
         except Exception as err:  # its worker went away
             feed.lost = True
             outcome = FeedOutcome(ticket, index, feed.address, False, err, 0.0, 0.0, lost=True)
+        self._answered(feed, outcome)
+        if feed.lost:  # what waits for it is lost with it: the dispatcher runs it elsewhere
+            while feed.backlog:
+                _, ticket, index, *_ = feed.backlog.popleft()
+                self._answered(feed, FeedOutcome(ticket, index, feed.address, False, outcome.value, 0.0, 0.0, True))
+        feed.calling -= 1
+        self._pump(feed)
+
+    def _answered(self, feed, outcome):
         feed.sent -= 1
-        ticket.status = "finished" if outcome.ok else "error"
+        outcome.ticket.status = "finished" if outcome.ok else "error"
         self.put(outcome)
 
     def _start(self, device):
