@@ -275,7 +275,7 @@ def as_batched(x, scheduler, *, speeds=None):
 
 def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True, speeds=None, name=None, token=None,
                dtype=None, chunks=None, drop_axis=None, new_axis=None, enforce_ndim=False, meta=None,
-               **kwargs):
+               backend="numpy", **kwargs):
     """``dask.array.map_blocks``, every batch block on the device ``scheduler`` plans for it.
 
     Every semantic of ``dask.array.map_blocks`` holds: Dask arrays are the
@@ -321,6 +321,12 @@ def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True
         ``meta`` accordingly).
     speeds : dict, optional
         ``{device: items_per_s}`` for the plan.
+    backend : {"numpy", "torch"}
+        ``"torch"``: ``fn`` gets every NumPy array argument (its blocks
+        included) as a torch tensor on the block's device (``torch_device``:
+        the GPU on a real one, else the CPU) and may return tensors, which come
+        back as NumPy. Dask arrays hold NumPy chunks; the model computes in
+        torch. ``to_device`` and ``to_host`` are then torch's own moves.
     **kwargs
         ``dask.array.map_blocks``'s keyword arguments and ``fn``'s.
 
@@ -345,6 +351,10 @@ def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True
 
     if not callable(fn):
         raise TypeError(f"fn: expected a callable, got {fn!r}")
+    if backend not in ("numpy", "torch"):
+        raise ValueError(f"backend: expected 'numpy' or 'torch', got {backend!r}")
+    if backend == "torch":
+        fn, to_device, to_host = TorchBlocks(fn), False, False
     if not hasattr(scheduler, "status"):
         raise ValueError(f"scheduler: expected a WorkScheduler, got {scheduler!r}")
     drop_axis = [drop_axis] if isinstance(drop_axis, numbers.Number) else list(drop_axis or [])
@@ -559,6 +569,34 @@ def _block_info(argpairs, out_ind, out, drop_axis) -> dict:
                       "dtype": out.dtype}
         result[block_id] = info
     return result
+
+
+class TorchBlocks:
+    """``fn`` called with torch tensors on the running block's device for its NumPy arguments; its tensor
+    results back as NumPy (host copies of GPU tensors, zero-copy views of CPU ones)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = funcname_of(fn)  # Dask names the output's keys after it
+
+    def __call__(self, *args, **kwargs):
+        from . import backends
+
+        def to_torch(x):
+            if isinstance(x, np.ndarray):
+                return backends.TorchBackend().from_host(np.ascontiguousarray(x), None).to(backends.torch_device())
+            return x
+
+        result = self.fn(*[to_torch(a) for a in args], **{k: to_torch(v) for k, v in kwargs.items()})
+        return backends.map_arrays(lambda b, a: b.host_view(b.to_host(a)) if b.name == "torch" else a, result)
+
+    def __dask_tokenize__(self):
+        from dask.base import tokenize
+
+        return ("dsched-torch-blocks", tokenize(self.fn))
+
+    def __reduce__(self):
+        return (TorchBlocks, (self.fn,))
 
 
 class _BlockCall:

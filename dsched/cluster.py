@@ -22,22 +22,6 @@ def _rotated_visible_devices(ordinal: int, present: list[int]) -> str:
     return ",".join(map(str, order))
 
 
-# glibc's malloc in worker processes. Dask sets MALLOC_TRIM_THRESHOLD_=65536 so that workers give memory
-# back to the OS; that also pins glibc's mmap threshold at 128 KiB, so every NumPy temporary above it is a
-# fresh mmap whose pages fault in again, chunk after chunk (about 10 % of a J2 chunk's time on two worker
-# processes, docs/benchmarks.md). Device workers run one model over and over: they keep blocks up to 32 MiB
-# on their heap for reuse and trim it above 128 MiB.
-WORKER_MALLOC = {"MALLOC_MMAP_THRESHOLD_": 32 * 2**20, "MALLOC_TRIM_THRESHOLD_": 128 * 2**20}
-
-
-def worker_malloc(environ: dict) -> dict:
-    """``environ`` (Dask's ``distributed.nanny.pre-spawn-environ``) with :data:`WORKER_MALLOC`, unless the user
-    set glibc's thresholds in it already."""
-    if "MALLOC_MMAP_THRESHOLD_" in environ or str(environ.get("MALLOC_TRIM_THRESHOLD_", 65536)) != "65536":
-        return environ
-    return {**environ, **WORKER_MALLOC}
-
-
 class LocalHybridCluster(SpecCluster):
     """One Dask worker per device: a CPU worker and one worker per GPU.
 
@@ -46,9 +30,7 @@ class LocalHybridCluster(SpecCluster):
     size, so the items executing on a device never exceed it, however many
     clients share the cluster. GPU workers are pinned with
     ``CUDA_VISIBLE_DEVICES`` as dask-cuda does, with dask-cuda's CPU-affinity
-    plugin when it is installed. Everything listens on loopback. Worker
-    processes keep NumPy's freed temporaries for reuse (:data:`WORKER_MALLOC`)
-    rather than give every one back to the OS, as Dask's default makes them.
+    plugin when it is installed. Everything listens on loopback.
 
     Parameters
     ----------
@@ -173,10 +155,7 @@ class LocalHybridCluster(SpecCluster):
 
         from .logs import spawn_config
 
-        config = spawn_config(silence_logs)  # worker processes start at this log level
-        environ = "distributed.nanny.pre-spawn-environ"
-        config[environ] = worker_malloc(config[environ])
-        with dask.config.set(config):
+        with dask.config.set(spawn_config(silence_logs)):  # worker processes start at this log level
             super().__init__(
                 workers=workers,
                 scheduler=scheduler,

@@ -242,3 +242,28 @@ def test_functions_that_move_their_own_inputs_get_them_as_given():
         except ImportError:
             with pytest.raises(RuntimeError, match="moving NumPy arrays to a CUDA device needs CuPy"):
                 _CallOnChunk(lambda a: a, layout, {})(layout.mapping, dsched.Device("cuda:0"))
+
+
+def _torch_model(strain, scale):
+    assert isinstance(strain, torch.Tensor) and isinstance(scale, torch.Tensor), (type(strain), type(scale))
+    assert strain.device.type == "cpu"  # the emulated cuda:0 computes on the CPU
+    return {"stress": torch.sin(strain) * scale, "norm": strain.norm(dim=1)}
+
+
+def test_map_blocks_with_the_torch_backend_gives_tensors_and_returns_numpy(hybrid_client):
+    import dask.array as da
+
+    x = np.arange(120.0).reshape(40, 3) / 40
+    strain = da.from_array(x, chunks=(10, 3))
+    scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], 10, 20)
+    stress = dsched.map_blocks(lambda s, k: _torch_model(s, k)["stress"], strain, np.full(3, 2.0),
+                               scheduler=scheduler, backend="torch")
+    norm = dsched.map_blocks(lambda s: _torch_model(s, torch.ones(1))["norm"], strain, scheduler=scheduler,
+                             backend="torch", drop_axis=1)
+    got_stress, got_norm = hybrid_client.compute([stress, norm], sync=True)
+    assert type(got_stress) is np.ndarray and got_stress.dtype == np.float64
+    np.testing.assert_allclose(got_stress, np.sin(x) * 2.0)
+    np.testing.assert_allclose(got_norm, np.linalg.norm(x, axis=1))
+    assert stress.name.startswith("lambda-") and stress.name != norm.name
+    with pytest.raises(ValueError, match="backend: expected 'numpy' or 'torch', got 'jax'"):
+        dsched.map_blocks(np.sin, strain, scheduler=scheduler, backend="jax")

@@ -24,7 +24,7 @@ from dsched import (
     dispatch,
     visible_gpus,
 )
-from dsched.cluster import WORKER_MALLOC, _rotated_visible_devices, worker_malloc
+from dsched.cluster import _rotated_visible_devices
 from dsched.devices import EMULATED_RESOURCE, UNLIMITED_CAPACITY
 
 CPU, GPU0 = Device("cpu"), Device("cuda:0")
@@ -100,13 +100,6 @@ def test_bad_threads_per_worker(threads):
 def test_bad_capacities(capacities, message):
     with pytest.raises(ValueError, match=message):
         LocalHybridCluster(["cpu", "cuda:0"], emulate=True, capacities=capacities)
-
-
-def test_worker_malloc_keeps_the_users_own_thresholds():
-    dask_default = {"MALLOC_TRIM_THRESHOLD_": 65536, "OMP_NUM_THREADS": 1}
-    assert worker_malloc(dask_default) == {**dask_default, **WORKER_MALLOC}
-    assert worker_malloc({"MALLOC_TRIM_THRESHOLD_": 0}) == {"MALLOC_TRIM_THRESHOLD_": 0}
-    assert worker_malloc({"MALLOC_MMAP_THRESHOLD_": 4096}) == {"MALLOC_MMAP_THRESHOLD_": 4096}
 
 
 def test_rotated_visible_devices_put_the_workers_gpu_first():
@@ -215,9 +208,6 @@ def test_worker_processes_listen_on_loopback_and_hide_gpus():
         assert all(address.startswith("tcp://127.0.0.1:") for address in workers)
         env = client.run(lambda: __import__("os").environ.get("CUDA_VISIBLE_DEVICES"))
         assert set(env.values()) == {""}  # CPU and emulated workers must not grab a GPU
-        # glibc keeps NumPy's temporaries for reuse instead of Dask's 64 KiB trim threshold.
-        malloc = client.run(lambda: [__import__("os").environ.get(k) for k in WORKER_MALLOC])
-        assert set(map(tuple, malloc.values())) == {tuple(str(v) for v in WORKER_MALLOC.values())}
 
         def square_where(x):
             return x * x, np.full(len(x), 1.0 if array_module().__name__ == "numpy" else 0.0)
