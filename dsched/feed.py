@@ -129,6 +129,11 @@ def _inbox(feed: str) -> _Inbox:
         return inbox
 
 
+def _unwrap(x):
+    """What a ``ToPickle`` carried: comms between processes unpickle it, in-process ones pass it as it is."""
+    return x.data if isinstance(x, ToPickle) else x
+
+
 def _failure(err) -> dict:
     return {"ok": False, "value": ToPickle(err), "start": 0.0, "stop": 0.0}
 
@@ -379,9 +384,9 @@ class Feeds:
         try:
             reply = await self.client.rpc(feed.address).dsched_feed_chunk(
                 feed=feed.id, index=index, work=ToPickle(work), slot=ToPickle(slot), about=about)
-            if not isinstance(reply, dict):  # a worker without the handler
-                raise RuntimeError(f"worker {feed.address} has no dsched feed handler")
-            outcome = FeedOutcome(ticket, index, feed.address, reply["ok"], reply["value"], reply["start"],
+            if not isinstance(reply, dict) or "ok" not in reply:  # a worker without the handler, or it failed
+                raise RuntimeError(f"worker {feed.address} did not run the chunk: {reply!r}"[:500])
+            outcome = FeedOutcome(ticket, index, feed.address, reply["ok"], _unwrap(reply["value"]), reply["start"],
                                   reply["stop"])
         except Exception as err:  # its worker went away
             feed.lost = True
