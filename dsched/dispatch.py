@@ -424,9 +424,13 @@ class _AsyncRun:
     for one completion (or a tick), account for it, repeat; after a failure,
     stop scheduling and wait for what is in flight.
 
-    Batched submission: chunks of one device chosen in the same round travel as
-    one task (a *pack*, :func:`~dsched.chunk.run_pack`) when there are several;
-    the worker runs them one after another and publishes each chunk's
+    Device feeds: chunks for devices whose workers share this process or host go
+    to the run's feeds (:mod:`dsched.feed`), one direct message each, and their
+    replies are the completions; no task per chunk.
+
+    Batched submission (devices without feeds): chunks of one device chosen in
+    the same round travel as one task (a *pack*, :func:`~dsched.chunk.run_pack`)
+    when there are several; the worker runs them one after another and publishes each chunk's
     completion as it happens, so accounting, progress, traces and failures stay
     per chunk while Dask's per-task cost is paid once per pack.
     """
@@ -434,7 +438,8 @@ class _AsyncRun:
     def __init__(self, dispatcher, client, data, report, run_id, cluster):
         self.dispatcher, self.client, self.data, self.report, self.run_id = dispatcher, client, data, report, run_id
         self.scheduler = dispatcher.scheduler
-        self.done = queue.Queue()  # futures, and (key, i, ok, start, stop) pack events, from the event loop
+        # Futures, (key, i, ok, start, stop) pack events and FeedOutcomes, from the event loop.
+        self.done = queue.Queue()
         self.in_flight = {}  # record index -> InFlight, until the chunk is accounted for
         self.members = {}  # task key -> record indexes of its chunks
         self.outstanding = {}  # record index -> record dispatched and not yet completed
