@@ -155,6 +155,7 @@ def _chunk_handler(worker):
         """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        work, slot = _unwrap(work), _unwrap(slot)
         if about is not None:
             worker.log_event(CHUNK_EVENT_TOPIC, ("start", *about[:4], worker.address, about[4], None, None))
         inbox = _inbox(feed)
