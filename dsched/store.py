@@ -115,24 +115,25 @@ class ArrayRef:
 
 
 _mapped: dict = {}  # (token, writable) -> mmap of a whole segment, kept for this process's later chunks
-_pinned: dict = {}  # token -> (bytes view, pointer) of segments this process page-locked for a GPU
+_pinned: dict = {}  # (token, writable) -> (bytes view, pointer) of mappings this process page-locked for a GPU
 _mapped_lock = threading.Lock()
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels refuse it and pages are faulted one by one
 
 
-def mapped_segment(token: str, writable: bool) -> np.ndarray:
+def mapped_segment(token: str, writable: bool, own: bool = True) -> np.ndarray:
     """This process's mapping of a whole segment, as bytes; made once per segment and process.
 
     A mapping is kept rather than made per chunk: a page is faulted into this
     process once, however many chunks (and calls) touch it, which is what lets
     a worker reading a :func:`shared_empty` array call after call run as fast as
     if the array were its own. The segment itself lives in this process's own
-    mapping when it made it. Mappings of segments that have since been unlinked
-    (runs that ended) are dropped the next time a chunk maps a segment.
+    mapping when it made it (``own=False``: a mapping of its own even then).
+    Mappings of segments that have since been unlinked (runs that ended) are
+    dropped the next time a chunk maps a segment.
     """
-    own = _own_segments.get(token)
-    if own is not None:
-        return np.frombuffer(own, np.uint8)
+    segment = _own_segments.get(token) if own else None
+    if segment is not None:
+        return np.frombuffer(segment, np.uint8)
     with _mapped_lock:
         buffer = _mapped.get((token, writable))
         if buffer is None:
@@ -155,22 +156,23 @@ def pinned_segment(token: str, writable: bool) -> np.ndarray:
     done once per segment and process; segments that have since been unlinked
     are unregistered when their mapping is dropped.
     """
-    view = mapped_segment(token, writable)
+    # A mapping of its own (never the segment's maker's), so that it is unregistered when it is dropped.
+    view = mapped_segment(token, writable, own=False)
     with _mapped_lock:
-        if token not in _pinned:
+        if (token, writable) not in _pinned:
             import cupy
 
             # cudaHostRegisterPortable (1), plus cudaHostRegisterReadOnly (8) for inputs.
             cupy.cuda.runtime.hostRegister(view.ctypes.data, view.nbytes, 1 if writable else 1 | 8)
-            _pinned[token] = (view, view.ctypes.data)
-    return view
+            _pinned[(token, writable)] = (view, view.ctypes.data)
+        return _pinned[(token, writable)][0]
 
 
 def _forget_vanished_segments():
     """Drop (and unregister) this process's mappings of segments no longer in ``/dev/shm``: their runs ended."""
     for key in [k for k in _mapped if not os.path.exists(os.path.join(SHM_DIR, k[0]))]:
         buffer = _mapped.pop(key)
-        pinned = _pinned.pop(key[0], None)
+        pinned = _pinned.pop(key, None)
         if pinned is not None:
             import cupy
 
