@@ -58,10 +58,10 @@ def j2_inputs(n):
     return loading_strain(np.arange(n)), np.zeros((n, 6)), np.zeros(n)
 
 
-def _j2(strain, plastic_strain, alpha):
+def _j2(strain, plastic_strain, alpha, out=None):
     from .models import j2_update
 
-    return j2_update(strain, plastic_strain, alpha)
+    return j2_update(strain, plastic_strain, alpha, out=out)
 
 
 def _timed(fn):
@@ -127,10 +127,10 @@ def _shared_outputs(points):
 
 
 class _J2Chunk:
-    """``do_work`` for the dispatch rows: J2 on a chunk's mapping of inputs."""
+    """``do_work`` for the dispatch rows: J2 on a chunk's mapping of inputs, into the chunk's output rows."""
 
-    def __call__(self, work, device):
-        return _j2(work["strain"], work["plastic_strain"], work["alpha"])
+    def __call__(self, work, device, out=None):
+        return _j2(work["strain"], work["plastic_strain"], work["alpha"], out=out)
 
 
 def _hybrid_scheduler(chunk):

@@ -12,7 +12,7 @@ from .report import ChunkRecord
 from .store import forget_vanished_segments, resolve_work
 from .transfer import chunk_stream, is_real_gpu
 
-__all__ = ["ChunkProgram", "InFlight", "PackError", "run_chunk", "run_pack", "ITEMS_ANNOTATION"]
+__all__ = ["ChunkProgram", "InFlight", "PackError", "run_chunk", "run_pack", "takes_out", "ITEMS_ANNOTATION"]
 
 # A chunk task's item count, annotated where it differs from its resource request (a pack, a capped
 # request): observers such as the dashboard count items from it.
@@ -28,15 +28,28 @@ class ChunkProgram:
     preprocess: object = None
     postprocess: object = None
     thread_init: object = None
+    takes_out: bool = False  # do_work accepts ``out=``: the chunk's output rows, to compute straight into
 
-    def run(self, device, work):
+    def run(self, device, work, out=None):
         with running_on(device), selected(device):
             if self.preprocess is not None:
                 work = self.preprocess(work, device)
-            result = self.do_work(work, device)
+            result = self.do_work(work, device) if out is None else self.do_work(work, device, out=out)
             if self.postprocess is not None:
                 result = self.postprocess(result)
         return result
+
+
+def takes_out(fn) -> bool:
+    """Whether ``fn`` accepts an ``out`` keyword (NumPy's convention: results computed into given arrays)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    out = parameters.get("out")
+    return out is not None and out.kind in (out.POSITIONAL_OR_KEYWORD, out.KEYWORD_ONLY)
 
 
 _init_registry_lock = threading.Lock()
@@ -97,7 +110,8 @@ def _compute(program, device, work, slot):
     gpu = is_real_gpu(device)
     forget_vanished_segments()  # unmap what ended runs left mapped in this process
     with chunk_stream(device):
-        result = program.run(device, resolve_work(work, pinned=gpu))
+        out = slot.views() if slot is not None and program.takes_out and not gpu else None
+        result = program.run(device, resolve_work(work, pinned=gpu), out)
         if slot is not None:
             slot.write(result, device, pinned=gpu)
             return None

@@ -23,7 +23,7 @@ import dask
 from dataclasses import dataclass
 
 from . import backends
-from .chunk import ITEMS_ANNOTATION, ChunkProgram, InFlight, PackError, run_chunk, run_pack
+from .chunk import ITEMS_ANNOTATION, ChunkProgram, InFlight, PackError, run_chunk, run_pack, takes_out
 from .completion import DeviceWatch, notify_when_done, wait_for_one
 from .dataplane import RunData, check_out, direct_to_workers, zarr_chunk_items
 from .devices import Device, device_resource, placement_device, running_on
@@ -149,7 +149,8 @@ class WorkDispatcher:
         self.reduce = reduce
         self.mode = mode
         self.on_chunk_done = on_chunk_done
-        self._program = ChunkProgram(uuid.uuid4().hex, do_work, preprocess, postprocess, thread_init)
+        self._program = ChunkProgram(uuid.uuid4().hex, do_work, preprocess, postprocess, thread_init,
+                                     takes_out(do_work))
         self._client = client
         self._cluster_options = dict(cluster_options or {})
         self._own_cluster = None

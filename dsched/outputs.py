@@ -235,6 +235,14 @@ class OutputSlot:
     def __reduce__(self):
         return OutputSlot, (self.layout, self.targets, self.start, self.stop, self.index)
 
+    def views(self):
+        """The chunk's output rows as writable NumPy views, in the result's structure, for a model's ``out=``;
+        ``None`` where they cannot be views (a Zarr store, another axis, torch or NEML2 results)."""
+        if self.layout.axis != 0 or any(leaf.template is not None for leaf in self.layout.leaves) or not all(
+                isinstance(t, ArrayRef) for t in self.targets):
+            return None
+        return self.layout.build([t.rows(self.start, self.stop, writable=True) for t in self.targets])
+
     def write(self, result, device, pinned=False):
         arrays = self.layout.check(result, self.stop - self.start, f"chunk {self.index} on {device}")
         for target, array in zip(self.targets, arrays):

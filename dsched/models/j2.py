@@ -136,14 +136,14 @@ def _check_inputs(strain, plastic_strain, alpha):
         )
 
 
-def _assemble_tangent(xp, bulk, two_g_theta, m, n):
+def _assemble_tangent(xp, bulk, two_g_theta, m, n, out=None):
     """``n (x) m + 2G theta I6 + (K - 2G theta / 3) 1 (x) 1``, one (N, 6, 6) allocation.
 
     This is ``3K J + 2G theta Kdev + n (x) m`` rearranged (Kdev = I6 - J,
     J = 1 (x) 1 / 3) so that only the outer product allocates a full
     (N, 6, 6) array; the isotropic part is added in place.
     """
-    tangent = n[:, :, None] * m[:, None, :]
+    tangent = xp.multiply(n[:, :, None], m[:, None, :], out=out)
     flat = tangent.reshape(tangent.shape[0], 36)  # a view: the product is contiguous
     flat[:, ::7] += two_g_theta[:, None]
     tangent[:, :3, :3] += (bulk - two_g_theta / 3.0)[:, None, None]
@@ -161,7 +161,7 @@ def elastic_stiffness(params=_DEFAULT_PARAMETERS, xp=numpy, dtype=numpy.float64)
     return _assemble_tangent(xp, params.bulk_modulus, two_g, zero, zero)[0]
 
 
-def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tangent=True, xp=None):
+def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tangent=True, xp=None, out=None):
     """Radial-return update of a batch of material points.
 
     Parameters
@@ -178,6 +178,11 @@ def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tang
         Whether to return the consistent tangent.
     xp : module, optional
         NumPy or CuPy; by default the module of ``strain``.
+    out : dict, optional
+        Arrays to write the results into (the keys of the result, C-contiguous,
+        of the result's dtype), as a NumPy ``out=``; the tangent, most of the
+        bytes, is computed in them directly. A dispatcher passes its output
+        rows here when ``do_work`` takes ``out``.
 
     Returns
     -------
@@ -247,12 +252,17 @@ def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tang
     stress[:, :3] += (bulk * volumetric)[:, None]
     result = {"stress": stress, "plastic_strain": new_plastic_strain, "alpha": alpha + increment}
     del step, safe_norm, f_trial, norm_s, volumetric
+    if out is not None:
+        for name in result:
+            xp.copyto(out[name], result[name])
+            result[name] = out[name]
     if tangent:
         safe_q = xp.where(plastic, q_trial, 1.0).astype(dtype, copy=False)
         theta = 1.0 - three_g * increment / safe_q
         theta_bar = three_g / (three_g + hardening) - (1.0 - theta)
         result["tangent"] = _assemble_tangent(
-            xp, bulk, (two_g * theta).astype(dtype, copy=False), (-two_g * theta_bar)[:, None] * normal, normal
+            xp, bulk, (two_g * theta).astype(dtype, copy=False), (-two_g * theta_bar)[:, None] * normal, normal,
+            out=None if out is None else out["tangent"],
         )
     return result
 
