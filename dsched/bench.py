@@ -110,7 +110,6 @@ class _DeviceClock:
         arrived = time.perf_counter()
         with self.lock:
             queued = arrived < self.released
-            self.released = float("inf")  # running: a chunk arriving now queues behind this one
             self.due = (self.due if queued else time.perf_counter()) + seconds
             time.sleep(max(0.0, self.due - time.perf_counter()))
             self.released = time.perf_counter()

@@ -612,8 +612,7 @@ class _AsyncRun:
         entry = self.in_flight.get(outcome.index)
         if entry is None or entry.future is not outcome.ticket:
             return False  # moved elsewhere meanwhile (a lost device)
-        if outcome.lost:
-            self.feeds.refuse(outcome.ticket.device)
+        if outcome.lost:  # its feed is marked lost: the device's chunks now go as tasks
             del self.in_flight[outcome.index]
             self._submit(self.watch.where(entry.record.device), [(entry.record, entry.work)], retry=True)
             return False

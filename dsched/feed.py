@@ -268,7 +268,6 @@ class FeedTicket:
     """A chunk sent to a feed, standing where a chunk task's future would (``key``, ``status``, ``release``)."""
 
     key: str
-    device: object
     status: str = "pending"
 
     def release(self):
@@ -338,7 +337,8 @@ class Feeds:
 
     def serves(self, device) -> bool:
         """Whether ``device``'s chunks go to feeds: its workers share this host, and none of its feeds was lost."""
-        return device in self.owners and device not in self._refused
+        lost = any(f.lost for f in self._feeds.get(device, ()))
+        return device in self.owners and device not in self._refused and not lost
 
     def send(self, device, chunks) -> list:
         """Send ``chunks`` (``(index, items, work, slot)``) to the least busy feeds of ``device``; their tickets.
@@ -346,12 +346,14 @@ class Feeds:
         Each chunk's :class:`FeedOutcome` is ``put`` when its feed replies. One
         wake-up of the event loop for them all.
         """
-        feeds = [f for f in self._feeds.get(device) or self._start(device) if not f.lost]
+        feeds = self._feeds.get(device) or self._start(device)
+        # A feed lost since serves() was asked: its chunks would only fail, and run again as tasks.
+        feeds = [f for f in feeds if not f.lost] or feeds
         calls = []
         for index, items, work, slot in chunks:
             feed = min(feeds, key=lambda f: f.sent)
             feed.sent += 1
-            ticket = FeedTicket(f"{feed.id}-{index}", device)
+            ticket = FeedTicket(f"{feed.id}-{index}")
             about = (self.run_id, self.client.id, str(placement_device(device)), items, ticket.key) \
                 if self._events else None
             calls.append((feed, ticket, index, work, slot, about))
@@ -378,7 +380,8 @@ class Feeds:
             task.add_done_callback(_calls.discard)
 
     def refuse(self, device):
-        """Send no more of ``device``'s chunks to feeds (a worker of it was lost)."""
+        """Send no more of ``device``'s chunks to feeds (its workers are gone; a feed that lost its worker
+        refuses its device by itself)."""
         self._refused.add(device)
 
     async def _call(self, feed, ticket, index, work, slot, about):
