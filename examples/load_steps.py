@@ -22,7 +22,7 @@ import numpy as np
 from distributed import Client
 
 import dsched
-from dsched.bench_batch import final_strain, j2_load_step, run_numpy
+from dsched.bench_batch import final_strain, j2_load_step_in_place, run_numpy
 
 
 def main(argv=None):
@@ -36,21 +36,22 @@ def main(argv=None):
 
     devices = ["cpu", "cuda:0"] if args.emulate else ["cpu"] + [str(d) for d in dsched.visible_gpus()]
     gpus = [d for d in devices if d != "cpu"]
-    scheduler = dsched.StaticHybridScheduler(devices, batch_sizes=[131072] + [262144] * len(gpus),
+    scheduler = dsched.StaticHybridScheduler(devices, batch_sizes=[262144] * len(devices),
                                              priorities=[1] + [2] * len(gpus))
     strain = final_strain(args.points)  # each point's strain at the last step; step k applies (k+1)/steps of it
     with dsched.LocalHybridCluster(devices, emulate=args.emulate, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         start = time.perf_counter()
-        with dsched.Batch({"final_strain": strain, "plastic_strain": np.zeros_like(strain),
-                           "alpha": np.zeros(args.points)}, scheduler, client=client) as batch:
+        zeros = np.zeros_like(strain)
+        with dsched.Batch({"final_strain": strain, "plastic_strain": zeros, "alpha": np.zeros(args.points),
+                           "stress": zeros}, scheduler, client=client) as batch:
             print(batch)
             for step in range(args.steps):
-                # Reads three fields, writes the state and the stress: the engine orders it after the
-                # previous step on each chunk, and nothing waits across chunks.
-                batch.update(j2_load_step, reads=["final_strain", "plastic_strain", "alpha"],
-                             writes=["plastic_strain", "alpha"] + (["stress"] if step else []),
-                             outputs=[] if step else ["stress"], label="j2-step",
+                # Reads the strain, overwrites the state and the stress where they live (inplace=True: no new
+                # versions, so the device memory stays what it was after the first step). The engine orders
+                # it after the previous step on each chunk, and nothing waits across chunks.
+                batch.update(j2_load_step_in_place, reads=["final_strain", "plastic_strain", "alpha", "stress"],
+                             writes=["plastic_strain", "alpha", "stress"], inplace=True, label="j2-step",
                              kwargs={"factor": (step + 1) / args.steps})
                 if (step + 1) % args.report_every == 0 or step + 1 == args.steps:
                     yielded = batch.reduce(lambda a: int((a > 0).sum()), "alpha")

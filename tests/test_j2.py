@@ -281,3 +281,26 @@ def test_cupy_matches_numpy():
     for key, value in host.items():
         assert isinstance(chunk[key], np.ndarray)
         np.testing.assert_allclose(chunk[key], value, rtol=1e-12, atol=1e-12 * np.abs(value).max())
+
+
+def test_out_may_be_the_state_itself_and_is_bitwise_the_same():
+    # An update in place (a resident batch's state): out= is the plastic strain and alpha given, and a
+    # stress buffer; a float32 out= is written by a copy at the end, never used for float64 intermediates.
+    from dsched.bench_data import j2_inputs
+
+    strain, plastic, alpha = j2_inputs(5000)
+    strain = strain * 3.0  # most points yield: the state changes
+    reference = j2_update(strain, plastic, alpha, tangent=False)
+    state = {"stress": np.full((5000, 6), np.nan), "plastic_strain": plastic.copy(), "alpha": alpha.copy()}
+    got = j2_update(strain, state["plastic_strain"], state["alpha"], tangent=False, out=state)
+    assert all(got[k] is state[k] and np.array_equal(got[k], reference[k]) for k in reference)
+    assert (reference["alpha"] > 0).mean() > 0.5
+    single = {k: np.empty(v.shape, np.float32) for k, v in reference.items()}
+    got = j2_update(strain, plastic, alpha, tangent=False, out=single)
+    assert all(got[k] is single[k] and np.array_equal(got[k], reference[k].astype(np.float32)) for k in reference)
+    # A stress buffer that is an input read later (the plastic strain) is not computed into, only copied into.
+    given = plastic.copy()
+    got = j2_update(strain, given, alpha, tangent=False,
+                    out={"stress": given, "plastic_strain": np.empty_like(plastic), "alpha": np.empty_like(alpha)})
+    assert np.array_equal(got["stress"], reference["stress"])
+    assert np.array_equal(got["plastic_strain"], reference["plastic_strain"])

@@ -223,8 +223,16 @@ def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tang
     two_g = 2.0 * shear
     three_g = 3.0 * shear
 
+    # Results computed straight into out= where it cannot overwrite an input still to be read: the stress
+    # from the elastic strain on, the state by the last additions (each reads only the same element of
+    # its own input first, so out may be that input: an update in place).
+    into = {} if out is None else {
+        "stress": _direct_out(xp, out["stress"], strain.shape, dtype, strain, plastic_strain, alpha),
+        "plastic_strain": _direct_out(xp, out["plastic_strain"], strain.shape, dtype, strain, alpha),
+        "alpha": _direct_out(xp, out["alpha"], alpha.shape, dtype, strain, plastic_strain)}
+
     # sigma_tr = C (eps - eps_p) without forming C: K tr(e) 1 + 2G dev(e).
-    elastic_strain = strain - plastic_strain
+    elastic_strain = xp.subtract(strain, plastic_strain, out=into.get("stress"))
     volumetric = elastic_strain[:, 0] + elastic_strain[:, 1] + elastic_strain[:, 2]
     deviator = elastic_strain  # reused in place: elastic_strain is not needed again
     deviator[:, :3] -= (volumetric / 3.0)[:, None]
@@ -245,17 +253,19 @@ def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tang
     increment = increment.astype(dtype, copy=False)
 
     step = (_SQRT3_2 * increment)[:, None] * normal
-    new_plastic_strain = plastic_strain + step
-    step *= two_g
+    step_stress = step * two_g
     stress = deviator  # the deviator becomes the stress in place
-    stress -= step
+    stress -= step_stress
     stress[:, :3] += (bulk * volumetric)[:, None]
-    result = {"stress": stress, "plastic_strain": new_plastic_strain, "alpha": alpha + increment}
-    del step, safe_norm, f_trial, norm_s, volumetric
+    # The state last: out= may be the state itself, which nothing reads after this.
+    result = {"stress": stress, "plastic_strain": xp.add(plastic_strain, step, out=into.get("plastic_strain")),
+              "alpha": xp.add(alpha, increment, out=into.get("alpha"))}
+    del step, step_stress, safe_norm, f_trial, norm_s, volumetric
     if out is not None:
         for name in result:
-            xp.copyto(out[name], result[name])
-            result[name] = out[name]
+            if result[name] is not out[name]:
+                xp.copyto(out[name], result[name])
+                result[name] = out[name]
     if tangent:
         safe_q = xp.where(plastic, q_trial, 1.0).astype(dtype, copy=False)
         theta = 1.0 - three_g * increment / safe_q
@@ -265,6 +275,18 @@ def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tang
             out=None if out is None else out["tangent"],
         )
     return result
+
+
+def _direct_out(xp, target, shape, dtype, *inputs):
+    """``target`` if a result of ``shape`` and ``dtype`` may be computed straight into it, else ``None``.
+
+    Not when it may overlap an input it would overwrite before that is read
+    (a bounds check: cheap, and a false yes only costs the copy), nor when a
+    cast would round an intermediate: then the result is copied in at the end.
+    """
+    if getattr(target, "dtype", None) != dtype or tuple(getattr(target, "shape", ())) != tuple(shape):
+        return None
+    return None if any(xp.may_share_memory(target, array) for array in inputs) else target
 
 
 # --- the per-point reference -----------------------------------------------
