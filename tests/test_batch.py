@@ -218,13 +218,26 @@ def test_a_killed_worker_process_loses_nothing(process_client):
     assert reference["alpha"].max() > 0  # the points did yield: the state carried matters
 
 
-def test_load_steps_on_worker_processes_equal_numpy(process_client):
-    strain = final_strain(50)
+@pytest.mark.parametrize("in_place", [False, True], ids=["new versions", "in place"])
+def test_load_steps_on_worker_processes_equal_numpy(process_client, in_place):
+    strain = final_strain(50) * 3.0  # most points yield
     scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[10, 20], priorities=[1, 2])
     reference = run_numpy(strain, 5)
-    result = run_batch(process_client, scheduler, strain, 5)
+    result = run_batch(process_client, scheduler, strain, 5, in_place=in_place)
     for field in result:
         np.testing.assert_array_equal(result[field], reference[field], err_msg=field)
+    assert (reference["alpha"] > 0).mean() > 0.5
+
+
+def test_peak_memory_counts_a_buffer_two_versions_share_once():
+    from dsched.bench_batch import _owned_buffers
+
+    state = np.zeros((100, 6))
+    version_1 = {"plastic_strain": state, "alpha": np.zeros(100)}
+    version_2 = {"plastic_strain": state[10:], "alpha": version_1["alpha"].view()}  # views of the same memory
+    one, two = _owned_buffers(version_1), _owned_buffers(version_2)
+    assert one == two and sum(one.values()) == state.nbytes + 800
+    assert sum(_owned_buffers({"x": np.zeros(100)}).values()) == 800 and _owned_buffers(np.ones(3)) != one
 
 
 def test_shared_memory_is_released_at_close(process_client):
