@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from .devices import Device, emulated_devices
+from .chunk import takes_out
 from .dispatch import WorkDispatcher
 from .report import RunReport
 from .work import SliceGenerator
@@ -107,7 +108,10 @@ def graph_cluster(stack, graph, devices=None, dashboard_address=None):
     return stack.enter_context(Client(cluster))
 
 
-def _model_chunk(chunk, parameters, tangent, work, device):
+def _model_chunk(chunk, parameters, tangent, work, device, out=None):
+    # out: the chunk's output rows, for a model that computes into them (no copy into place afterwards).
+    if out is not None and takes_out(chunk):
+        return chunk(work, device, parameters, tangent=tangent, out=out)
     return chunk(work, device, parameters, tangent=tangent)
 
 

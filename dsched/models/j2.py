@@ -427,7 +427,7 @@ def j2_outputs(tangent=True):
     return spec
 
 
-def j2_chunk(work, device=None, params=_DEFAULT_PARAMETERS, *, xp=None, tangent=True):
+def j2_chunk(work, device=None, params=_DEFAULT_PARAMETERS, *, xp=None, tangent=True, out=None):
     """Run the J2 update on the points ``work`` (a slice of global indices).
 
     Inputs are generated where the chunk runs by :func:`loading_strain`, from
@@ -445,6 +445,9 @@ def j2_chunk(work, device=None, params=_DEFAULT_PARAMETERS, *, xp=None, tangent=
         Overrides the array module chosen from ``device``.
     tangent : bool
         Whether to compute and return the tangent.
+    out : dict, optional
+        Host arrays to compute into (a dispatcher's output rows), as in
+        :func:`j2_update`; used when the chunk computes with NumPy.
 
     Returns
     -------
@@ -463,6 +466,6 @@ def j2_chunk(work, device=None, params=_DEFAULT_PARAMETERS, *, xp=None, tangent=
         n = strain.shape[0]
         result = j2_update(
             strain, xp.zeros((n, 6), dtype=strain.dtype), xp.zeros(n, dtype=strain.dtype),
-            params, tangent=tangent, xp=xp,
+            params, tangent=tangent, xp=xp, out=out if xp is numpy else None,
         )
         return {key: _to_host(value) for key, value in result.items()}
