@@ -453,8 +453,7 @@ class _AsyncRun:
         self.packs = set()  # keys of tasks that are packs
         self.threads = device_threads(client, cluster["workers"])  # chunks of a device that can run at once
         self.topic = f"{run_id}-chunks"
-        done = self.done  # the handler holds the queue only, never the run and its outputs
-        client.subscribe_topic(self.topic, lambda event: done.put(event[1]))  # on the client's event loop
+        self.subscribed = False  # to the packs' events, at the first pack
         self.feeds = self._feeds(cluster)
         self.next_tick = time.monotonic() + TICK_SECONDS  # when to look for timeouts and lost devices
 
@@ -474,10 +473,20 @@ class _AsyncRun:
     def close(self):
         if self.feeds is not None:
             self.feeds.close()
-        self.client.unsubscribe_topic(self.topic)
-        # distributed's unsubscribe_topic tells the scheduler but keeps the handler (2026.8): drop it, or
-        # every run's handler would stay in the client for good.
-        getattr(self.client, "_event_handlers", {}).pop(self.topic, None)
+        if self.subscribed:
+            self.client.unsubscribe_topic(self.topic)
+            # distributed's unsubscribe_topic tells the scheduler but keeps the handler (2026.8): drop it, or
+            # every run's handler would stay in the client for good.
+            getattr(self.client, "_event_handlers", {}).pop(self.topic, None)
+
+    def _subscribe(self):
+        """Hear the packs' per-chunk events. Not before a pack is sent: a run whose chunks all go to feeds
+        sends no message before its feeds' tasks, which the client's batched stream would otherwise hold
+        back for its interval (10 ms)."""
+        if not self.subscribed:
+            done = self.done  # the handler holds the queue only, never the run and its outputs
+            self.client.subscribe_topic(self.topic, lambda event: done.put(event[1]))  # on the client's event loop
+            self.subscribed = True
 
     def loop(self):
         generator = self.data.generator
@@ -565,6 +574,7 @@ class _AsyncRun:
             # The pack requests its items (the scheduler admitted them all), capped by what the
             # worker holds: its chunks run one after another.
             items = sum(r.size for r, _ in chunks)
+            self._subscribe()  # sent before the pack, on the same stream: no event can come before it
             with dask.annotate(**{ITEMS_ANNOTATION: items}):  # for observers: the request may be capped
                 [future] = self.client.map(
                     run_pack, [self.dispatcher._program], [device], [works], [slots], [self.topic],
