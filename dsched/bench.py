@@ -193,9 +193,10 @@ def timed_dispatch(client, scheduler, do_work, total):
 
 def _device_workers(client):
     from .devices import device_of_resources
+    from .ownership import cluster_info
 
     return {str(device_of_resources(info["resources"])): address
-            for address, info in client.scheduler_info(n_workers=-1)["workers"].items()
+            for address, info in cluster_info(client)["workers"].items()
             if device_of_resources(info.get("resources")) is not None}
 
 

@@ -180,8 +180,10 @@ def emulated_devices(client) -> dict:
 
     A Device hashes like its string, so ``table.get("cuda:0")`` works too.
     """
+    from .ownership import cluster_info  # ownership builds on this module
+
     table = {}
-    for info in client.scheduler_info(n_workers=-1)["workers"].values():
+    for info in cluster_info(client)["workers"].values():
         device = device_of_resources(info.get("resources"))
         if device is not None:
             table[device] = table.get(device, False) or EMULATED_RESOURCE in info["resources"]

@@ -30,7 +30,7 @@ from .devices import Device, device_resource, placement_device, running_on
 from .errors import AggregateError, ChunkTimeoutError
 from .feed import FeedOutcome, Feeds, FeedTicket, is_feed_key
 from .outputs import OutputLayout
-from .ownership import check_devices_owned, device_owners, device_threads
+from .ownership import check_devices_owned, cluster_info, device_owners, device_threads
 from .reduce import concat_reduce
 from .report import ChunkRecord, RunReport
 from .store import resolve_work
@@ -236,7 +236,7 @@ class WorkDispatcher:
                 self._run_sync(data, report)
             else:
                 client = self.client
-                cluster = client.scheduler_info(n_workers=-1)  # read once: every question below is answered from it
+                cluster = cluster_info(client)  # read once: every question below is answered from it
                 check_devices_owned(client, self.scheduler, cluster["workers"])
                 if hasattr(self.scheduler, "bind"):
                     self.scheduler.bind(client)

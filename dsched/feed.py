@@ -319,7 +319,7 @@ class Feeds:
         Called on the client's event loop with each :class:`FeedOutcome`, and with
         each feed task's future as it ends (for :meth:`ended`).
     cluster : dict
-        What ``client.scheduler_info()`` said at the run's start.
+        What :func:`~dsched.ownership.cluster_info` said at the run's start.
     batch_sizes : dict
         ``{Device: its batch size}``: a worker gets as many feeds as it has threads and room for.
     """

@@ -50,6 +50,7 @@ from .devices import (
     parse_devices,
     visible_gpus,
 )
+from .ownership import cluster_info
 from .schedulers.mpi import NodePlacement, check_ranks_fit, place_on_nodes
 
 __all__ = ["initialize", "serve", "main", "WorkerPlacement", "WorkersMissing", "cluster_layout", "format_layout",
@@ -194,7 +195,7 @@ def cluster_layout(client) -> list[WorkerPlacement]:
     from distributed.comm.addressing import get_address_host
 
     layout = []
-    for address, info in sorted(client.scheduler_info(n_workers=-1)["workers"].items()):
+    for address, info in sorted(cluster_info(client)["workers"].items()):
         device = device_of_resources(info.get("resources"))
         if device is None:
             continue
@@ -413,7 +414,7 @@ def _prepare_cluster(address, n_workers, timeout=120, layout=None, interface=Non
         try:
             client.wait_for_workers(n_workers, timeout=timeout)
         except TimeoutError:
-            joined = {str(info.get("name")) for info in client.scheduler_info(n_workers=-1)["workers"].values()}
+            joined = {str(info.get("name")) for info in cluster_info(client)["workers"].values()}
             raise WorkersMissing(_missing_workers_message(address, n_workers, joined, timeout, layout, interface)) from None
         return install_plugins(client)
 

@@ -4,18 +4,29 @@ from __future__ import annotations
 
 from .devices import Device, device_of_resources, device_resource, placement_device
 
-__all__ = ["device_owners", "device_capacities", "device_threads", "check_devices_owned"]
+__all__ = ["cluster_info", "device_owners", "device_capacities", "device_threads", "check_devices_owned"]
+
+
+def cluster_info(client) -> dict:
+    """The scheduler's identity with every worker: what ``client.scheduler_info(n_workers=-1)`` means to say.
+
+    Asked of the scheduler and returned as it answers. ``scheduler_info`` returns
+    the client's cached copy instead, which the client's periodic refresh (every
+    2 s, asking for no workers) can replace between the answer and the return: a
+    cluster of workers then reads as one without any (seen in the suite).
+    """
+    return client.sync(client.scheduler.identity, n_workers=-1)
 
 
 def _workers(client, workers):
-    """The cluster's workers as ``scheduler_info`` lists them: ``workers`` when the caller read them already."""
-    return client.scheduler_info(n_workers=-1)["workers"] if workers is None else workers
+    """The cluster's workers as :func:`cluster_info` lists them: ``workers`` when the caller read them already."""
+    return cluster_info(client)["workers"] if workers is None else workers
 
 
 def device_owners(client, devices, workers=None) -> dict:
     """``{Device: [address of each worker that owns it]}`` for ``devices``.
 
-    Each function here takes the ``workers`` of one ``client.scheduler_info()``
+    Each function here takes the ``workers`` of one :func:`cluster_info`
     call, so that a run asks the scheduler once rather than once per question.
     """
     wanted = {placement_device(d): Device(d) for d in devices}

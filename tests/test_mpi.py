@@ -396,7 +396,30 @@ def _check_served(sf, proc):
             assert status["cpu"]["items_done"] + status["cuda:0"]["items_done"] == 1000
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/individual-dsched", timeout=10) as reply:
                 assert reply.status == 200  # the page was listed before the scheduler started
+        _check_data_plane_on_mpi_ranks(client, scheduler)
         client.shutdown()
+
+
+def _check_data_plane_on_mpi_ranks(client, scheduler):
+    """Worker ranks on the client's host map its shared memory (one store for the host): J2 on real arrays,
+    inputs and ``out=`` shared, each chunk's rows read and written in place by the rank that runs it."""
+    import dsched
+    from dsched.bench_data import _J2Chunk, j2_inputs
+    from dsched.models import j2_update
+    from dsched.store import classify_workers
+
+    kinds = classify_workers(client, list(client.scheduler_info(n_workers=-1)["workers"]))
+    assert set(kinds.values()) == {"host"}, kinds
+    inputs = j2_inputs(1000)
+    shared = [dsched.shared_copy(a) for a in inputs]
+    reference = j2_update(*inputs)
+    out = {k: dsched.shared_empty(v.shape) for k, v in reference.items()}
+    before = set(os.listdir("/dev/shm"))
+    d = dsched.WorkDispatcher(scheduler, _J2Chunk(), join="concat", client=client, out=out)
+    result = d.run(dsched.MappingLoader(dict(zip(("strain", "plastic_strain", "alpha"), shared))))
+    assert all(result[k] is out[k] and np.array_equal(out[k], reference[k]) for k in reference)
+    assert {str(r.device) for r in d.last_run.records} == {"cpu", "cuda:0"}
+    assert set(os.listdir("/dev/shm")) <= before  # the run made no segment of its own: the arrays were shared
 
 
 def test_command_line_cluster_over_two_nodes_names_workers_by_node(tmp_path):
