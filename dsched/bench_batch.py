@@ -1,4 +1,4 @@
-"""Benchmark of resident batches: J2 load steps with state carried, three ways.
+"""Benchmark of resident batches: J2 load steps with state carried, four ways.
 
 Every row runs the same ``steps`` load steps of the J2 model (radial return,
 linear isotropic hardening) on ``points`` material points, proportional
@@ -7,19 +7,23 @@ final strain, and the plastic strain and hardening carry from one step to the
 next. Rows:
 
 - ``numpy``: one process, each step one :func:`~dsched.models.j2_update` call
-  on the whole batch;
+  on the whole batch, the state updated in place;
 - ``dispatch``: each step :func:`dsched.dispatch` on worker processes
   (the inputs shared by the data plane, the outputs written in place), the
   state carried on the client between steps: what dsched offered before
   resident batches;
 - ``batch``: a :class:`dsched.Batch` on the same worker processes, every step
-  an update that returns at once; the client waits once, at the end.
+  an update that returns at once and makes new versions of the state; the
+  client waits once, at the end;
+- ``batch, in place``: the same with ``inplace=True`` updates that overwrite
+  the state and the stress where they live.
 
 Wall time and CPU seconds (the client's process plus the workers', so a loaded
-machine shows up as wall time that CPU time does not explain). Memory: the peak
-of the workers' resident data (Dask's managed bytes) and RSS over steps 1-2,
-against over steps 3-``steps``. Results are checked against the ``numpy``
-row. The workers are CPU processes: nothing here measures a GPU.
+machine shows up as wall time that CPU time does not explain). Memory, per
+batch row: the peak of the memory the workers' keys hold (distinct buffers), of
+Dask's managed bytes (a buffer per key that holds it) and of RSS, over steps
+1-2, 3-10 and 11-``steps``. Results are checked against the ``numpy`` row.
+The workers are CPU processes: nothing here measures a GPU.
 """
 
 from __future__ import annotations

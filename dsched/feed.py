@@ -28,6 +28,15 @@ feed *retires* after its current chunk, leaving its inbox open, and the
 client starts a successor task on that inbox, which queues behind the
 others. Without contention a feed lives as long as its run.
 
+A solver calls again and again, and a feed's task takes a scheduler round
+trip to start (about 10 ms here, a quarter of a 100,000-point call). So when
+a run ends without the dashboard, its feeds are *parked* rather than stopped:
+each waits on its worker, holding its thread and its share of the device,
+for ``dsched.feed-linger`` seconds (2 by default; 0 stops them at once). The
+client's next run, of any dispatcher, takes them: it sends its program to
+each (one small message) and then its chunks. A parked feed ends at once when
+any other task waits for its worker, and when its time is up.
+
 The worker side is a handler installed by :class:`FeedPlugin`, registered by
 the dispatcher on first use.
 """
@@ -36,6 +45,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import itertools
 import queue
 import threading
 import time
@@ -50,19 +61,27 @@ from .devices import device_resource, placement_device
 
 __all__ = ["FeedPlugin", "Feeds", "FeedOutcome", "FeedTicket", "run_feed", "is_feed_key", "CHUNK_EVENT_TOPIC"]
 
-CHUNK_OP, STOP_OP = "dsched_feed_chunk", "dsched_feed_stop"
+CHUNK_OP, STOP_OP, PARK_OP, REARM_OP = "dsched_feed_chunk", "dsched_feed_stop", "dsched_feed_park", "dsched_feed_rearm"
 # With the dashboard on the scheduler, a feed tells it of each chunk as it starts and ends:
 # (phase "start", "done" or "failed", run id, client id, device, items, worker address, chunk key, start, stop).
 CHUNK_EVENT_TOPIC = "dsched-chunks"
 DASHBOARD_PLUGIN = "dsched-dashboard"  # dsched.dashboard.PLUGIN_NAME, without importing Bokeh here
 WINDOW = 2  # chunks of one feed on its worker at a time (one running, one queued): the rest wait on the client
 _POLL = 0.05  # seconds between an idle feed's checks that its task is still wanted and nobody waits for it
+LINGER = 2.0  # seconds a feed waits, parked, for the same client's next run (``dsched.feed-linger``)
+_REUSE_MARGIN = 0.5  # a parked feed is reused only this long before its worker would end it
 
 
 # --- the worker's side --------------------------------------------------------
 
 class _Inbox:
-    """The chunks waiting for one feed; once closed, what arrives is refused."""
+    """The chunks waiting for one feed, and the program they run; once closed, what arrives is refused.
+
+    Between two runs of its client a feed may be *parked*: it waits, idle, until
+    ``park_until``, for the next run to *rearm* it with that run's program. The
+    client numbers its park and rearm messages (``epoch``), which travel on
+    different connections: a late park must not park the next run's feed.
+    """
 
     def __init__(self):
         self.queue = queue.SimpleQueue()
@@ -71,6 +90,9 @@ class _Inbox:
         self.error = None  # why it closed: what chunks that arrive later fail with
         self.attached = False  # a feed task is taking chunks from it
         self.stopping = False  # the client said the run is over
+        self.program = None  # what its chunks run: the first task's program, then each rearming run's
+        self.park_until = None  # parked: time.monotonic() at which it ends if no run rearms it
+        self.epoch = 0  # of the last park or rearm applied
 
     def put(self, item) -> bool:
         with self.lock:
@@ -79,16 +101,49 @@ class _Inbox:
             return not self.closed
 
     def retire(self) -> bool:
-        """Its feed leaves (a successor will take over); ``False`` if the run is over and it should stop instead."""
+        """Its feed leaves (a successor will take over); ``False`` if the run is over, or the feed is parked
+        (no run waits for a successor), and it should end instead."""
         with self.lock:
-            if self.stopping:
+            if self.stopping or self.park_until is not None:
                 return False
             self.attached = False
             return True
 
-    def attach(self):
+    def attach(self, program):
         with self.lock:
             self.attached = True
+            if self.program is None:  # a successor's program may be older than a rearming run's
+                self.program = program
+
+    def park(self, linger, epoch):
+        """The run is over; wait ``linger`` seconds for the next run of the same client."""
+        with self.lock:
+            if epoch > self.epoch:
+                self.epoch, self.park_until = epoch, time.monotonic() + linger
+
+    def rearm(self, program, epoch) -> bool:
+        """A new run takes the parked feed, with its program; ``False`` if the feed has ended."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.epoch, self.program, self.park_until = max(self.epoch, epoch), program, None
+            return True
+
+    def end_if_parked(self) -> bool:
+        """Parked: the feed ends now (others wait for its worker), and a rearm that comes later is refused."""
+        with self.lock:
+            if self.park_until is None:
+                return False
+            self.closed, self.error = True, RuntimeError("the parked feed gave its worker to others")
+            return True
+
+    def expired(self) -> bool:
+        """Parked past its time with nothing queued: the feed ends, and what arrives later is refused."""
+        with self.lock:
+            if self.park_until is None or time.monotonic() < self.park_until or not self.queue.empty():
+                return False
+            self.closed, self.error = True, RuntimeError("the feed was parked past its time")
+            return True
 
     def stop(self):
         """The run is over: its feed ends once the inbox is empty; with no feed attached, it closes now."""
@@ -118,10 +173,10 @@ _inboxes_lock = threading.Lock()
 _CLOSED_KEPT = 1024  # closed inboxes remembered, so that a late chunk is refused rather than left waiting
 
 
-def _inbox(feed: str) -> _Inbox:
+def _inbox(feed: str, create=True) -> _Inbox | None:
     with _inboxes_lock:
         inbox = _inboxes.get(feed)
-        if inbox is None:  # the chunk may arrive before its feed's task starts
+        if inbox is None and create:  # the chunk may arrive before its feed's task starts
             inbox = _inboxes[feed] = _Inbox()
             closed = [k for k, v in _inboxes.items() if v.closed]
             for key in closed[:max(0, len(closed) - _CLOSED_KEPT)]:
@@ -172,6 +227,20 @@ async def _receive_stop(feed=None):
     return "OK"
 
 
+async def _receive_park(feed=None, linger=0.0, epoch=0):
+    """RPC handler: the run is over; the feed waits ``linger`` seconds for its client's next run."""
+    inbox = _inbox(feed, create=False)
+    if inbox is not None:
+        inbox.park(linger, epoch)
+    return "OK"
+
+
+async def _receive_rearm(feed=None, program=None, epoch=0):
+    """RPC handler: a new run of the client takes a parked feed; ``"ended"`` if it is gone."""
+    inbox = _inbox(feed, create=False)
+    return "OK" if inbox is not None and inbox.rearm(_unwrap(program), epoch) else "ended"
+
+
 class FeedPlugin(WorkerPlugin):
     """Installs the feed handlers on every worker (and on workers that join later)."""
 
@@ -181,10 +250,12 @@ class FeedPlugin(WorkerPlugin):
     def setup(self, worker):
         worker.handlers[CHUNK_OP] = _chunk_handler(worker)
         worker.handlers[STOP_OP] = _receive_stop
+        worker.handlers[PARK_OP] = _receive_park
+        worker.handlers[REARM_OP] = _receive_rearm
 
 
 def is_feed_key(key) -> bool:
-    """Whether a task key is a feed's (``<run id>-feed-<n>``, a successor's with ``-<m>`` after it)."""
+    """Whether a task key is a feed's (``dsched-feed-<client>-<n>``, a successor's with ``-<m>`` after it)."""
     return "-feed-" in str(key)
 
 
@@ -199,7 +270,8 @@ def run_feed(program, device, feed: str):
     chunk of this run sent as a task): a feed must not hold a device that
     others share for a whole run. Its inbox stays open, and the client starts
     a successor on it. It also ends if its task is cancelled (the client went
-    away or gave up on the run).
+    away or gave up on the run), and when it was parked past its time or
+    anyone waits for the worker while it is parked.
     """
     from distributed import get_worker
 
@@ -208,29 +280,36 @@ def run_feed(program, device, feed: str):
     worker = get_worker()
     key = worker.get_current_task()
     inbox = _inbox(feed)
-    inbox.attach()
+    inbox.attach(program)
     ran = 0
     ended = RuntimeError(f"feed {feed} has ended")
+    program = None  # the program initialised on this thread: the inbox's, checked before each chunk
     try:
-        try:
-            _initialise(program, device, worker)
-        except Exception as err:  # thread_init failed: so does every chunk sent here
-            ended = err
-            raise
         while True:
-            if _others_wait(worker, feed):
+            parked = inbox.park_until is not None
+            if _others_wait(worker, feed, parked):
                 if inbox.retire():
                     ended = None
                     return RETIRED
+                if inbox.end_if_parked():  # no run waits for it: it ends, not retires
+                    return ran
             try:
                 item = inbox.queue.get(timeout=_POLL)
             except queue.Empty:
-                if _abandoned(worker, key):
+                if _abandoned(worker, key) or inbox.expired():
                     return ran
                 continue
             if item is None:
                 return ran
             index, work, slot, about, loop, future = item
+            if inbox.program is not program:  # the first chunk, or the first of a run that rearmed the feed
+                program = inbox.program
+                try:
+                    _initialise(program, device, worker)
+                except Exception as err:  # thread_init failed: so does every chunk sent here
+                    ended = err
+                    _resolve(loop, future, _failure(err))
+                    raise
             start = time.time()
             try:
                 value, ok = _compute(program, device, work, slot), True
@@ -247,11 +326,13 @@ def run_feed(program, device, feed: str):
             inbox.close(ended)
 
 
-def _others_wait(worker, feed) -> bool:
-    """Whether tasks other than this run's feeds wait for a thread or a resource of this worker."""
-    own = feed.rpartition("-feed-")[0] + "-feed-"
+def _others_wait(worker, feed, parked=False) -> bool:
+    """Whether other tasks wait for a thread or a resource of this worker: any task while the feed is
+    parked, otherwise any but its client's feeds (which take turns through the client)."""
+    own = feed.rpartition("-")[0] + "-"
     state = worker.state
-    return any(not str(ts.key).startswith(own) for waiting in (state.ready, state.constrained) for ts in waiting)
+    return any(parked or not str(ts.key).startswith(own) for waiting in (state.ready, state.constrained)
+               for ts in waiting)
 
 
 def _abandoned(worker, key) -> bool:
@@ -301,10 +382,15 @@ class _Feed:
     tasks: int = 1  # tasks it has had (a successor after each retirement)
     lost: bool = False
     stopped: bool = False
+    epoch: int = 0  # of its last park or rearm message: the worker applies only newer ones
+    rearm: bool = False  # taken from the parked feeds: the run's program goes to it before any chunk
+    rearming: bool = False
+    reuse_until: float = 0.0  # parked: time.monotonic() until which a run may take it
 
 
 class Feeds:
-    """The feeds of one run: started per device on its first chunk, stopped when the run ends.
+    """The feeds of one run: started (or taken from the parked ones) per device on its first chunk, parked or
+    stopped when the run ends.
 
     Parameters
     ----------
@@ -325,13 +411,15 @@ class Feeds:
     """
 
     def __init__(self, client, program, run_id, owners, put, cluster, batch_sizes):
+        import dask
+
         self.client, self.program, self.run_id, self.owners, self.put = client, program, run_id, owners, put
         self.batch_sizes = batch_sizes
+        self._linger = float(dask.config.get("dsched.feed-linger", LINGER))
         self._feeds = {}  # Device -> [_Feed]
         self._refused = set()  # devices whose feed's worker was lost: their chunks go as tasks
         self._workers = cluster["workers"]  # address -> its threads and resources
         self._events = None  # whether the scheduler has the dashboard, asked when a feed first starts
-        self._started = 0  # feeds started, for their keys
         self._by_key = {}  # task key -> feed, for the tasks not yet ended
         register_plugin(client, cluster.get("id"))
 
@@ -370,14 +458,34 @@ class Feeds:
         """Start RPCs for ``feed``'s waiting chunks, up to :data:`WINDOW` at a time (on the event loop).
 
         Its worker needs the next chunk queued while it runs one, not the whole
-        backlog: thousands of concurrent RPCs would each open a connection.
+        backlog: thousands of concurrent RPCs would each open a connection. A
+        feed taken from the parked ones gets the run's program first.
         """
+        if feed.rearm:
+            if not feed.rearming:
+                feed.rearming = True
+                _spawn(self._rearm(feed))
+            return
         while feed.backlog and feed.calling < WINDOW:
             call = feed.backlog.popleft()
             feed.calling += 1
-            task = asyncio.ensure_future(self._call(*call))
-            _calls.add(task)
-            task.add_done_callback(_calls.discard)
+            _spawn(self._call(*call))
+
+    async def _rearm(self, feed):
+        """Hand a parked feed this run's program; one that ended meanwhile is lost to the run."""
+        try:
+            reply = await self.client.rpc(feed.address).dsched_feed_rearm(
+                feed=feed.id, program=ToPickle(self.program), epoch=feed.epoch)
+            if reply != "OK":
+                raise RuntimeError(f"the parked feed {feed.id} on {feed.address} had ended")
+        except Exception as err:  # noqa: BLE001  its chunks run elsewhere, as tasks
+            feed.lost = True
+            self._lose_backlog(feed, err)
+            return
+        finally:
+            feed.rearming = False
+        feed.rearm = False
+        self._pump(feed)
 
     def refuse(self, device):
         """Send no more of ``device``'s chunks to feeds (its workers are gone; a feed that lost its worker
@@ -397,11 +505,14 @@ class Feeds:
             outcome = FeedOutcome(ticket, index, feed.address, False, err, 0.0, 0.0, lost=True)
         self._answered(feed, outcome)
         if feed.lost:  # what waits for it is lost with it: the dispatcher runs it elsewhere
-            while feed.backlog:
-                _, ticket, index, *_ = feed.backlog.popleft()
-                self._answered(feed, FeedOutcome(ticket, index, feed.address, False, outcome.value, 0.0, 0.0, True))
+            self._lose_backlog(feed, outcome.value)
         feed.calling -= 1
         self._pump(feed)
+
+    def _lose_backlog(self, feed, error):
+        while feed.backlog:
+            _, ticket, index, *_ = feed.backlog.popleft()
+            self._answered(feed, FeedOutcome(ticket, index, feed.address, False, error, 0.0, 0.0, True))
 
     def _answered(self, feed, outcome):
         feed.sent -= 1
@@ -424,10 +535,13 @@ class Feeds:
             held = (info.get("resources") or {}).get(resource, items)
             lanes = max(1, min(int(info.get("nthreads", 1)), int(held // max(items, 1))))
             for _ in range(lanes):
-                feed_id = f"{self.run_id}-feed-{self._started}"
-                self._started += 1
-                feed = _Feed(feed_id, device, address, None, held / lanes)
-                self._submit(feed, feed_id)
+                feed = _take_parked(self.client, address, device, held / lanes)
+                if feed is not None:  # its task runs already: no scheduler round trip for this run
+                    self._by_key[feed.future.key] = feed
+                    notify_when_done(self.client, [feed.future], self.put)
+                else:
+                    feed = _Feed(_new_feed_id(self.client), device, address, None, held / lanes)
+                    self._submit(feed, feed.id)
                 feeds.append(feed)
         self._feeds[device] = feeds
         return feeds
@@ -463,6 +577,11 @@ class Feeds:
                     feed.future.result(timeout=30)  # a retired feed's last task ended already
                 except Exception:  # noqa: S110  a feed that failed told its chunks already
                     pass
+        elif self._linger > 0:  # parked for the client's next run; the others stop
+            parked = [f for f in feeds if not (f.lost or f.stopped or f.rearm) and f.future.status == "pending"]
+            feeds = [f for f in feeds if f not in parked]
+            messages = _park(self.client, parked, self._linger)
+            self.client.loop.add_callback(self._send_park, messages, self._linger)
         self.client.loop.add_callback(self._stop, feeds)
 
     def cancel(self):
@@ -478,6 +597,13 @@ class Feeds:
         feeds = [f for fs in self._feeds.values() for f in fs]
         self.program, self._by_key = None, {}
         return feeds
+
+    async def _send_park(self, messages, linger):
+        for address, feed_id, epoch in messages:
+            try:
+                await self.client.rpc(address).dsched_feed_park(feed=feed_id, linger=linger, epoch=epoch)
+            except Exception:  # noqa: S110  its worker is gone: a run that takes the feed finds out
+                pass
 
     async def _stop(self, feeds, release=True):
         for feed in feeds:
@@ -496,6 +622,60 @@ def _has_dashboard(dask_scheduler=None) -> bool:
 
 
 _calls = set()  # RPCs under way: asyncio keeps only weak references to tasks
+
+
+def _spawn(coroutine):
+    task = asyncio.ensure_future(coroutine)
+    _calls.add(task)
+    task.add_done_callback(_calls.discard)
+
+
+# --- parked feeds: a client's feeds kept between its runs ------------------------------
+
+_feed_numbers = itertools.count()
+_parked_lock = threading.Lock()
+
+
+def _new_feed_id(client) -> str:
+    """``dsched-feed-<client>-<n>``: a feed outlives its run, so its name carries its client (its worker tells
+    the client's other feeds from other tasks by it), not the run."""
+    token = hashlib.sha1(str(client.id).encode()).hexdigest()[:16]
+    return f"dsched-feed-{token}-{next(_feed_numbers)}"
+
+
+def _parked(client) -> dict:
+    """The client's parked feeds: ``{(worker address, device, items held): [_Feed]}``."""
+    return client.__dict__.setdefault("_dsched_parked_feeds", {})
+
+
+def _park(client, feeds, linger) -> list:
+    """Keep ``feeds`` for the client's next run; the park messages to send, ``(address, feed id, epoch)``."""
+    reuse_until = time.monotonic() + linger - _REUSE_MARGIN
+    messages = []
+    with _parked_lock:
+        pool = _parked(client)
+        for feed in feeds:
+            feed.epoch += 1
+            feed.reuse_until = reuse_until
+            pool.setdefault((feed.address, str(feed.device), feed.holds), []).append(feed)
+            messages.append((feed.address, feed.id, feed.epoch))
+    return messages
+
+
+def _take_parked(client, address, device, holds):
+    """A parked feed of the client on ``address`` for ``device`` whose task still runs, made ready for a new
+    run (its program is sent first); ``None`` if there is none. Feeds past their time are let go."""
+    with _parked_lock:
+        waiting = _parked(client).get((address, str(device), holds), [])
+        while waiting:
+            feed = waiting.pop()
+            if time.monotonic() < feed.reuse_until and feed.future.status == "pending":
+                feed.epoch += 1
+                feed.sent, feed.calling, feed.backlog = 0, 0, collections.deque()
+                feed.rearm = True
+                return feed
+            feed.future.release()  # its task ends (or has)
+    return None
 _registered = set()  # ids of the clients' schedulers that have the plugin
 
 

@@ -192,3 +192,78 @@ def test_out_arrays_declare_the_layout_so_every_chunk_writes_in_place(client):
                                 client=client, out=out)
     with pytest.raises(Exception, match="chunk 0 on .*dtype float64; expected \\(\\) and int64"):
         bad.run(dsched.MappingLoader({"x": x}))
+
+
+# --- parked feeds: a client's next run takes its last run's feeds ---------------------------
+
+_inits = {}  # on each worker: how often thread_init ran per device
+
+
+def _count_init(device):
+    _inits[str(device)] = _inits.get(str(device), 0) + 1
+
+
+def triple_with_inits(work, device):
+    x = work["x"]
+    return {"y": 3.0 * x, "inits": np.full(x.shape[0], _inits.get(str(device), 0), dtype=np.int64)}
+
+
+def double(x):
+    return 2.0 * x
+
+
+def _parked_futures(client):
+    return [f.future for fs in client.__dict__.get("_dsched_parked_feeds", {}).values() for f in fs]
+
+
+def _worker_of(client, device):
+    [address] = [a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
+                 if f"dsched-{device}" in w["resources"]]
+    return address
+
+
+def test_the_next_run_takes_the_parked_feeds_with_its_own_program(client):
+    x = np.arange(1000.0)
+    with dask.config.set({"dsched.feed-linger": 60}):
+        dsched.WorkDispatcher(scheduler(), j2_like, join="concat", client=client).run(dsched.MappingLoader({"x": x}))
+        assert len(_parked_futures(client)) == 2  # one per single-thread device worker
+        client.run_on_scheduler(_forget_keys)
+        # Another dispatcher, another model and a thread_init: it reaches the parked feeds before any chunk.
+        d = dsched.WorkDispatcher(scheduler(), triple_with_inits, join="concat", client=client,
+                                  thread_init=_count_init)
+        out = d.run(dsched.MappingLoader({"x": x}))
+    np.testing.assert_array_equal(out["y"], 3 * x)
+    np.testing.assert_array_equal(out["inits"], np.ones(1000, dtype=np.int64))  # once per device worker
+    assert client.run_on_scheduler(_keys_seen) == []  # no task at all: the run's chunks went to the parked feeds
+    assert {str(r.device) for r in d.last_run.records} == {"cpu", "cuda:0"}
+
+
+def test_a_parked_feed_gives_its_worker_to_any_task_that_waits(client):
+    with dask.config.set({"dsched.feed-linger": 60}):
+        dsched.dispatch(double, np.arange(400.0), scheduler=scheduler(), client=client)
+    assert _parked_futures(client)
+    # The worker has one thread, which the parked feed holds: this runs once it gives way, not in 60 s.
+    cpu = _worker_of(client, "cpu")
+    assert client.submit(os.getpid, workers=[cpu], pure=False).result(timeout=20) > 0
+
+
+def test_a_feed_parked_past_its_time_ends_and_the_next_run_starts_new_ones(client):
+    x = np.arange(600.0)
+    with dask.config.set({"dsched.feed-linger": 0.6}):
+        dsched.dispatch(double, x, scheduler=scheduler(), client=client)
+        parked = _parked_futures(client)
+        assert parked
+        for future in parked:  # on its own client's loop (distributed.wait would take the default client's)
+            future.result(timeout=20)  # they end by themselves, their time up
+        client.run_on_scheduler(_forget_keys)
+        out = dsched.dispatch(double, x, scheduler=scheduler(), client=client)
+    np.testing.assert_array_equal(out, 2 * x)
+    keys = client.run_on_scheduler(_keys_seen)
+    assert len(keys) == 2 and all(is_feed_key(k) for k in keys), keys
+
+
+def test_no_feed_is_parked_with_linger_zero(client):
+    with dask.config.set({"dsched.feed-linger": 0}):
+        before = len(_parked_futures(client))
+        dsched.dispatch(double, np.arange(300.0), scheduler=scheduler(), client=client)
+    assert len(_parked_futures(client)) <= before  # the run may take parked feeds, and parks none

@@ -223,9 +223,9 @@ def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tang
     two_g = 2.0 * shear
     three_g = 3.0 * shear
 
-    # Results computed straight into out= where it cannot overwrite an input still to be read: the stress
-    # from the elastic strain on, the state by the last additions (each reads only the same element of
-    # its own input first, so out may be that input: an update in place).
+    # Results computed straight into out= where that cannot overwrite an input still to be read: the
+    # stress from the elastic strain on, the state by its final additions (each reads only the same
+    # element of its own input, so out may be that input: an update in place).
     into = {} if out is None else {
         "stress": _direct_out(xp, out["stress"], strain.shape, dtype, strain, plastic_strain, alpha),
         "plastic_strain": _direct_out(xp, out["plastic_strain"], strain.shape, dtype, strain, alpha),
@@ -253,14 +253,15 @@ def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tang
     increment = increment.astype(dtype, copy=False)
 
     step = (_SQRT3_2 * increment)[:, None] * normal
-    step_stress = step * two_g
+    # Nothing reads the state given after this: out= may be that state (an update in place).
+    new_plastic_strain = xp.add(plastic_strain, step, out=into.get("plastic_strain"))
+    step *= two_g
     stress = deviator  # the deviator becomes the stress in place
-    stress -= step_stress
+    stress -= step
     stress[:, :3] += (bulk * volumetric)[:, None]
-    # The state last: out= may be the state itself, which nothing reads after this.
-    result = {"stress": stress, "plastic_strain": xp.add(plastic_strain, step, out=into.get("plastic_strain")),
+    result = {"stress": stress, "plastic_strain": new_plastic_strain,
               "alpha": xp.add(alpha, increment, out=into.get("alpha"))}
-    del step, step_stress, safe_norm, f_trial, norm_s, volumetric
+    del step, safe_norm, f_trial, norm_s, volumetric
     if out is not None:
         for name in result:
             if result[name] is not out[name]:
