@@ -329,9 +329,13 @@ def _scheduler_task_count(dask_scheduler=None):
 
 
 def _settle(client, timeout=30.0):
-    """Wait until the scheduler has forgotten the last run's tasks, so no timing pays for another's cleanup."""
+    """Wait until the scheduler has forgotten the last run's tasks, so no timing pays for another's cleanup
+    (the feeds a run parked for the next are let go first: the next row may not be dsched's)."""
     import gc
 
+    from .feed import release_parked
+
+    release_parked(client)
     gc.collect()
     deadline = time.monotonic() + timeout
     while client.run_on_scheduler(_scheduler_task_count) and time.monotonic() < deadline:

@@ -59,7 +59,8 @@ from distributed.protocol.serialize import ToPickle
 from .completion import notify_when_done
 from .devices import device_resource, placement_device
 
-__all__ = ["FeedPlugin", "Feeds", "FeedOutcome", "FeedTicket", "run_feed", "is_feed_key", "CHUNK_EVENT_TOPIC"]
+__all__ = ["FeedPlugin", "Feeds", "FeedOutcome", "FeedTicket", "run_feed", "is_feed_key", "release_parked",
+           "CHUNK_EVENT_TOPIC"]
 
 CHUNK_OP, STOP_OP, PARK_OP, REARM_OP = "dsched_feed_chunk", "dsched_feed_stop", "dsched_feed_park", "dsched_feed_rearm"
 # With the dashboard on the scheduler, a feed tells it of each chunk as it starts and ends:
@@ -383,8 +384,6 @@ class _Feed:
     lost: bool = False
     stopped: bool = False
     epoch: int = 0  # of its last park or rearm message: the worker applies only newer ones
-    rearm: bool = False  # taken from the parked feeds: the run's program goes to it before any chunk
-    rearming: bool = False
     reuse_until: float = 0.0  # parked: time.monotonic() until which a run may take it
 
 
@@ -458,39 +457,12 @@ class Feeds:
         """Start RPCs for ``feed``'s waiting chunks, up to :data:`WINDOW` at a time (on the event loop).
 
         Its worker needs the next chunk queued while it runs one, not the whole
-        backlog: thousands of concurrent RPCs would each open a connection. A
-        feed taken from the parked ones gets the run's program first.
+        backlog: thousands of concurrent RPCs would each open a connection.
         """
-        if feed.rearm:
-            if not feed.rearming:
-                feed.rearming = True
-                _spawn(self._rearm(feed))
-            return
         while feed.backlog and feed.calling < WINDOW:
             call = feed.backlog.popleft()
             feed.calling += 1
             _spawn(self._call(*call))
-
-    async def _rearm(self, feed):
-        """Hand a parked feed this run's program; one that ended meanwhile is lost to the run."""
-        try:
-            reply = await self.client.rpc(feed.address).dsched_feed_rearm(
-                feed=feed.id, program=ToPickle(self.program), epoch=feed.epoch)
-            if reply != "OK":
-                raise RuntimeError(f"the parked feed {feed.id} on {feed.address} had ended")
-        except Exception as err:  # noqa: BLE001  its chunks run elsewhere, as tasks
-            feed.lost = True
-            self._lose_backlog(feed, err)
-            return
-        finally:
-            feed.rearming = False
-        feed.rearm = False
-        self._pump(feed)
-
-    def refuse(self, device):
-        """Send no more of ``device``'s chunks to feeds (its workers are gone; a feed that lost its worker
-        refuses its device by itself)."""
-        self._refused.add(device)
 
     async def _call(self, feed, ticket, index, work, slot, about):
         try:
@@ -535,16 +507,35 @@ class Feeds:
             held = (info.get("resources") or {}).get(resource, items)
             lanes = max(1, min(int(info.get("nthreads", 1)), int(held // max(items, 1))))
             for _ in range(lanes):
-                feed = _take_parked(self.client, address, device, held / lanes)
-                if feed is not None:  # its task runs already: no scheduler round trip for this run
-                    self._by_key[feed.future.key] = feed
-                    notify_when_done(self.client, [feed.future], self.put)
-                else:
-                    feed = _Feed(_new_feed_id(self.client), device, address, None, held / lanes)
-                    self._submit(feed, feed.id)
-                feeds.append(feed)
+                feeds.append(_take_parked(self.client, address, device, held / lanes)
+                             or _Feed(_new_feed_id(self.client), device, address, None, held / lanes))
+        # Parked feeds get the run's program before any chunk; one that ended meanwhile is replaced.
+        parked = [f for f in feeds if f.future is not None]
+        rearmed = self.client.sync(self._rearm_all, parked) if parked else []
+        for feed, ok in zip(parked, rearmed):
+            if ok:  # its task runs already: no scheduler round trip for this run
+                self._by_key[feed.future.key] = feed
+                notify_when_done(self.client, [feed.future], self.put)
+            else:
+                feed.future.release()
+                feeds[feeds.index(feed)] = _Feed(_new_feed_id(self.client), device, feed.address, None, feed.holds)
+        for feed in feeds:
+            if feed.future is None:
+                self._submit(feed, feed.id)
         self._feeds[device] = feeds
         return feeds
+
+    async def _rearm_all(self, feeds) -> list:
+        """Hand parked feeds this run's program, all at once; whether each took it."""
+        async def rearm(feed):
+            try:
+                reply = await self.client.rpc(feed.address).dsched_feed_rearm(
+                    feed=feed.id, program=ToPickle(self.program), epoch=feed.epoch)
+                return reply == "OK"
+            except Exception:  # noqa: BLE001  its worker is gone
+                return False
+
+        return await asyncio.gather(*(rearm(f) for f in feeds))
 
     def _submit(self, feed, key):
         feed.future = self.client.submit(run_feed, self.program, feed.device, feed.id, key=key,
@@ -578,7 +569,7 @@ class Feeds:
                 except Exception:  # noqa: S110  a feed that failed told its chunks already
                     pass
         elif self._linger > 0:  # parked for the client's next run; the others stop
-            parked = [f for f in feeds if not (f.lost or f.stopped or f.rearm) and f.future.status == "pending"]
+            parked = [f for f in feeds if not (f.lost or f.stopped) and f.future.status == "pending"]
             feeds = [f for f in feeds if f not in parked]
             messages = _park(self.client, parked, self._linger)
             self.client.loop.add_callback(self._send_park, messages, self._linger)
@@ -662,9 +653,22 @@ def _park(client, feeds, linger) -> list:
     return messages
 
 
+def release_parked(client):
+    """Let go of ``client``'s parked feeds now: their tasks end, and their workers' threads are free at once.
+
+    For a benchmark that must start from idle workers, or a program about to
+    hand its devices to someone else; otherwise parked feeds end by themselves.
+    """
+    with _parked_lock:
+        feeds = [f for fs in _parked(client).values() for f in fs]
+        _parked(client).clear()
+    for feed in feeds:
+        feed.future.release()
+
+
 def _take_parked(client, address, device, holds):
     """A parked feed of the client on ``address`` for ``device`` whose task still runs, made ready for a new
-    run (its program is sent first); ``None`` if there is none. Feeds past their time are let go."""
+    run (which sends it its program); ``None`` if there is none. Feeds past their time are let go."""
     with _parked_lock:
         waiting = _parked(client).get((address, str(device), holds), [])
         while waiting:
@@ -672,7 +676,6 @@ def _take_parked(client, address, device, holds):
             if time.monotonic() < feed.reuse_until and feed.future.status == "pending":
                 feed.epoch += 1
                 feed.sent, feed.calling, feed.backlog = 0, 0, collections.deque()
-                feed.rearm = True
                 return feed
             feed.future.release()  # its task ends (or has)
     return None
