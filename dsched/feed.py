@@ -464,6 +464,11 @@ class Feeds:
             feed.calling += 1
             _spawn(self._call(*call))
 
+    def refuse(self, device):
+        """Send no more of ``device``'s chunks to feeds (its workers are gone; a feed that lost its worker
+        refuses its device by itself)."""
+        self._refused.add(device)
+
     async def _call(self, feed, ticket, index, work, slot, about):
         try:
             reply = await self.client.rpc(feed.address).dsched_feed_chunk(

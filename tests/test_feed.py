@@ -267,3 +267,31 @@ def test_no_feed_is_parked_with_linger_zero(client):
         before = len(_parked_futures(client))
         dsched.dispatch(double, np.arange(300.0), scheduler=scheduler(), client=client)
     assert len(_parked_futures(client)) <= before  # the run may take parked feeds, and parks none
+
+
+def _close_inboxes(prefix, dask_worker=None):
+    from dsched import feed
+
+    closed = [name for name, inbox in list(feed._inboxes.items()) if name.startswith(prefix) and not inbox.closed]
+    for name in closed:
+        feed._inboxes[name].close(RuntimeError("closed by the test"))
+    return closed
+
+
+def test_a_parked_feed_that_ended_unnoticed_is_replaced_by_a_new_one(client):
+    # A parked feed whose worker-side inbox closed while its task still shows as running: the next run's
+    # rearm is refused, and the run starts a new feed in its place rather than failing or falling back.
+    x = np.arange(800.0)
+    with dask.config.set({"dsched.feed-linger": 60}):
+        dsched.dispatch(double, x, scheduler=scheduler(), client=client)
+        parked = _parked_futures(client)
+        assert len(parked) == 2
+        closed = client.run(_close_inboxes, "dsched-feed-")
+        assert sum(len(c) for c in closed.values()) == 2
+        client.run_on_scheduler(_forget_keys)
+        d = dsched.WorkDispatcher(scheduler(), j2_like, join="concat", client=client)
+        out = d.run(dsched.MappingLoader({"x": x}))
+    np.testing.assert_array_equal(out["y"], 2 * x)
+    keys = client.run_on_scheduler(_keys_seen)
+    assert len(keys) == 2 and all(is_feed_key(k) for k in keys), keys  # two new feeds, no task per chunk
+    assert {str(r.device) for r in d.last_run.records} == {"cpu", "cuda:0"}
