@@ -558,10 +558,11 @@ class Feeds:
         self._submit(feed, f"{feed.id}-{feed.tasks}")
 
     def close(self):
-        """Stop every feed (their inboxes are empty at a run's end) and release their tasks.
+        """The run is over (its feeds' inboxes are empty): park its feeds for the client's next run, or stop
+        them and release their tasks.
 
-        With the dashboard, wait for the feeds' tasks to end: their chunk events
-        then reached the scheduler before the run returns.
+        With the dashboard, stop them and wait for their tasks to end: their
+        chunk events then reached the scheduler before the run returns.
         """
         feeds = self._forget()
         if not feeds:
