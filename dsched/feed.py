@@ -516,7 +516,11 @@ class Feeds:
                              or _Feed(_new_feed_id(self.client), device, address, None, held / lanes))
         # Parked feeds get the run's program before any chunk; one that ended meanwhile is replaced.
         parked = [f for f in feeds if f.future is not None]
-        rearmed = self.client.sync(self._rearm_all, parked) if parked else []
+        try:
+            rearmed = self.client.sync(self._rearm_all, parked) if parked else []
+        except BaseException:  # interrupted: a rearmed feed would wait for chunks that never come
+            self.client.cancel([f.future for f in parked])
+            raise
         for feed, ok in zip(parked, rearmed):
             if ok:  # its task runs already: no scheduler round trip for this run
                 self._by_key[feed.future.key] = feed
