@@ -19,7 +19,9 @@ or start the clients yourself against any dsched cluster::
     python examples/shared_devices.py client --scheduler-file sf.json --first 2000 --points 2000
 
 ``--chunk-seconds`` makes every chunk last at least that long, so chunks of
-different clients overlap visibly. Emulated devices compute with NumPy on the
+different clients overlap visibly. ``--start-on EVENT`` holds a client, once
+connected, until the cluster's Dask event ``EVENT`` is set
+(``distributed.Event(EVENT).set()``), so that several start their runs together. Emulated devices compute with NumPy on the
 CPU: they test placement and capacity, not GPU speed.
 """
 
@@ -84,6 +86,12 @@ def run_client(args) -> int:
     with Client(**connect) as client:
         scheduler = StaticHybridScheduler(devices, batch_sizes, capacities, priorities)
         done = []
+        if args.start_on:
+            from distributed import Event
+
+            print(f"waiting for {args.start_on}", flush=True)
+            if not Event(args.start_on, client=client).wait(timeout=120):
+                raise SystemExit(f"--start-on: event {args.start_on!r} was not set within 120 s")
 
         def progress(record):
             done.append(record)
@@ -187,6 +195,9 @@ def parse_args(argv=None):
     client.add_argument("--client-capacities", default="8,16", help="items this client keeps in flight per device")
     client.add_argument("--chunk-seconds", type=float, default=0.02)
     client.add_argument("--out", help="save the result to OUT.npz and the chunk records to OUT.json")
+    client.add_argument("--start-on", metavar="EVENT",
+                        help="wait for the cluster's Dask event EVENT before dispatching (a supervisor starts "
+                             "several clients at once by setting it)")
     return parser.parse_args(argv)
 
 

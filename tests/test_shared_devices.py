@@ -16,10 +16,12 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
+from distributed import Event
 
 from dsched import LocalHybridCluster, StaticHybridScheduler, WorkDispatcher, concat_reduce
 from dsched.devices import device_of_resources
@@ -67,10 +69,11 @@ def shared_cluster():
             yield cluster, client
 
 
-def _client(cluster, first, points, out):
+def _client(cluster, first, points, out, start_on=None):
     command = [sys.executable, str(EXAMPLE), "client", "--scheduler", cluster.scheduler_address,
                "--first", str(first), "--points", str(points), "--chunk-seconds", str(CHUNK_SECONDS),
                "--devices", "cpu,cuda:0", "--batch-sizes", "2,4", "--client-capacities", "8,16", "--out", str(out)]
+    command += ["--start-on", start_on] if start_on else []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -103,8 +106,8 @@ def clients():
     """Starts client processes; kills any still running when the test ends (passed or failed)."""
     started = []
 
-    def start(cluster, first, points, out):
-        proc = _client(cluster, first, points, out)
+    def start(cluster, first, points, out, start_on=None):
+        proc = _client(cluster, first, points, out, start_on)
         started.append(proc)
         return proc
 
@@ -129,7 +132,17 @@ def test_three_clients_share_devices_within_capacity(shared_cluster, clients, tm
     owners = _owners(client)
     points = 300
     outs = [tmp_path / f"client{i}" for i in range(3)]
-    procs = [clients(cluster, i * points, points, outs[i]) for i in range(3)]
+    # The clients start their runs together, once all three are connected: a process that starts
+    # late (imports on a loaded machine) must not find the others done.
+    go = f"test-go-{uuid.uuid4().hex}"
+    procs = [clients(cluster, i * points, points, outs[i], start_on=go) for i in range(3)]
+    for proc in procs:
+        for line in proc.stdout:
+            if line.startswith("waiting for"):
+                break
+        else:
+            pytest.fail(f"client {proc.pid} ended before it was ready")
+    Event(go, client=client).set()
     _wait(procs)
     per_client = [_check_client_output(out, i * points, points, owners) for i, out in enumerate(outs)]
     records = [r for mine in per_client for r in mine]
