@@ -117,10 +117,15 @@ class _Inbox:
                 self.program = program
 
     def park(self, linger, epoch):
-        """The run is over; wait ``linger`` seconds for the next run of the same client."""
+        """The run is over; wait ``linger`` seconds for the next run of the same client. With no feed
+        attached (it retired as the run ended) nothing would ever take the inbox: it closes."""
         with self.lock:
-            if epoch > self.epoch:
-                self.epoch, self.park_until = epoch, time.monotonic() + linger
+            if epoch <= self.epoch:
+                return
+            self.epoch, self.park_until = epoch, time.monotonic() + linger
+            attached = self.attached
+        if not attached:
+            self.close(RuntimeError("the feed had retired when its run ended"))
 
     def rearm(self, program, epoch) -> bool:
         """A new run takes the parked feed, with its program; ``False`` if the feed has ended."""
@@ -160,6 +165,7 @@ class _Inbox:
         with self.lock:
             self.closed = True
             self.error = error
+            self.program = None  # closed inboxes are kept a while (to refuse late chunks): not their models
         while True:
             try:
                 item = self.queue.get_nowait()
@@ -297,7 +303,7 @@ def run_feed(program, device, feed: str):
             try:
                 item = inbox.queue.get(timeout=_POLL)
             except queue.Empty:
-                if _abandoned(worker, key) or inbox.expired():
+                if inbox.closed or _abandoned(worker, key) or inbox.expired():
                     return ran
                 continue
             if item is None:
@@ -370,7 +376,7 @@ class FeedOutcome:
     lost: bool = False
 
 
-@dataclass
+@dataclass(eq=False)  # a feed is itself: lists of feeds are searched by identity
 class _Feed:
     id: str  # its inbox's name on its worker, and its first task's key
     device: object
@@ -385,6 +391,13 @@ class _Feed:
     stopped: bool = False
     epoch: int = 0  # of its last park or rearm message: the worker applies only newer ones
     reuse_until: float = 0.0  # parked: time.monotonic() until which a run may take it
+    owner: object = None  # the run's Feeds it serves; None while parked or after its run
+
+    def task_ended(self, future):
+        """Its task's completion notice, for the run it serves now (one watcher per task, whatever the runs)."""
+        owner = self.owner
+        if owner is not None:
+            owner.put(future)
 
 
 class Feeds:
@@ -514,24 +527,24 @@ class Feeds:
             for _ in range(lanes):
                 feeds.append(_take_parked(self.client, address, device, held / lanes)
                              or _Feed(_new_feed_id(self.client), device, address, None, held / lanes))
+        # Known to the run before anything can fail: an interrupted run cancels them (a rearmed feed
+        # would otherwise wait for chunks that never come).
+        self._feeds[device] = feeds
         # Parked feeds get the run's program before any chunk; one that ended meanwhile is replaced.
         parked = [f for f in feeds if f.future is not None]
-        try:
-            rearmed = self.client.sync(self._rearm_all, parked) if parked else []
-        except BaseException:  # interrupted: a rearmed feed would wait for chunks that never come
-            self.client.cancel([f.future for f in parked])
-            raise
+        for f in parked:
+            self._by_key[f.future.key] = f
+        rearmed = self.client.sync(self._rearm_all, parked) if parked else []
         for feed, ok in zip(parked, rearmed):
             if ok:  # its task runs already: no scheduler round trip for this run
-                self._by_key[feed.future.key] = feed
-                notify_when_done(self.client, [feed.future], self.put)
+                feed.owner = self
             else:
+                del self._by_key[feed.future.key]
                 feed.future.release()
                 feeds[feeds.index(feed)] = _Feed(_new_feed_id(self.client), device, feed.address, None, feed.holds)
         for feed in feeds:
             if feed.future is None:
                 self._submit(feed, feed.id)
-        self._feeds[device] = feeds
         return feeds
 
     async def _rearm_all(self, feeds) -> list:
@@ -551,7 +564,8 @@ class Feeds:
                                          workers=[feed.address], allow_other_workers=False,
                                          resources={device_resource(feed.device): feed.holds}, pure=False)
         self._by_key[key] = feed
-        notify_when_done(self.client, [feed.future], self.put)
+        feed.owner = self
+        notify_when_done(self.client, [feed.future], feed.task_ended)
 
     def ended(self, future):
         """A feed's task ended: one that retired (gave its thread to others) gets a successor on its inbox."""
@@ -595,7 +609,9 @@ class Feeds:
     def _forget(self) -> list:
         """The run's feeds, and drop what the run held (its model may hold the caller's arrays): the stop
         messages still under way must not keep them alive."""
-        feeds = [f for fs in self._feeds.values() for f in fs]
+        feeds = [f for fs in self._feeds.values() for f in fs if f.future is not None]
+        for feed in feeds:
+            feed.owner = None
         self.program, self._by_key = None, {}
         return feeds
 
@@ -638,27 +654,43 @@ _parked_lock = threading.Lock()
 
 
 def _new_feed_id(client) -> str:
-    """``dsched-feed-<client>-<n>``: a feed outlives its run, so its name carries its client (its worker tells
-    the client's other feeds from other tasks by it), not the run."""
-    token = hashlib.sha1(str(client.id).encode()).hexdigest()[:16]
+    """``dsched-feed-<client and thread>-<n>``: a feed outlives its run, so its name carries who runs it (its
+    worker tells that caller's other feeds from other tasks by it), not the run. Runs of one client on
+    several threads are told apart, as they were when feeds ended with their runs."""
+    token = hashlib.sha1(f"{client.id}-{threading.get_ident()}".encode()).hexdigest()[:16]
     return f"dsched-feed-{token}-{next(_feed_numbers)}"
 
 
 def _parked(client) -> dict:
-    """The client's parked feeds: ``{(worker address, device, items held): [_Feed]}``."""
+    """The client's parked feeds: ``{(calling thread, worker address, device, items held): [_Feed]}``."""
     return client.__dict__.setdefault("_dsched_parked_feeds", {})
+
+
+def _sweep(pool, now):
+    """Let go of the pool's feeds past their time or whose task ended (any key: a run may never ask for it
+    again, its worker restarted elsewhere or its batch size changed)."""
+    for key, feeds in list(pool.items()):
+        keep = [f for f in feeds if now < f.reuse_until and f.future.status == "pending"]
+        for feed in feeds:
+            if feed not in keep:
+                feed.future.release()  # its task ends (or has)
+        if keep:
+            pool[key] = keep
+        else:
+            del pool[key]
 
 
 def _park(client, feeds, linger) -> list:
     """Keep ``feeds`` for the client's next run; the park messages to send, ``(address, feed id, epoch)``."""
-    reuse_until = time.monotonic() + linger - _REUSE_MARGIN
+    now = time.monotonic()
     messages = []
     with _parked_lock:
         pool = _parked(client)
+        _sweep(pool, now)
         for feed in feeds:
             feed.epoch += 1
-            feed.reuse_until = reuse_until
-            pool.setdefault((feed.address, str(feed.device), feed.holds), []).append(feed)
+            feed.reuse_until = now + linger - _REUSE_MARGIN
+            pool.setdefault((threading.get_ident(), feed.address, str(feed.device), feed.holds), []).append(feed)
             messages.append((feed.address, feed.id, feed.epoch))
     return messages
 
@@ -677,18 +709,20 @@ def release_parked(client):
 
 
 def _take_parked(client, address, device, holds):
-    """A parked feed of the client on ``address`` for ``device`` whose task still runs, made ready for a new
-    run (which sends it its program); ``None`` if there is none. Feeds past their time are let go."""
+    """A parked feed of this thread's runs of the client on ``address`` for ``device``, its task still running,
+    made ready for a new run (which sends it its program); ``None`` if there is none."""
     with _parked_lock:
-        waiting = _parked(client).get((address, str(device), holds), [])
-        while waiting:
-            feed = waiting.pop()
-            if time.monotonic() < feed.reuse_until and feed.future.status == "pending":
-                feed.epoch += 1
-                feed.sent, feed.calling, feed.backlog = 0, 0, collections.deque()
-                return feed
-            feed.future.release()  # its task ends (or has)
-    return None
+        pool = _parked(client)
+        _sweep(pool, time.monotonic())
+        waiting = pool.get((threading.get_ident(), address, str(device), holds))
+        if not waiting:
+            return None
+        feed = waiting.pop()
+        feed.epoch += 1
+        feed.sent, feed.calling, feed.backlog = 0, 0, collections.deque()
+        return feed
+
+
 _registered = set()  # ids of the clients' schedulers that have the plugin
 
 

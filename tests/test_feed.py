@@ -295,3 +295,44 @@ def test_a_parked_feed_that_ended_unnoticed_is_replaced_by_a_new_one(client):
     keys = client.run_on_scheduler(_keys_seen)
     assert len(keys) == 2 and all(is_feed_key(k) for k in keys), keys  # two new feeds, no task per chunk
     assert {str(r.device) for r in d.last_run.records} == {"cpu", "cuda:0"}
+
+
+def test_a_feed_reused_by_many_runs_has_one_completion_watcher(client):
+    # A solver's loop reuses one feed per device thread for every call: the client must not keep a watcher
+    # (and the finished run it reports to) per call.
+    from dsched.completion import _watchers
+
+    x = np.arange(400.0)
+    with dask.config.set({"dsched.feed-linger": 60}):
+        dsched.dispatch(double, x, scheduler=scheduler(), client=client)
+        watching = len(_watchers)
+        for _ in range(5):
+            np.testing.assert_array_equal(dsched.dispatch(double, x, scheduler=scheduler(), client=client), 2 * x)
+    assert len(_watchers) <= watching
+
+
+def test_a_closed_inbox_lets_go_of_its_program():
+    inbox = _Inbox()
+    inbox.attach(object())
+    assert inbox.program is not None
+    inbox.close(RuntimeError("ended"))
+    assert inbox.program is None and not inbox.rearm(object(), 5)
+
+
+def test_parked_feeds_of_another_thread_are_kept_apart_and_swept_once_ended(client):
+    import threading
+
+    from dsched.feed import _parked
+
+    x = np.arange(300.0)
+    with dask.config.set({"dsched.feed-linger": 0.6}):
+        other = threading.Thread(target=dsched.dispatch, args=(double, x), kwargs={"scheduler": scheduler(),
+                                                                                   "client": client})
+        other.start()
+        other.join(60)
+        theirs = [f for key, fs in _parked(client).items() if key[0] == other.ident for f in fs]
+        assert len(theirs) == 2  # parked for that thread's next run, not this one's
+        for feed in theirs:
+            feed.future.result(timeout=20)  # they end by themselves, their time up
+        dsched.dispatch(double, x, scheduler=scheduler(), client=client)  # looks at the pool: ended ones go
+    assert not [key for key in _parked(client) if key[0] == other.ident]
