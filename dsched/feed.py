@@ -33,8 +33,8 @@ trip to start (about 10 ms here, a quarter of a 100,000-point call). So when
 a run ends without the dashboard, its feeds are *parked* rather than stopped:
 each waits on its worker, holding its thread and its share of the device,
 for ``dsched.feed-linger`` seconds (2 by default; 0 stops them at once). The
-client's next run, of any dispatcher, takes them: it sends its program to
-each (one small message) and then its chunks. A parked feed ends at once when
+client's next run from the same thread, of any dispatcher, takes them: it
+sends its program to each (one small message) and then its chunks. A parked feed ends at once when
 any other task waits for its worker, and when its time is up.
 
 The worker side is a handler installed by :class:`FeedPlugin`, registered by
@@ -69,7 +69,7 @@ CHUNK_EVENT_TOPIC = "dsched-chunks"
 DASHBOARD_PLUGIN = "dsched-dashboard"  # dsched.dashboard.PLUGIN_NAME, without importing Bokeh here
 WINDOW = 2  # chunks of one feed on its worker at a time (one running, one queued): the rest wait on the client
 _POLL = 0.05  # seconds between an idle feed's checks that its task is still wanted and nobody waits for it
-LINGER = 2.0  # seconds a feed waits, parked, for the same client's next run (``dsched.feed-linger``)
+LINGER = 2.0  # seconds a feed waits, parked, for the same client's next run on that thread (``dsched.feed-linger``)
 _REUSE_MARGIN = 0.5  # a parked feed is reused only this long before its worker would end it
 
 
@@ -335,7 +335,8 @@ def run_feed(program, device, feed: str):
 
 def _others_wait(worker, feed, parked=False) -> bool:
     """Whether other tasks wait for a thread or a resource of this worker: any task while the feed is
-    parked, otherwise any but its client's feeds (which take turns through the client)."""
+    parked, otherwise any but the feeds of its caller (its client's runs on one thread, which take turns
+    through the client)."""
     own = feed.rpartition("-")[0] + "-"
     state = worker.state
     return any(parked or not str(ts.key).startswith(own) for waiting in (state.ready, state.constrained)
