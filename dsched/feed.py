@@ -532,15 +532,16 @@ class Feeds:
         # would otherwise wait for chunks that never come).
         self._feeds[device] = feeds
         # Parked feeds get the run's program before any chunk; one that ended meanwhile is replaced.
+        # Their tasks' notices come to this run from before the rearm: one that retires right after it
+        # gets its successor.
         parked = [f for f in feeds if f.future is not None]
         for f in parked:
-            self._by_key[f.future.key] = f
+            self._by_key[f.future.key], f.owner = f, self
         rearmed = self.client.sync(self._rearm_all, parked) if parked else []
         for feed, ok in zip(parked, rearmed):
-            if ok:  # its task runs already: no scheduler round trip for this run
-                feed.owner = self
-            else:
+            if not ok:  # no scheduler round trip for the others: their tasks run already
                 del self._by_key[feed.future.key]
+                feed.owner = None
                 feed.future.release()
                 feeds[feeds.index(feed)] = _Feed(_new_feed_id(self.client), device, feed.address, None, feed.holds)
         for feed in feeds:
