@@ -255,7 +255,7 @@ class DashboardPlugin(SchedulerPlugin):
         self.window = float(window)
         self.scheduler = None
         self._stats = {}  # (Device, host) -> _DeviceStats
-        self._fed = {}  # (Device, host) -> {chunk key: items} of chunks running on device feeds
+        self._fed = {}  # (Device, host) -> {chunk key: (items, worker address)} of chunks running on device feeds
         self._runs = collections.OrderedDict()  # run id -> _Run, oldest first
         self._announced = {}  # client id -> (name, total, time): the next run of that client
         self._numbers = itertools.count(1)
@@ -308,7 +308,7 @@ class DashboardPlugin(SchedulerPlugin):
             run = self._run_named(run_id, client)
             fed = self._fed.setdefault((device, host), {})
             if phase == "start":
-                run.in_flight[chunk] = fed[chunk] = items
+                run.in_flight[chunk], fed[chunk] = items, (items, address)
                 return
             run.in_flight.pop(chunk, None)
             fed.pop(chunk, None)
@@ -316,11 +316,27 @@ class DashboardPlugin(SchedulerPlugin):
                 self._stats.setdefault((device, host), _DeviceStats()).add(start, stop, int(items))
                 run.add(_label(device, host), str(device), start, stop, int(items))
 
+    def remove_worker(self, scheduler=None, worker=None, **kwargs):
+        """A worker left: the feed chunks it was running will send no end (they run again elsewhere)."""
+        with self._lock:
+            gone = set()
+            for fed in self._fed.values():
+                lost = [chunk for chunk, (_, address) in fed.items() if address == worker]
+                for chunk in lost:
+                    del fed[chunk]
+                gone.update(lost)
+            for run in self._runs.values():
+                for chunk in gone:
+                    run.in_flight.pop(chunk, None)
+
     def _run_of(self, key, ts) -> _Run:
         """The run a chunk belongs to, started on its first chunk (taking its client's announcement)."""
         match = _RUN_KEY.match(str(key))
+        run_id = match.group(1) if match else "other dsched tasks"
+        if run_id in self._runs:  # every transition of a chunk task comes here: ask for clients only once
+            return self._runs[run_id]
         clients = sorted(cs.client_key for cs in getattr(ts, "who_wants", None) or ())
-        return self._run_named(match.group(1) if match else "other dsched tasks", clients[0] if clients else None)
+        return self._run_named(run_id, clients[0] if clients else None)
 
     def _run_named(self, run_id, client) -> _Run:
         """The run ``run_id`` of ``client`` (a client id), started now if new."""
@@ -386,7 +402,7 @@ class DashboardPlugin(SchedulerPlugin):
         stats = self._stats.get((device, host)) or _DeviceStats()
         rate, busy = stats.rates(now, self.window)
         fed = self._fed.get((device, host), {})
-        load, in_flight = sum(fed.values()), len(fed)
+        load, in_flight = sum(items for items, _ in fed.values()), len(fed)
         for ws in workers:
             for ts in ws.processing:
                 requested = _device_of_restrictions(ts.resource_restrictions)

@@ -724,6 +724,26 @@ def test_items_per_second_series_keeps_every_item_and_the_formats():
             pass
 
 
+def test_feed_chunks_of_a_worker_that_left_are_no_longer_in_flight():
+    # A feed's chunk tells the dashboard its start and its end; a worker that dies sends no end (the client
+    # runs the chunk again as a task), so its chunks must not stay in flight, nor keep their run active.
+    from dsched.dashboard import DashboardPlugin
+    from dsched.feed import CHUNK_EVENT_TOPIC
+
+    plugin = DashboardPlugin()
+    for chunk, address in (("run-feed-0-1", "tcp://10.0.0.1:1"), ("run-feed-1-2", "tcp://10.0.0.2:2")):
+        plugin.log_event(CHUNK_EVENT_TOPIC, ("start", "dsched-run-1", "client", "cpu", 10, address, chunk, None, None))
+    [run] = plugin.snapshot()["runs"]
+    assert (run["chunks_in_flight"], run["items_in_flight"], run["active"]) == (2, 20, True)
+    plugin.remove_worker(worker="tcp://10.0.0.1:1")
+    [run] = plugin.snapshot()["runs"]
+    assert (run["chunks_in_flight"], run["items_in_flight"]) == (1, 10)
+    plugin.log_event(CHUNK_EVENT_TOPIC, ("done", "dsched-run-1", "client", "cpu", 10, "tcp://10.0.0.2:2",
+                                         "run-feed-1-2", 1.0, 2.0))
+    [run] = plugin.snapshot()["runs"]
+    assert (run["chunks_in_flight"], run["items_done"], run["active"]) == (0, 10, False)
+
+
 def test_the_page_updates_again_and_again_on_a_long_run(dashboard_cluster):
     """The page's refresh, run in Python: long columns (Dask stores them as NumPy arrays) compare and update."""
     from dsched.dashboard import install
