@@ -409,9 +409,9 @@ class Feeds:
     ----------
     client : distributed.Client
     program : ChunkProgram
-        Shipped once, with each feed's task.
+        Shipped once per feed: with its task, or with the rearm of a parked one.
     run_id : str
-        Feeds' task keys and chunk events carry it.
+        The chunk events (for the dashboard) carry it.
     owners : dict
         ``{Device: [worker address]}``: a device gets one feed per thread of each of its workers.
     put : callable

@@ -42,7 +42,9 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
 
     model = get_model(graph.model)
     parameters = model.parameters_type(**graph.parameters)
-    do_work = functools.partial(_model_chunk, model.chunk, parameters, graph.tangent)
+    # A model that takes out= computes into the run's output rows (asked once here, not per chunk).
+    do_work = functools.partial(_model_chunk_into if takes_out(model.chunk) else _model_chunk, model.chunk,
+                                parameters, graph.tangent)
     scheduler = graph.build_scheduler()
     # Output paths are checked before any cluster starts.
     trace_file, report_file = graph.options.get("trace_file"), graph.options.get("performance_report")
@@ -108,11 +110,13 @@ def graph_cluster(stack, graph, devices=None, dashboard_address=None):
     return stack.enter_context(Client(cluster))
 
 
-def _model_chunk(chunk, parameters, tangent, work, device, out=None):
-    # out: the chunk's output rows, for a model that computes into them (no copy into place afterwards).
-    if out is not None and takes_out(chunk):
-        return chunk(work, device, parameters, tangent=tangent, out=out)
+def _model_chunk(chunk, parameters, tangent, work, device):
     return chunk(work, device, parameters, tangent=tangent)
+
+
+def _model_chunk_into(chunk, parameters, tangent, work, device, out=None):
+    # out: the chunk's output rows (None where they cannot be views): no copy into place afterwards.
+    return chunk(work, device, parameters, tangent=tangent, out=out)
 
 
 @contextlib.contextmanager

@@ -309,11 +309,11 @@ def test_out_may_be_the_state_itself_and_is_bitwise_the_same():
 @pytest.mark.parametrize("tangent", [True, False])
 def test_j2_chunk_computes_into_out_rows(tangent):
     # A graph job's model computes into the dispatcher's output rows (views of the run's outputs).
-    from dsched.job import _model_chunk
+    from dsched.job import _model_chunk_into
 
     reference = j2_chunk(slice(5, 105), tangent=tangent)
     outputs = {k: np.full((200,) + v.shape[1:], np.nan) for k, v in reference.items()}
     rows = {k: v[50:150] for k, v in outputs.items()}
-    got = _model_chunk(j2_chunk, J2Parameters(), tangent, slice(5, 105), None, out=rows)
+    got = _model_chunk_into(j2_chunk, J2Parameters(), tangent, slice(5, 105), None, out=rows)
     assert all(got[k] is rows[k] and np.array_equal(got[k], reference[k]) for k in reference)
     assert all(np.isnan(v[:50]).all() and np.isnan(v[150:]).all() for v in outputs.values())
