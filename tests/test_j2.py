@@ -298,6 +298,11 @@ def test_out_may_be_the_state_itself_and_is_bitwise_the_same():
     single = {k: np.empty(v.shape, np.float32) for k, v in reference.items()}
     got = j2_update(strain, plastic, alpha, tangent=False, out=single)
     assert all(got[k] is single[k] and np.array_equal(got[k], reference[k].astype(np.float32)) for k in reference)
+    with_tangent = j2_update(strain, plastic, alpha)
+    single = {k: np.empty(v.shape, np.float32) for k, v in with_tangent.items()}
+    got = j2_update(strain, plastic, alpha, out=single)
+    assert all(got[k] is single[k] and np.array_equal(got[k], with_tangent[k].astype(np.float32))
+               for k in with_tangent)
     # A stress buffer that is an input read later (the plastic strain) is not computed into, only copied into.
     given = plastic.copy()
     got = j2_update(strain, given, alpha, tangent=False,

@@ -179,9 +179,10 @@ def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tang
     xp : module, optional
         NumPy or CuPy; by default the module of ``strain``.
     out : dict, optional
-        Arrays to write the results into (the keys of the result, C-contiguous,
-        of the result's dtype), as a NumPy ``out=``; the tangent, most of the
-        bytes, is computed in them directly. A dispatcher passes its output
+        Arrays to write the results into (the keys of the result), as a NumPy
+        ``out=``. Those of the result's dtype are computed in directly, the state
+        arrays given among them (an update in place); others get the result cast
+        at the end, never rounded intermediates. A dispatcher passes its output
         rows here when ``do_work`` takes ``out``.
 
     Returns
@@ -229,7 +230,8 @@ def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tang
     into = {} if out is None else {
         "stress": _direct_out(xp, out["stress"], strain.shape, dtype, strain, plastic_strain, alpha),
         "plastic_strain": _direct_out(xp, out["plastic_strain"], strain.shape, dtype, strain, alpha),
-        "alpha": _direct_out(xp, out["alpha"], alpha.shape, dtype, strain, plastic_strain)}
+        "alpha": _direct_out(xp, out["alpha"], alpha.shape, dtype, strain, plastic_strain),
+        "tangent": _direct_out(xp, out["tangent"], strain.shape[:1] + (6, 6), dtype) if tangent else None}
 
     # sigma_tr = C (eps - eps_p) without forming C: K tr(e) 1 + 2G dev(e).
     elastic_strain = xp.subtract(strain, plastic_strain, out=into.get("stress"))
@@ -262,19 +264,19 @@ def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tang
     result = {"stress": stress, "plastic_strain": new_plastic_strain,
               "alpha": xp.add(alpha, increment, out=into.get("alpha"))}
     del step, safe_norm, f_trial, norm_s, volumetric
-    if out is not None:
-        for name in result:
-            if result[name] is not out[name]:
-                xp.copyto(out[name], result[name])
-                result[name] = out[name]
     if tangent:
         safe_q = xp.where(plastic, q_trial, 1.0).astype(dtype, copy=False)
         theta = 1.0 - three_g * increment / safe_q
         theta_bar = three_g / (three_g + hardening) - (1.0 - theta)
         result["tangent"] = _assemble_tangent(
             xp, bulk, (two_g * theta).astype(dtype, copy=False), (-two_g * theta_bar)[:, None] * normal, normal,
-            out=None if out is None else out["tangent"],
+            out=into.get("tangent"),
         )
+    if out is not None:  # what could not be computed in place is copied in
+        for name in result:
+            if result[name] is not out[name]:
+                xp.copyto(out[name], result[name])
+                result[name] = out[name]
     return result
 
 
