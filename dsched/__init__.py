@@ -8,22 +8,29 @@ Examples
 (10,)
 """
 
-from .array import as_batched, map_blocks, plan
-from .backends import torch_device
-from .batch import Batch
-from .cluster import LocalHybridCluster
-from .devices import Device, array_module, current_device, visible_gpus
-from .dispatch import WorkDispatcher, dispatch
-from .outputs import ChunkResultError
-from .report import ChunkRecord, RunReport
-from .errors import AggregateError, ChunkTimeoutError, DispatchError, RecoverableError
-from .per_thread import PerThread
-from .placement import PlacementWarning, register
-from .reduce import concat_reduce, derivative_reduce
-from .store import shared_copy, shared_empty
-from .schedulers import (DeviceStatus, PerformanceModelScheduler, SimpleMPIScheduler, SimpleScheduler,
+from dsched import legacy
+
+legacy.install()  # old module paths (dsched.feed, dsched.mpi, ...) keep working
+
+from dsched.blocks.map_blocks import as_batched, map_blocks, plan
+from dsched.devices.backends import torch_device
+from dsched.resident.batch import Batch
+from dsched.cluster.local import LocalHybridCluster
+from dsched.devices.device import Device
+from dsched.devices.backends import array_module
+from dsched.devices.context import current_device
+from dsched.devices.cuda import visible_gpus
+from dsched.dispatch.dispatcher import WorkDispatcher, dispatch
+from dsched.dataplane.outputs import ChunkResultError
+from dsched.observe.report import ChunkRecord, RunReport
+from dsched.errors import AggregateError, ChunkTimeoutError, DispatchError, RecoverableError
+from dsched.devices.per_thread import PerThread
+from dsched.cluster.placement import PlacementWarning, register
+from dsched.dispatch.reduce import concat_reduce, derivative_reduce
+from dsched.dataplane.store import shared_copy, shared_empty
+from dsched.schedulers import (DeviceStatus, PerformanceModelScheduler, SimpleMPIScheduler, SimpleScheduler,
                          StaticHybridScheduler, WorkScheduler)
-from .work import ArrayLoader, MappingLoader, SliceGenerator, WorkGenerator
+from dsched.dataplane.loaders import ArrayLoader, MappingLoader, SliceGenerator, WorkGenerator
 
 __version__ = "0.1.0"
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from dsched.apps.cli import main
 
 sys.exit(main())

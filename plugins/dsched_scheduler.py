@@ -11,13 +11,13 @@ importable by the scheduler (``pip install dsched``, or ``PYTHONPATH``
 pointing at the repository).
 """
 
-import dsched.dashboard
-from dsched.placement import scheduler_dask_setup
+import dsched.observe.dashboard
+from dsched.cluster.placement import scheduler_dask_setup
 
 
 def dask_setup(scheduler):
     scheduler_dask_setup(scheduler)
-    dsched.dashboard.install(scheduler)
+    dsched.observe.dashboard.install(scheduler)
 
 
 __all__ = ["dask_setup"]

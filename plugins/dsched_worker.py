@@ -10,6 +10,6 @@ claims the GPU it sees (its first ``CUDA_VISIBLE_DEVICES`` entry, as
 scheduler address; ``dask worker`` hands them to this module.
 """
 
-from dsched.placement import worker_dask_setup as dask_setup
+from dsched.cluster.placement import worker_dask_setup as dask_setup
 
 __all__ = ["dask_setup"]

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import backends
-from ..errors import RecoverableError
-from ..per_thread import PerThread
-from ..threads import limit_this_thread
+from dsched.devices import backends
+from dsched.errors import RecoverableError
+from dsched.devices.per_thread import PerThread
+from dsched.devices.threads import limit_this_thread
 
 __all__ = ["NEML2Model", "NEML2ConvergenceError", "NEML2Parameters", "neml2_chunk", "graph_parameters",
            "as_recoverable"]
@@ -174,7 +174,7 @@ class NEML2Model:
 
     def dispatch(self, inputs, *, scheduler, **options):
         """:func:`dsched.dispatch` of this model over ``inputs``, its variable names checked first."""
-        from ..dispatch import dispatch
+        from dsched.dispatch.dispatcher import dispatch
 
         self.check_inputs(inputs)
         return dispatch(self, dict(inputs), scheduler=scheduler, **options)
@@ -260,7 +260,7 @@ def neml2_chunk(work, device, params: NEML2Parameters, *, tangent=False):
     Returns a dict of NumPy arrays: the outputs, and with ``tangent`` the
     Jacobian blocks as ``"d(output)/d(input)"``.
     """
-    from .j2 import loading_strain
+    from dsched.models.j2 import loading_strain
 
     if not isinstance(work, slice) or work.stop is None:
         raise ValueError(f"work must be a slice with a stop, got {work!r}")

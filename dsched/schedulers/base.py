@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..devices import Device, parse_devices
+from dsched.devices.device import Device, parse_devices
 
 __all__ = ["WorkScheduler", "SingleDeviceScheduler", "DeviceStatus"]
 

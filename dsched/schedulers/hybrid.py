@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import WorkScheduler, build_status
+from dsched.schedulers.base import WorkScheduler, build_status
 
 __all__ = ["StaticHybridScheduler"]
 

@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .base import DeviceStatus, SingleDeviceScheduler, build_status
+from dsched.schedulers.base import DeviceStatus, SingleDeviceScheduler, build_status
 
 __all__ = ["SimpleMPIScheduler", "NodePlacement", "node_name", "world_comm", "place_on_nodes"]
 

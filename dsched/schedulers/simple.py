@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..devices import Device
-from .base import DeviceStatus, SingleDeviceScheduler, check_positive_int
+from dsched.devices.device import Device
+from dsched.schedulers.base import DeviceStatus, SingleDeviceScheduler, check_positive_int
 
 __all__ = ["SimpleScheduler"]
 

@@ -1,0 +1,302 @@
+"""Benchmarks of the data plane: the J2 update on real arrays, against what a user would write instead.
+
+Every row computes the J2 radial return with its consistent tangent (104 B in,
+392 B out per point) for the same points, on this machine's CPU. The "CUDA"
+worker of the hybrid rows is *emulated*: a second worker process that claims
+``cuda:0`` and computes with NumPy, so the two worker processes stand for two
+devices. Nothing here measures a GPU.
+
+Rows, timed in one run (repeats interleaved, median reported):
+
+- ``numpy``: one :func:`~dsched.models.j2_update` call on the whole batch;
+- ``threads``: ``ThreadPoolExecutor(2)`` over the same chunks, results concatenated;
+- ``dispatch, processes``: :func:`dsched.dispatch` on two single-thread worker
+  processes (cpu + emulated cuda:0), the cluster started beforehand; the
+  inputs are private NumPy arrays, copied into shared memory by each call,
+  and the outputs new;
+- ``dispatch, processes, shared``: the same with the inputs made once with
+  :func:`dsched.shared_copy` and ``out=`` arrays from :func:`dsched.shared_empty`
+  reused call after call (how a solver that calls its model again and again
+  keeps its state): nothing is copied and no page is faulted again;
+- ``dispatch, processes, shared, tasks``: the same with device feeds off
+  (``dsched.feeds: false``): one Dask task per chunk (packed where several
+  wait for one thread), which is what the feeds replace;
+- the job (``dsched run``'s embedded default, inputs generated in each chunk)
+  in-process, against one :func:`~dsched.models.j2_chunk` call on the whole
+  batch and a thread pool over the job's chunks.
+
+Memory and traffic, from the ``dispatch, processes`` run: bytes the scheduler
+holds per chunk task, and the client's peak RSS (measured in a fresh process)
+against the batch's inputs plus outputs. Finally ``dsched run --output`` of a
+large batch to a Zarr store, with the client's peak RSS.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+__all__ = ["run_data_benchmarks", "format_data_table", "j2_inputs"]
+
+CAPACITY_CHUNKS = 2  # chunks in flight per device
+BYTES_IN, BYTES_OUT = 13 * 8, (6 + 6 + 1 + 36) * 8  # per point: strain, plastic strain, alpha / the outputs
+
+
+def j2_inputs(n):
+    """The batch every row computes: ``(strain, plastic_strain, alpha)`` for points ``0..n-1``."""
+    from dsched.models import loading_strain
+
+    return loading_strain(np.arange(n)), np.zeros((n, 6)), np.zeros(n)
+
+
+def _j2(strain, plastic_strain, alpha, out=None):
+    from dsched.models import j2_update
+
+    return j2_update(strain, plastic_strain, alpha, out=out)
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def _thread_pool(inputs, chunk):
+    n = inputs[0].shape[0]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        parts = list(pool.map(lambda s: _j2(*(a[s:s + chunk] for a in inputs)), range(0, n, chunk)))
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _job_thread_pool(n, chunk):
+    from dsched.models import j2_chunk
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        parts = list(pool.map(lambda s: j2_chunk(slice(s, min(s + chunk, n))), range(0, n, chunk)))
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _task_sizes(dask_scheduler=None):
+    """Bytes the scheduler holds per chunk: each dsched task's pickled size over the chunks it carries (a pack)."""
+    import re
+
+    sizes = []
+    for key, ts in dask_scheduler.tasks.items():
+        if str(key).startswith("dsched-"):
+            pack = re.search(r"-pack(\d+)", str(key))
+            sizes.append(len(pickle.dumps(ts.run_spec, protocol=5)) / (int(pack.group(1)) if pack else 1))
+    return sizes
+
+
+def _processes_dispatch(client, inputs, scheduler, sizes=None, out=None):
+    import dsched
+
+    def record(_):
+        if sizes is not None:
+            sizes.extend(client.run_on_scheduler(_task_sizes))
+
+    d = dsched.WorkDispatcher(scheduler, _J2Chunk(), join="concat", client=client, on_chunk_done=record, out=out)
+    return d.run(dsched.MappingLoader({"strain": inputs[0], "plastic_strain": inputs[1], "alpha": inputs[2]}))
+
+
+def _without_feeds(fn):
+    """``fn`` run with device feeds off: a task per chunk."""
+    def run(*args, **kwargs):
+        import dask
+
+        with dask.config.set({"dsched.feeds": False}):
+            return fn(*args, **kwargs)
+    return run
+
+
+def _shared_outputs(points):
+    """``out=`` arrays for J2's results in shared memory (stress, plastic strain, alpha, tangent)."""
+    import dsched
+
+    return {"stress": dsched.shared_empty((points, 6)), "plastic_strain": dsched.shared_empty((points, 6)),
+            "alpha": dsched.shared_empty(points), "tangent": dsched.shared_empty((points, 6, 6))}
+
+
+class _J2Chunk:
+    """``do_work`` for the dispatch rows: J2 on a chunk's mapping of inputs, into the chunk's output rows."""
+
+    def __call__(self, work, device, out=None):
+        return _j2(work["strain"], work["plastic_strain"], work["alpha"], out=out)
+
+
+def _hybrid_scheduler(chunk):
+    import dsched
+
+    return dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=chunk, capacities=CAPACITY_CHUNKS * chunk)
+
+
+def _measure_rss(points, chunk) -> dict:
+    """In a fresh process: the client's peak RSS for a processes dispatch of ``points`` (bytes)."""
+    code = f"""
+import json, resource, numpy as np, dsched
+from distributed import Client
+from dsched.bench_data import j2_inputs, _processes_dispatch, _hybrid_scheduler
+def rss():
+    with open("/proc/self/status") as f:
+        return {{l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.startswith(("VmRSS", "VmHWM"))}}
+with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                               dashboard_address=None) as cluster, Client(cluster) as client:
+    _processes_dispatch(client, j2_inputs(1000), _hybrid_scheduler(500))
+    before = rss()["VmRSS"]
+    inputs = j2_inputs({points})
+    out = _processes_dispatch(client, inputs, _hybrid_scheduler({chunk}))
+    print(json.dumps({{"before": before, "peak": rss()["VmHWM"]}}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"RSS measurement failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _measure_output_run(points) -> dict:
+    """``dsched run`` of ``points`` J2 points with ``--output`` to a temporary Zarr store: wall and peak RSS."""
+    with tempfile.TemporaryDirectory(prefix="dsched-bench-") as folder:
+        graph = os.path.join(folder, "big.toml")
+        with open(graph, "w") as f:
+            f.write(f'[model]\nname = "j2"\n\n[batch]\nsize = {points}\n\n[scheduler]\ntype = "auto"\n'
+                    f'devices = ["cpu"]\n')
+        # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across fork and exec, so a child would report this
+        # (large) benchmark process's peak as its own.
+        code = ("import sys; from dsched.cli import main; rc = main(sys.argv[1:]); "
+                "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]; "
+                "print('peak', int(hwm.split()[1]) * 1024); sys.exit(rc)")
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", code, "run", graph, "--no-progress", "--output",
+                               os.path.join(folder, "out.zarr")], capture_output=True, text=True, timeout=1800)
+        wall = time.perf_counter() - start
+        if done.returncode != 0:
+            raise RuntimeError(f"dsched run --output failed: {done.stderr[-2000:]}")
+        peak = int(done.stdout.split("peak")[-1].split()[0])
+        stored = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(folder, "out.zarr"))
+                     for f in fs)
+    return {"points": points, "wall_s": wall, "peak_rss": peak, "stored_bytes": stored}
+
+
+def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points=None, progress=None) -> dict:
+    """Time every row and measure memory and traffic; the results as a dict (see the module's docstring).
+
+    ``points`` (default 1,000,000; 200,000 quick) is the batch of the timed rows,
+    ``output_points`` (default 20,000,000; 2,000,000 quick) that of ``dsched run --output``.
+    Raises if dsched's results differ from NumPy's.
+    """
+    import dsched
+    from distributed import Client
+
+    from dsched.apps.jobfile import AUTO_BATCH_SIZE
+    from dsched.apps.job import run_graph
+    from dsched.apps.jobfile import load_graph
+
+    say = progress or (lambda line: None)
+    points = points or (200_000 if quick else 1_000_000)
+    repeats = repeats or (1 if quick else 3)
+    chunk = AUTO_BATCH_SIZE["cpu"]
+    inputs = j2_inputs(points)
+    graph = load_graph(None)
+    graph.batch_size = points
+    times = {name: [] for name in ("numpy", "threads", "dispatch, processes", "dispatch, processes, shared",
+                                   "dispatch, processes, shared, tasks", "job numpy", "job threads",
+                                   "dsched run, in-process")}
+    sizes = []
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                                   dashboard_address=None) as procs, Client(procs) as procs_client, \
+            dsched.LocalHybridCluster(["cpu"], dashboard_address=None) as inproc, Client(inproc) as inproc_client:
+        from dsched.models import j2_chunk
+
+        _processes_dispatch(procs_client, j2_inputs(2 * chunk), _hybrid_scheduler(chunk))  # warm up
+        run_graph(graph, client=inproc_client, progress=False)
+        shared_inputs = tuple(dsched.shared_copy(a) for a in inputs)
+        shared_out = _shared_outputs(points)
+        _processes_dispatch(procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)  # pages faulted
+        rows = [
+            ("numpy", lambda: _j2(*inputs)),
+            ("threads", lambda: _thread_pool(inputs, chunk)),
+            ("dispatch, processes", lambda: _processes_dispatch(procs_client, inputs, _hybrid_scheduler(chunk))),
+            ("dispatch, processes, shared", lambda: _processes_dispatch(
+                procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)),
+            ("dispatch, processes, shared, tasks", lambda: _without_feeds(_processes_dispatch)(
+                procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)),
+            ("job numpy", lambda: j2_chunk(slice(0, points))),
+            ("job threads", lambda: _job_thread_pool(points, chunk)),
+            ("dsched run, in-process", lambda: run_graph(graph, client=inproc_client, progress=False)),
+        ]
+        for _ in range(repeats):
+            for name, fn in rows:
+                seconds, _ = _timed(fn)
+                times[name].append(seconds)
+                say(f"data {name}: {points / seconds:,.0f} items/s")
+        checked = _processes_dispatch(procs_client, inputs, _hybrid_scheduler(chunk), sizes)
+        reference = _j2(*inputs)
+        for name, values in reference.items():
+            if not np.array_equal(checked[name], values) or not np.array_equal(shared_out[name], values):
+                raise AssertionError(f"dispatch's {name} differs from one NumPy call's")
+    rates = {name: points / statistics.median(t) for name, t in times.items()}
+    say("data: measuring the client's peak RSS in a fresh process")
+    rss = _measure_rss(points, chunk)
+    big = output_points or (2_000_000 if quick else 20_000_000)
+    say(f"data: dsched run --output of {big:,} points")
+    output_run = _measure_output_run(big)
+    batch_bytes = points * (BYTES_IN + BYTES_OUT)
+    results = {
+        "points": points, "chunk": chunk, "repeats": repeats, "items_per_s": rates, "seconds": times,
+        "task_bytes_max": max(sizes) if sizes else None,
+        "client_rss": {**rss, "batch_bytes": batch_bytes, "ratio": rss["peak"] / batch_bytes},
+        "output_run": output_run,
+        "emulation": "the cuda:0 worker is emulated (NumPy on the CPU): two worker processes, no GPU",
+    }
+    results["ratios"] = {
+        "dispatch, processes / numpy": rates["dispatch, processes"] / rates["numpy"],
+        "dispatch, processes, shared / numpy": rates["dispatch, processes, shared"] / rates["numpy"],
+        "feeds / tasks (dispatch, processes, shared)":
+            rates["dispatch, processes, shared"] / rates["dispatch, processes, shared, tasks"],
+        "dsched run in-process / best of job numpy, job threads":
+            rates["dsched run, in-process"] / max(rates["job numpy"], rates["job threads"]),
+    }
+    results["targets"] = {
+        "dispatch on 2 worker processes >= 1.5 x numpy (inputs and outputs in shared memory)":
+            results["ratios"]["dispatch, processes, shared / numpy"] >= 1.5,
+        "in-process dsched run >= 0.95 x the better peer":
+            results["ratios"]["dsched run in-process / best of job numpy, job threads"] >= 0.95,
+        "bytes through the scheduler per chunk <= 1 KiB": (results["task_bytes_max"] or 0) <= 1024,
+        "client peak RSS <= 1.3 x inputs + outputs": results["client_rss"]["ratio"] <= 1.3,
+        f"dsched run --output of {big:,} points under 1 GiB client RSS": output_run["peak_rss"] < 2**30,
+    }
+    return results
+
+
+def format_data_table(results) -> str:
+    """The data-plane results as text (the README's table)."""
+    lines = [f"J2 with tangent, {results['points']:,} points, chunks of {results['chunk']:,}; median of "
+             f"{results['repeats']} run(s); {results['emulation']}", ""]
+    header = f"{'row':<36} {'items/s':>12}"
+    lines += [header, "-" * len(header)]
+    for name, rate in results["items_per_s"].items():
+        lines.append(f"{name:<36} {rate:>12,.0f}")
+    lines.append("")
+    for name, ratio in results["ratios"].items():
+        lines.append(f"ratio {name}: {ratio:.2f}")
+    rss = results["client_rss"]
+    lines.append(f"scheduler bytes per chunk (max over tasks, a feed's whole; a pack's over its chunks): "
+                 f"{results['task_bytes_max']:.0f}")
+    lines.append(f"client peak RSS {rss['peak'] / 2**20:,.0f} MiB (before the run {rss['before'] / 2**20:,.0f} MiB) "
+                 f"for {rss['batch_bytes'] / 2**20:,.0f} MiB of inputs + outputs: {rss['ratio']:.2f} x")
+    run = results["output_run"]
+    lines.append(f"dsched run --output, {run['points']:,} points: {run['wall_s']:.1f} s, client peak RSS "
+                 f"{run['peak_rss'] / 2**20:,.0f} MiB, {run['stored_bytes'] / 2**30:.2f} GiB stored")
+    lines.append("")
+    for target, met in results["targets"].items():
+        lines.append(f"target {target}: {'met' if met else 'MISSED'}")
+    return "\n".join(lines)

@@ -1,0 +1,454 @@
+"""The ``dsched`` command: run workload graphs (and tune and benchmark them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+__all__ = ["main"]
+
+DEFAULT_DASHBOARD = "127.0.0.1:8787"  # `dsched run --dashboard`: loopback unless an address is given
+DEFAULT_CONNECT_TIMEOUT = 30.0  # seconds to wait for a scheduler file to appear, then for the scheduler to answer
+
+
+class UsageError(ValueError):
+    """A user's mistake found by the command line: one line, exit status 2."""
+
+
+def _add_run(subparsers):
+    run = subparsers.add_parser(
+        "run",
+        help="run a workload graph (default: the J2 update of 1,000,000 points on every device present)",
+        description=(
+            "Run a workload graph (a TOML file: model, batch, devices, scheduler, options) and print a "
+            "per-device table and the total throughput. Without GRAPH it runs the embedded default: the J2 "
+            "plasticity update of 1,000,000 points over the CPU and every visible GPU. A malformed graph exits "
+            "with status 2 before any cluster starts."
+        ),
+    )
+    run.add_argument("graph", nargs="?", help="graph file (TOML); omit for the embedded default")
+    where = run.add_mutually_exclusive_group()
+    where.add_argument("--scheduler-address", help="run on an existing Dask cluster at this address")
+    where.add_argument("--scheduler-file", help="run on the Dask cluster described by this scheduler file (dask-mpi)")
+    run.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT, metavar="SECONDS",
+                     help="how long to wait for the scheduler file to appear and the scheduler to answer (default 30)")
+    run.add_argument("--emulate", action="store_true", help="emulate CUDA devices that are not present (testing only)")
+    run.add_argument("-v", "--verbose", action="count", default=0,
+                     help="show Dask's logs (-v: INFO, -vv: DEBUG); quiet by default")
+    run.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    run.add_argument("--trace-file", help="write a Chrome trace of the run (open it in Perfetto); overrides the graph's")
+    run.add_argument("--performance-report", help="write Dask's performance report (HTML); overrides the graph's")
+    run.add_argument("--output", metavar="STORE.zarr",
+                     help="keep the outputs: workers write them to this new Zarr store (on disk, beyond memory)")
+    run.add_argument("--overwrite", action="store_true", help="replace an existing --output store")
+    run.add_argument("--chunk-timeout", type=float, metavar="SECONDS",
+                     help="fail a chunk (recoverably) that runs longer than this; overrides the graph's")
+    run.add_argument("--dashboard", nargs="?", const=DEFAULT_DASHBOARD, metavar="HOST:PORT",
+                     help=f"serve the Dask dashboard (default {DEFAULT_DASHBOARD}, loopback) and print the link to "
+                          "its dsched page; on --scheduler-address/--scheduler-file, print that cluster's link")
+    run.set_defaults(handler=_run)
+
+
+def _run(args) -> int:
+    import contextlib
+
+    from dsched.apps.jobfile import load_graph
+    from dsched.apps.job import format_report, graph_cluster, run_graph
+
+    graph = load_graph(args.graph)  # GraphError → status 2 in main, before any cluster starts
+    if args.emulate:
+        graph.options["emulate"] = True
+    if args.output:
+        from dsched.dataplane.outputs import check_out_path
+
+        try:
+            check_out_path(args.output, args.overwrite, "--output")
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    if args.chunk_timeout is not None and not args.chunk_timeout > 0:
+        raise UsageError(f"--chunk-timeout: must be a positive number of seconds, got {args.chunk_timeout:g}")
+    for option in ("trace_file", "performance_report", "output", "overwrite", "chunk_timeout"):
+        if getattr(args, option, None):
+            graph.options[option] = getattr(args, option)
+    _set_verbosity(args.verbose)
+    remote = bool(args.scheduler_address or args.scheduler_file)
+    if remote and graph.mode == "sync":
+        field = "--scheduler-file" if args.scheduler_file else "--scheduler-address"
+        raise UsageError(f"{field}: options.mode is 'sync' in {graph.source}: every chunk runs on this thread, not on "
+                         "a cluster; drop the option or set mode = 'async'")
+    dashboard = _dashboard_option(args.dashboard, graph)
+    if not remote:  # devices of this machine; a remote cluster's are checked once connected
+        graph.check_devices_present()
+    graph.check_memory()  # run_graph checks too; here before any dashboard cluster starts
+    client = None
+    with contextlib.ExitStack() as stack:
+        if remote and graph.mode == "async":
+            client = _connect(args.scheduler_address, args.scheduler_file, args.connect_timeout)
+            stack.callback(client.close)
+            _check_cluster_devices(client, graph, "--scheduler-file" if args.scheduler_file else "--scheduler-address")
+        elif dashboard is not None and graph.mode == "async":
+            client = graph_cluster(stack, graph, dashboard_address=dashboard)
+        if dashboard is not None and client is not None:
+            _show_dashboard(stack, client, graph)
+        result = run_graph(graph, client=client, progress=not args.no_progress)
+    print(f"graph: {graph.source}  model: {graph.model}  batch: {graph.batch_size:,}")
+    print(format_report(result))
+    return 0
+
+
+def _dashboard_option(value, graph) -> str | None:
+    """The dashboard address of ``--dashboard`` or ``options.dashboard``; None for none; UsageError if unusable."""
+    if value is None and graph.options.get("dashboard", False):
+        value = DEFAULT_DASHBOARD
+    if value is None:
+        return None
+    if graph.mode == "sync":
+        raise UsageError("--dashboard: a sync run (options.mode = 'sync') starts no cluster, so it has no dashboard")
+    host, _, port = str(value).rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise UsageError(f"--dashboard: expected HOST:PORT such as {DEFAULT_DASHBOARD}, got {value!r}")
+    return value
+
+
+def _show_dashboard(stack, client, graph):
+    """Print the link to the dsched page, and tell the page the run's total (for its progress and ETA)."""
+    from dsched.observe.dashboard.plugin import dashboard_link, track_run
+
+    link = dashboard_link(client)
+    if link is None:
+        print("dashboard: the cluster serves no dashboard", flush=True)
+        return
+    print(f"dashboard: {link} (open it while the run goes on; a cluster dsched run started closes with the run)",
+          flush=True)
+    stack.enter_context(track_run(client, graph.batch_size, name=f"{graph.model} ({graph.source})"))
+
+
+def _set_verbosity(verbose: int) -> None:
+    """Dask's logs: WARNING and above by default, INFO with -v, DEBUG with -vv (here and in worker processes)."""
+    import dask
+
+    from dsched.cluster.logs import apply_log_level
+
+    level = ("warning", "info", "debug")[min(verbose, 2)]
+    dask.config.set({"dsched.log-level": level})
+    apply_log_level(level)
+
+
+def _connect(address, scheduler_file, timeout):
+    """A client of the cluster at ``address`` or in ``scheduler_file``; UsageError naming the option otherwise."""
+    from distributed import Client
+
+    field = "--scheduler-file" if scheduler_file else "--scheduler-address"
+    if timeout <= 0:
+        raise UsageError(f"--connect-timeout: must be > 0 seconds, got {timeout:g}")
+    if scheduler_file:
+        address = _read_scheduler_file(scheduler_file, timeout)
+    _check_address(field, address)
+    if address.startswith("tls://"):
+        import dask
+
+        if not dask.config.get("distributed.comm.tls.ca-file", None):
+            raise UsageError(f"{field}: the scheduler at {address} requires TLS; set Dask's TLS config "
+                             "(distributed.comm.tls.ca-file, .client.cert, .client.key, e.g. "
+                             "DASK_DISTRIBUTED__COMM__TLS__CA_FILE)")
+    try:
+        return Client(address, timeout=timeout, set_as_default=False)
+    except (OSError, TimeoutError) as err:
+        raise UsageError(f"{field}: no Dask scheduler answered at {address} within {timeout:g} s ({_first_line(err)})") from None
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"{field}: {address!r} is not a usable scheduler address: {_first_line(err)}") from None
+
+
+def _read_scheduler_file(path, timeout) -> str:
+    """The address in a Dask scheduler file, waiting at most ``timeout`` seconds for the file to appear."""
+    if not os.path.exists(path):
+        print(f"dsched: waiting up to {timeout:g} s for the scheduler file {path} (written by the cluster once its "
+              "workers have joined, e.g. by python -m dsched.mpi)", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise UsageError(f"--scheduler-file: {path} did not appear within {timeout:g} s; start the cluster "
+                                 "first, or wait longer with --connect-timeout")
+            time.sleep(0.1)  # polling a path: there is nothing to wait on
+    try:
+        with open(path) as f:
+            address = json.load(f)["address"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"--scheduler-file: {path} is not a Dask scheduler file ({_first_line(err)})") from None
+    return address
+
+
+def _check_address(field, address) -> None:
+    """A malformed address fails here, naming it, rather than deep inside Dask."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+    from distributed.comm.registry import get_backend
+
+    try:
+        scheme, location = parse_address(address)
+        get_backend(scheme)
+        if scheme in ("tcp", "tls"):
+            parse_host_port(location)
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"{field}: {address!r} is not a Dask scheduler address ({_first_line(err)}); "
+                         "expected e.g. tcp://10.0.0.1:8786") from None
+
+
+def _check_cluster_devices(client, graph, field) -> None:
+    """The graph's devices must each have a dsched worker on the cluster (else the run would wait for one)."""
+    from dsched.devices.ownership import emulated_devices
+    from dsched.apps.jobfile import GraphError
+
+    owned = emulated_devices(client)
+    if not owned:
+        raise UsageError(
+            f"{field}: the cluster at {client.scheduler.address} has no dsched device workers (workers own a device "
+            "through a dsched-<device> resource: start them with python -m dsched.mpi, LocalHybridCluster, or "
+            "dask worker --preload plugins/dsched_worker.py)"
+        )
+    wanted = graph.devices(present=list(owned))
+    absent = [str(d) for d in wanted if d not in owned and not (d.index is None and any(o.is_cuda for o in owned))]
+    if absent:
+        raise GraphError(
+            f"{graph._devices_field}: {', '.join(absent)} has no worker on the cluster at {client.scheduler.address} "
+            f"(its devices: {', '.join(str(d) for d in sorted(owned, key=lambda d: (d.is_cuda, d.ordinal or 0)))}) "
+            f"in {graph.source}"
+        )
+
+
+def _first_line(err) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]
+
+
+def _add_tune(subparsers):
+    tune = subparsers.add_parser(
+        "tune",
+        help="measure each device's sub-batch size and save a speed profile",
+        description=(
+            "Sweep each device's sub-batch size by doubling (a SimpleScheduler per device), fit NEML2's "
+            "saturation model t(N) = t0 (<N - N*>/N* + 1), print the recommended batch size and capacity per "
+            "device, save a profile for this host and model (used by plan() and the graph files) and draw "
+            "throughput against sub-batch size."
+        ),
+    )
+    tune.add_argument("graph", nargs="?", help="graph file (TOML) naming the model and devices; omit for the default")
+    tune.add_argument("--devices", help="comma-separated devices (default: the graph's)")
+    tune.add_argument("--emulate", action="store_true", help="emulate CUDA devices that are not present (testing only)")
+    tune.add_argument("--mode", choices=["async", "sync"], default="async", help="time chunks on a cluster or here")
+    tune.add_argument("--start", type=int, default=64, help="first sub-batch size (default 64)")
+    tune.add_argument("--max-batch", type=int, default=2**22, help="largest sub-batch size (default 4194304)")
+    tune.add_argument("--max-time", type=float, default=2.0, help="stop once a chunk takes this many seconds")
+    tune.add_argument("--min-time", type=float, default=0.2, help="seconds of chunks to time per size (at least 3)")
+    tune.add_argument("--png", default="dsched-tune.png", help="plot file (default dsched-tune.png)")
+    tune.add_argument("--profile-dir", help="profile folder (default $DSCHED_PROFILE_DIR or ~/.cache/dsched/profiles)")
+    tune.add_argument("--no-save", action="store_true", help="do not save the profile")
+    tune.add_argument("--scheduler-address", help="measure on the workers of the Dask cluster at this address")
+    tune.add_argument("--scheduler-file", help="measure on the workers of the Dask cluster in this scheduler file")
+    tune.add_argument("--connect-timeout", type=float, default=30.0,
+                      help="seconds to wait for the cluster (and its scheduler file), default 30")
+    tune.set_defaults(handler=_tune)
+
+
+def _tune(args) -> int:
+    from dsched.apps.jobfile import load_graph
+    from dsched.apps.tune import format_tuning, run_tuning
+
+    graph = load_graph(args.graph)
+    devices = args.devices.split(",") if args.devices else None
+    if args.emulate:
+        graph.options["emulate"] = True
+    client = None
+    if args.scheduler_address or args.scheduler_file:  # measure on the cluster's workers, where they run
+        field = "--scheduler-file" if args.scheduler_file else "--scheduler-address"
+        if args.scheduler_address and args.scheduler_file:
+            raise UsageError(f"--scheduler-address: {args.scheduler_address!r} and --scheduler-file: "
+                             f"{args.scheduler_file!r} are both set; give one")
+        if args.mode == "sync":
+            raise UsageError(f"--mode: sync times chunks here, not on the cluster of {field}; use --mode async")
+        client = _connect(args.scheduler_address, args.scheduler_file, args.connect_timeout)
+        if devices is None:
+            from dsched.devices.ownership import emulated_devices
+
+            try:
+                _check_cluster_devices(client, graph, field)
+            except ValueError:
+                client.close()
+                raise
+            devices = [str(d) for d in graph.devices(present=list(emulated_devices(client)))]
+    elif devices is None:
+        graph.check_devices_present()
+    elif not graph.emulate:
+        _check_listed_devices_present(devices)
+    try:
+        result = run_tuning(
+            graph, devices, client=client, emulate=args.emulate or graph.emulate, mode=args.mode, start=args.start,
+            max_batch=args.max_batch, max_time=args.max_time, min_time=args.min_time, png_path=args.png,
+            profile_dir=args.profile_dir, save=not args.no_save,
+            on_point=lambda device, p: print(f"{device}: N={p.batch_size:<9} t={p.seconds * 1e3:9.3f} ms  "
+                                             f"{p.items_per_s:14,.0f} items/s", flush=True),
+        )
+    except ValueError as err:  # every option is checked before a cluster starts
+        print(f"dsched: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if client is not None:
+            client.close()
+    print(format_tuning(result))
+    return 0
+
+
+def _check_listed_devices_present(names) -> None:
+    """``--devices``: a GPU this machine lacks, without --emulate, is a UsageError naming it."""
+    from dsched.devices.device import parse_devices
+    from dsched.devices.cuda import visible_gpus
+
+    try:
+        devices = parse_devices(names, field="--devices")
+    except ValueError as err:
+        raise UsageError(str(err).replace("--devices: device: ", "--devices: ", 1)) from None
+    present = visible_gpus()
+    for device in devices:
+        if device.is_cuda and device not in present and not (device.index is None and present):
+            raise UsageError(f"--devices: {device} is not present on this machine (visible GPUs: "
+                             f"{', '.join(map(str, present)) or 'none'}); pass --emulate to emulate it, for testing only")
+
+
+def _add_bench(subparsers):
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmark scheduling (emulated devices) and the data plane (J2 on real arrays) against their peers",
+        description=(
+            "Two suites, each measured against its peers in the same run. 'scheduling': emulated devices of known "
+            "speed (each serial, sleeping t0 + n/rate per chunk): hybrid efficiency of StaticHybridScheduler "
+            "against plain client.map and a thread-per-device loop, and dispatch overhead per chunk (sync, async) "
+            "against client.map per task; sleeping emulates the devices, so this measures scheduling, not a GPU. "
+            "'data': the J2 update with its tangent on real arrays, dsched.dispatch on two worker processes and "
+            "dsched run in-process against one NumPy call and a thread pool, scheduler bytes per chunk, the "
+            "client's peak memory, and dsched run --output of a large batch. 'policy': the performance-model "
+            "policy against StaticHybridScheduler and plain Dask (emulated devices). 'batch': J2 load steps on a "
+            "resident batch against re-dispatching every step and NumPy. 'neml2': a NEML2 viscoplastic model "
+            "through dispatch against a direct chunked loop (needs the neml2 extra). Prints tables; --json writes "
+            "the numbers."
+        ),
+    )
+    bench.add_argument("--quick", action="store_true", help="small sizes (a minute or two)")
+    bench.add_argument("--only", choices=SUITES, help="run one suite (default: all)")
+    bench.add_argument("--json", help="write the results to this JSON file")
+    bench.add_argument("--processes", action="store_true", help="scheduling suite: device workers in processes")
+    bench.set_defaults(handler=_bench)
+
+
+SUITES = ("scheduling", "data", "policy", "batch", "neml2")
+
+
+def _bench(args) -> int:
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        print(f"dsched: error: --json: the folder of {args.json} does not exist", file=sys.stderr)
+        return 2
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    command = " ".join(["dsched bench", *(["--quick"] if args.quick else []),
+                        *([f"--only {args.only}"] if args.only else []), *(["--processes"] if args.processes else [])])
+    results, tables = {"command": command}, []
+    for suite in SUITES:
+        if args.only in (None, suite):
+            results[suite], table = _BENCH_SUITES[suite](args, say)
+            tables.append(f"$ {command}  [{suite}]\n{table}")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print("\n\n".join(tables))
+    return 0
+
+
+def _bench_scheduling(args, say):
+    from dsched.apps.bench.scheduling import format_table, run_benchmarks
+
+    results = run_benchmarks(None, quick=args.quick, processes=args.processes, progress=say)
+    return results, format_table(results)
+
+
+def _bench_data(args, say):
+    from dsched.apps.bench.data import format_data_table, run_data_benchmarks
+
+    results = run_data_benchmarks(quick=args.quick, progress=say)
+    return results, format_data_table(results)
+
+
+def _bench_policy(args, say):
+    from dsched.apps.bench.policy import format_policy_table, run_policy_benchmarks
+
+    results = run_policy_benchmarks(None, quick=args.quick, processes=args.processes, progress=say)
+    return results, format_policy_table(results)
+
+
+def _bench_batch(args, say):
+    from dsched.apps.bench.batch import format_load_steps, run_batch_benchmarks
+
+    results = run_batch_benchmarks(quick=args.quick, progress=say)
+    return results, format_load_steps(results)
+
+
+def _bench_neml2(args, say):
+    import importlib.util
+
+    from dsched.apps.bench.neml2 import VISCOPLASTIC_INPUT, format_result, measure
+
+    if importlib.util.find_spec("neml2") is None or not os.path.exists(VISCOPLASTIC_INPUT):
+        reason = "neml2 is not installed (pip install 'dsched[neml2]')" if importlib.util.find_spec(
+            "neml2") is None else f"its input file {VISCOPLASTIC_INPUT} is not here (a source checkout has it)"
+        say(f"neml2: skipped: {reason}")
+        return {"skipped": reason}, f"neml2 suite skipped: {reason}"
+    results = measure(points=40_000 if args.quick else 200_000, repeats=1 if args.quick else 3)
+    return results, format_result(results)
+
+
+_BENCH_SUITES = {"scheduling": _bench_scheduling, "data": _bench_data, "policy": _bench_policy,
+                 "batch": _bench_batch, "neml2": _bench_neml2}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dsched",
+        description=(
+            "Spread one large batch of independent model evaluations over the CPU and CUDA GPUs of a "
+            "workstation or a supercomputer, on Dask (NEML2's work schedulers and dispatcher)."
+        ),
+    )
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    _add_run(subparsers)
+    _add_tune(subparsers)
+    _add_bench(subparsers)
+    return parser
+
+
+def main(argv=None) -> int:
+    from dsched.errors import DispatchError
+    from dsched.apps.jobfile import GraphError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        return 2
+    try:
+        return args.handler(args)
+    except (GraphError, UsageError) as err:
+        print(f"dsched: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dsched: interrupted (Ctrl-C): the run was cancelled", file=sys.stderr, flush=True)
+        return 2
+    except DispatchError as err:
+        # A run that failed (a chunk over its time, results that do not match their chunk, errors the model
+        # raised as RecoverableError): what failed, where, without a traceback; status 1, not a usage error.
+        print(f"dsched: run failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

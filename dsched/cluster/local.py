@@ -1,0 +1,241 @@
+"""LocalHybridCluster: a Dask cluster on this machine with one worker per device."""
+
+from __future__ import annotations
+
+import logging
+
+from distributed import Nanny, Scheduler, SpecCluster, Worker
+
+from dsched.devices.device import EMULATED_RESOURCE, Device, check_capacities, device_resource, parse_devices
+from dsched.devices.cuda import visible_gpus
+
+__all__ = ["LocalHybridCluster"]
+
+
+def _loopback_port0(host: str) -> str:
+    """``host`` with a free port, as a Dask HTTP address (IPv6 hosts in brackets)."""
+    return f"[{host}]:0" if ":" in host else f"{host}:0"
+
+
+def _rotated_visible_devices(ordinal: int, present: list[int]) -> str:
+    """dask-cuda's pinning: the worker's own GPU first, so it is CuPy's device 0 there."""
+    order = present[present.index(ordinal):] + present[: present.index(ordinal)]
+    return ",".join(map(str, order))
+
+
+class LocalHybridCluster(SpecCluster):
+    """One Dask worker per device: a CPU worker and one worker per GPU.
+
+    Each worker owns its device through the resource ``dsched-<device>``,
+    whose amount is the device's capacity in items: every chunk requests its
+    size, so the items executing on a device never exceed it, however many
+    clients share the cluster. GPU workers are pinned with
+    ``CUDA_VISIBLE_DEVICES`` as dask-cuda does, with dask-cuda's CPU-affinity
+    plugin when it is installed. Everything listens on loopback.
+
+    Parameters
+    ----------
+    devices : list of str or Device, optional
+        Defaults to the CPU plus every visible GPU.
+    emulate : bool
+        Allow CUDA devices that are not present: their workers compute with
+        NumPy on the CPU, claim the device, and advertise ``dsched-emulated``.
+        For testing placement and capacity only, never for measuring a GPU.
+    threads_per_worker : int
+        Chunks each device worker runs at once (2: one computes while the
+        other's data moves).
+    capacities : dict, optional
+        ``{device: items}`` the device may execute at once, across all
+        clients; unlimited by default (the dispatchers' own capacities and
+        the threads then bound it).
+    processes : bool, optional
+        Workers in their own processes (needed to pin real GPUs). Defaults
+        to True exactly when a real GPU is among the devices.
+    host : str
+        Address to listen on; loopback by default.
+    protocol : str, optional
+        ``"inproc://"`` for in-process workers (results reach the client
+        without a copy), else ``"tcp://"``. Pass ``"tcp://"`` to let clients
+        in other processes share an in-process cluster.
+    dashboard_address : str
+        The dashboard's address, ``None`` for no dashboard.
+    silence_logs : str or int, optional
+        Level of Dask's logs in the scheduler and every worker (processes
+        included); defaults to the Dask config ``dsched.log-level``
+        (``"warning"``; ``dsched run -v`` sets ``"info"``). Below INFO, a
+        failed chunk's "Compute Failed" log is dropped too: the dispatcher
+        raises that error itself.
+
+    Examples
+    --------
+    >>> from distributed import Client
+    >>> with LocalHybridCluster(["cpu", "cuda:0"], emulate=True) as cluster:  # doctest: +SKIP
+    ...     client = Client(cluster)
+    """
+
+    def __init__(
+        self,
+        devices=None,
+        *,
+        emulate=False,
+        threads_per_worker=2,
+        capacities=None,
+        processes=None,
+        host="127.0.0.1",
+        protocol=None,
+        dashboard_address="127.0.0.1:8787",
+        memory_limit="auto",
+        scheduler_options=None,
+        worker_options=None,
+        silence_logs=None,
+        asynchronous=False,
+        **kwargs,
+    ):
+        present = [d.ordinal for d in visible_gpus()]
+        self.devices = parse_devices([Device("cpu")] + [Device(f"cuda:{i}") for i in present] if devices is None else devices)
+        if not self.devices:
+            raise ValueError("devices: at least one device is required, got none")
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"devices: duplicate device in {[str(d) for d in self.devices]}")
+        if isinstance(threads_per_worker, bool) or not isinstance(threads_per_worker, int) or threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker: expected an integer >= 1, got {threads_per_worker!r}")
+        self.capacities = check_capacities(capacities, self.devices)
+        from dsched.cluster.logs import apply_log_level, configured_log_level
+
+        silence_logs = configured_log_level() if silence_logs is None else silence_logs
+        apply_log_level(silence_logs)
+        self._log_level = silence_logs
+        self._dashboard_host = _listen_host(dashboard_address)
+        self.emulated = {}
+        for device in self.devices:
+            missing = device.is_cuda and device.ordinal not in present
+            if missing and not emulate:
+                raise ValueError(
+                    f"devices: {device} is not present on this machine (visible GPUs: "
+                    f"{', '.join(f'cuda:{i}' for i in present) or 'none'}); pass emulate=True to emulate it"
+                )
+            self.emulated[device] = missing
+        if processes is None:
+            processes = any(d.is_cuda and not self.emulated[d] for d in self.devices)
+        if not processes and sum(d.is_cuda and not self.emulated[d] for d in self.devices) > 0:
+            logging.getLogger(__name__).info("real GPUs in one process: each chunk selects its GPU with CuPy")
+
+        if protocol is None:
+            protocol = "tcp://" if processes else "inproc://"
+        self.protocol = protocol
+        scheduler = {
+            "cls": Scheduler,
+            "options": {
+                "protocol": protocol,
+                "host": None if protocol.startswith("inproc") else host,
+                # Without a dashboard the scheduler still serves its HTTP routes (health,
+                # metrics), by default on every interface at 8787: keep it on loopback.
+                "dashboard_address": dashboard_address if dashboard_address is not None else _loopback_port0(host),
+                "dashboard": dashboard_address is not None,
+                **(scheduler_options or {}),
+            },
+        }
+        # Pin planned blocks (dsched.map_blocks) without the user calling dsched.register.
+        from dsched.cluster.placement import PlacementPlugin
+
+        scheduler["options"]["plugins"] = [*scheduler["options"].get("plugins", ()), PlacementPlugin()]
+        if dashboard_address is not None:
+            # The dsched page of the dashboard: listed before the scheduler builds its dashboard.
+            from dsched.observe.dashboard.plugin import DashboardPlugin, register_page
+
+            register_page()
+            options = scheduler["options"]
+            options["plugins"] = [*options.get("plugins", ()), DashboardPlugin()]
+        workers = {
+            str(device): self._worker_spec(
+                device, threads_per_worker, processes, host, memory_limit, present, worker_options or {}
+            )
+            for device in self.devices
+        }
+        import dask
+
+        from dsched.cluster.logs import spawn_config
+
+        with dask.config.set(spawn_config(silence_logs)):  # worker processes start at this log level
+            super().__init__(
+                workers=workers,
+                scheduler=scheduler,
+                silence_logs=silence_logs,
+                asynchronous=asynchronous,
+                name="LocalHybridCluster",
+                **kwargs,
+            )
+
+    def _worker_spec(self, device, threads, processes, host, memory_limit, present, extra):
+        resources = {device_resource(device): self.capacities[device]}
+        if self.emulated[device]:
+            resources[EMULATED_RESOURCE] = 1
+        options = {
+            "nthreads": threads,
+            "resources": resources,
+            "name": str(device),
+            "protocol": self.protocol,
+            "host": None if self.protocol.startswith("inproc") else host,
+            "memory_limit": memory_limit,
+            "dashboard": False,
+            # The worker's HTTP server (health, metrics) runs even without a dashboard;
+            # keep it on loopback too (with inproc:// there is no host to bind it to).
+            "dashboard_address": _loopback_port0(host),
+            **extra,
+        }
+        from dsched.cluster.placement import DeviceWorkerPlugin
+
+        from dsched.devices.threads import ThreadLimits, thread_share
+
+        # torch and BLAS threads per worker: this host's cores over all workers' chunk threads.
+        limits = ThreadLimits(thread_share(len(self.devices) * threads))
+        options["plugins"] = set(options.get("plugins", ())) | {DeviceWorkerPlugin(), limits}
+        if not processes:
+            return {"cls": Worker, "options": options}
+        if device.is_cuda and not self.emulated[device]:
+            options["env"] = {"CUDA_VISIBLE_DEVICES": _rotated_visible_devices(device.ordinal, present)}
+            options.setdefault("plugins", set()).update(_cuda_worker_plugins(device.ordinal))
+        else:
+            options["env"] = {"CUDA_VISIBLE_DEVICES": ""}  # CPU and emulated workers must not grab a GPU
+        from dsched.cluster.logs import worker_preload
+
+        return {"cls": Nanny, "options": worker_preload(options, self._log_level)}  # the process's own log level
+
+    @property
+    def dashboard_link(self) -> str:
+        """The dashboard's URL on the host it listens on (Dask's own guess is the scheduler's host,
+        which for in-process clusters is a non-loopback address the dashboard does not listen on)."""
+        link = super().dashboard_link
+        if not link or self._dashboard_host is None:
+            return link
+        from distributed.utils import format_dashboard_link
+
+        return format_dashboard_link(self._dashboard_host, self.scheduler_info["services"]["dashboard"])
+
+    @property
+    def device_workers(self) -> dict:
+        """``{Device: worker name}``; workers are named after their device."""
+        return {d: str(d) for d in self.devices}
+
+    def __repr__(self):
+        parts = ", ".join(f"{d}{' (emulated)' if self.emulated[d] else ''}" for d in self.devices)
+        return f"LocalHybridCluster({parts}, scheduler={self.scheduler_address!r})"
+
+
+def _listen_host(address):
+    """The host of ``"host:port"`` when it names one (not every interface), else ``None``."""
+    if address is None:
+        return None
+    host = str(address).rpartition(":")[0].strip("[]")
+    return None if host in ("", "0.0.0.0", "::") else host
+
+
+def _cuda_worker_plugins(ordinal: int) -> set:
+    """dask-cuda's CPU-affinity plugin for a GPU worker, when dask-cuda is installed."""
+    try:
+        from dask_cuda.plugins import CPUAffinity
+        from dask_cuda.utils import get_cpu_affinity
+
+        return {CPUAffinity(get_cpu_affinity(ordinal))}
+    except Exception:  # not installed, or no NVML: affinity is an optimisation, not a need
+        return set()

@@ -1,0 +1,192 @@
+"""Work generators: cut a batch into chunks of the size the scheduler asks for.
+
+Each generator has ``total``, ``offset``, ``has_more()`` and ``next(n)``,
+which returns ``(m, work)`` with ``m <= n`` (the last chunk is short).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from dsched.devices.backends import UnsupportedArrayError, backend_of, batch_shape, take
+
+__all__ = ["WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader"]
+
+
+class WorkGenerator(ABC):
+    """A batch of ``total`` items handed out front to back."""
+
+    def __init__(self, total: int):
+        self.total = int(total)
+        self.offset = 0
+
+    def has_more(self) -> bool:
+        return self.offset < self.total
+
+    def next(self, n: int):
+        """The next ``(m, work)`` of at most ``n`` items."""
+        m = self._check_next(n)
+        work = self._take(self.offset, self.offset + m)
+        self.offset += m
+        return m, work
+
+    def _check_next(self, n: int):
+        """The size of the next chunk of at most ``n`` items; raises for a bad ``n`` or an empty batch."""
+        if isinstance(n, bool) or int(n) != n or n < 1:
+            raise ValueError(f"n: a chunk needs at least one item, got {n!r}")
+        if not self.has_more():
+            raise RuntimeError(f"{type(self).__name__} is exhausted ({self.total} items handed out)")
+        return min(int(n), self.total - self.offset)
+
+    @abstractmethod
+    def _take(self, start: int, stop: int):
+        """The work for items ``start:stop`` of the batch."""
+
+    def __repr__(self):
+        return f"{type(self).__name__}(total={self.total}, offset={self.offset})"
+
+
+class SliceGenerator(WorkGenerator):
+    """Hands out ``slice`` objects over ``range(start, stop)``.
+
+    Examples
+    --------
+    >>> g = SliceGenerator(0, 10)
+    >>> [g.next(4) for _ in range(3)]
+    [(4, slice(0, 4, None)), (4, slice(4, 8, None)), (2, slice(8, 10, None))]
+    """
+
+    def __init__(self, start: int, stop: int):
+        for name, value in (("start", start), ("stop", stop)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"SliceGenerator: {name} must be an integer, got {value!r}")
+        if not start < stop:
+            raise ValueError(f"SliceGenerator: expected start < stop, got start={start}, stop={stop}")
+        super().__init__(stop - start)
+        self.start = int(start)
+
+    def _take(self, start, stop):
+        return slice(self.start + start, self.start + stop)
+
+
+def _check_axis(axis):
+    # A negative axis would count from the end of each entry's own shape, so
+    # entries of different ranks would be split along different axes.
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or axis < 0:
+        raise ValueError(f"axis: expected an integer >= 0, got {axis!r}")
+
+
+def _batch_shape(value, field):
+    """The splittable shape of an entry; a clear error for an unsliceable object with shape and dtype."""
+    try:
+        backend_of(value)
+    except UnsupportedArrayError as err:
+        if not hasattr(value, "__getitem__"):  # sliceable ones (Zarr, memory maps) are cut by indexing
+            raise UnsupportedArrayError(f"{field}: {err}") from None
+    return batch_shape(value)
+
+
+class ArrayLoader(WorkGenerator):
+    """Hands out slices of one array along ``axis``.
+
+    NumPy, CuPy, torch tensors and NEML2's typed tensors (split along their
+    dynamic batch axes, each chunk the same type), or anything else sliceable
+    with a ``shape`` (Zarr, memory maps).
+    """
+
+    def __init__(self, array, axis: int = 0):
+        shape = _batch_shape(array, "array")
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not 0 <= axis < len(shape):
+            raise ValueError(f"axis: {axis} is out of range for an array of shape {getattr(array, 'shape', ())}")
+        if shape[axis] == 0:
+            raise ValueError(f"array: no items along axis {axis} (shape {tuple(array.shape)})")
+        super().__init__(shape[axis])
+        self.array, self.axis = array, axis
+
+    def _take(self, start, stop):
+        return take(self.array, self.axis, start, stop)
+
+
+class MappingLoader(WorkGenerator):
+    """Hands out dicts of slices of a mapping of arrays along ``axis``.
+
+    An entry whose size along ``axis`` is 1, or that has no such axis (a
+    scalar, a parameter), is passed whole into every chunk; all other sizes
+    must agree.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> g = MappingLoader({"x": np.arange(5), "scale": np.array([2.0])})
+    >>> m, work = g.next(3)
+    >>> m, work["x"].tolist(), work["scale"].tolist()
+    (3, [0, 1, 2], [2.0])
+    """
+
+    def __init__(self, mapping, axis: int = 0):
+        _check_axis(axis)
+        sizes = {}
+        shapes = {key: _batch_shape(value, f"mapping[{key!r}]") for key, value in mapping.items()}
+        for key, shape in shapes.items():
+            if len(shape) > axis and shape[axis] != 1:
+                sizes[key] = shape[axis]
+        distinct = set(sizes.values())
+        if len(distinct) > 1:
+            total = max(distinct)
+            key, size = next((k, s) for k, s in sizes.items() if s != total)
+            raise ValueError(
+                f"mapping[{key!r}]: size {size} along axis {axis} is not compatible; expected 1 or {total}"
+            )
+        if distinct:
+            total = distinct.pop()
+        elif any(len(shape) > axis for shape in shapes.values()):
+            total = 1  # every batched entry has exactly one item
+        else:
+            raise ValueError(f"mapping: no entry has an axis {axis} to split along")
+        if total == 0:
+            raise ValueError(f"mapping: no items along axis {axis}")
+        super().__init__(total)
+        self.mapping, self.axis = dict(mapping), axis
+        self._batched = set(sizes) if sizes else {k for k, shape in shapes.items() if len(shape) > axis}
+
+    def _take(self, start, stop):
+        return {k: (take(v, self.axis, start, stop) if k in self._batched else v) for k, v in self.mapping.items()}
+
+
+class Ranges:
+    """The items of ``source`` in ``ranges`` (``[(start, stop)]``, in order): what a run left undone.
+
+    ``offset`` is the position in ``source`` of the next item, so chunks keep
+    their place in the batch (and their rows of an in-place output).
+
+    Examples
+    --------
+    >>> g = Ranges(SliceGenerator(0, 10), [(2, 4), (7, 10)])
+    >>> [g.next(5) for _ in range(2)]
+    [(2, slice(2, 4, None)), (3, slice(7, 10, None))]
+    """
+
+    def __init__(self, source, ranges):
+        self.source, self.ranges = source, [(int(a), int(b)) for a, b in ranges if b > a]
+        self.total = source.total
+        self._index = 0
+        self.offset = self.ranges[0][0] if self.ranges else self.total
+
+    def has_more(self) -> bool:
+        return self._index < len(self.ranges)
+
+    def next(self, n: int):
+        if isinstance(n, bool) or int(n) != n or n < 1:
+            raise ValueError(f"n: a chunk needs at least one item, got {n!r}")
+        if not self.has_more():
+            raise RuntimeError("Ranges is exhausted")
+        start, stop = self.offset, min(self.offset + int(n), self.ranges[self._index][1])
+        work = self.source._take(start, stop)
+        if stop == self.ranges[self._index][1]:
+            self._index += 1
+            self.offset = self.ranges[self._index][0] if self.has_more() else self.total
+        else:
+            self.offset = stop
+        return stop - start, work

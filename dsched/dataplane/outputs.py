@@ -1,0 +1,264 @@
+"""Joined outputs written in place: the layout of a chunk's result, and where its rows go.
+
+When a run's join is the concatenation, the output arrays are allocated once
+(shapes and dtypes declared, or taken from the first chunk's result) and each
+chunk writes its own rows where it runs. Rows of different chunks are
+disjoint, so writers need no lock and nothing is gathered or concatenated at
+the end (the *write* dependency of a dependency engine, with one writer per
+row range).
+
+Every result is checked against its chunk before it is written: the same
+structure as the first, the chunk's length along the batch axis, and the
+same item shape and dtype. A mismatch is a :class:`ChunkResultError` naming
+the chunk, its device and what was expected, never a silently wrong join.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from dsched.errors import DispatchError
+from dsched.dataplane.store import ArrayRef
+from dsched.dataplane.pinned import copy_to_host
+
+__all__ = ["OutputLayout", "ChunkResultError", "OutputSlot", "ZarrTarget", "check_out_path"]
+
+
+class ChunkResultError(DispatchError):
+    """A chunk's result does not fit its chunk (wrong length, structure, shape or dtype)."""
+
+
+def _flatten(result, path=()):
+    """``[(path, leaf)]`` of a result made of arrays in (nested) tuples, lists and dicts."""
+    if isinstance(result, dict):
+        return [leaf for key in result for leaf in _flatten(result[key], path + (key,))]
+    if isinstance(result, (tuple, list)):
+        return [leaf for i, item in enumerate(result) for leaf in _flatten(item, path + (i,))]
+    return [(path, result)]
+
+
+def _path_name(path) -> str:
+    return "result" + "".join(f"[{key!r}]" for key in path)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    path: tuple
+    item_shape: tuple  # the shape without the batch axis
+    dtype: str
+    template: object = None  # a torch or NEML2 result: an empty one of its type, to rebuild the joined output
+
+    def __reduce__(self):  # positional: every chunk's task carries the layout
+        return _Leaf, (self.path, self.item_shape, self.dtype, self.template)
+
+
+def _host_leaf(leaf, axis):
+    """``(leaf as an array NumPy can describe, template or None)``: torch and NEML2 results as zero-copy NumPy
+    views of their host copy, with an empty one of their type to rebuild the output from."""
+    from dsched.devices import backends
+
+    backend = backends.backend_of(leaf, strict=False)
+    if backend is None or backend.name in ("numpy", "cupy"):
+        return leaf, None
+    host = backends.to_host(leaf)
+    return backends.host_view(host), backends.template(host, axis)
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """The structure of a chunk's result: its containers, and per array the item shape and dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> layout = OutputLayout.of({"y": np.zeros((4, 3))}, 4)
+    >>> layout.shapes(10)
+    {('y',): (10, 3)}
+    """
+
+    skeleton: object  # the result with every array replaced by None
+    leaves: tuple
+    axis: int = 0
+    origin: str = "as the first chunk returned"  # where it came from, for error messages
+
+    def __reduce__(self):
+        return OutputLayout, (self.skeleton, self.leaves, self.axis, self.origin)
+
+    @classmethod
+    def of(cls, result, size: int, axis: int = 0, *, where: str = "chunk 0",
+           origin: str = "as the first chunk returned") -> "OutputLayout":
+        """The layout of ``result``, a chunk of ``size`` items; raises if it does not fit its chunk."""
+        leaves = []
+        for path, leaf in _flatten(result):
+            leaf, template = _host_leaf(leaf, axis)
+            _check_leaf(path, leaf, size, axis, where)
+            shape = tuple(leaf.shape)
+            leaves.append(_Leaf(path, shape[:axis] + shape[axis + 1:], np.dtype(leaf.dtype).str, template))
+        return cls(_skeleton(result), tuple(leaves), axis, origin)
+
+    @classmethod
+    def declared(cls, spec: dict, axis: int = 0) -> "OutputLayout":
+        """A layout from ``{name: (item_shape, dtype)}``: a result that is a dict of arrays."""
+        leaves = tuple(_Leaf((name,), tuple(shape), np.dtype(dtype).str) for name, (shape, dtype) in spec.items())
+        return cls({name: None for name in spec}, leaves, axis, "as output_spec declares")
+
+    def shapes(self, total: int) -> dict:
+        """``{path: shape}`` of the joined outputs for a batch of ``total`` items."""
+        return {leaf.path: leaf.item_shape[:self.axis] + (total,) + leaf.item_shape[self.axis:] for leaf in self.leaves}
+
+    def check(self, result, size: int, where: str) -> list:
+        """The arrays of ``result`` in leaf order; raises :class:`ChunkResultError` if it does not fit."""
+        flat = _flatten(result)
+        paths = [path for path, _ in flat]
+        expected = [leaf.path for leaf in self.leaves]
+        if paths != expected:
+            raise ChunkResultError(
+                f"{where} returned {_describe(result)}; expected {', '.join(map(_path_name, expected))} "
+                f"({self.origin})"
+            )
+        arrays = []
+        for leaf, (path, array) in zip(self.leaves, flat):
+            array, _ = _host_leaf(array, self.axis)
+            arrays.append(array)
+            _check_leaf(path, array, size, self.axis, where)
+            shape = tuple(array.shape)
+            item = shape[:self.axis] + shape[self.axis + 1:]
+            if item != leaf.item_shape or np.dtype(array.dtype).str != leaf.dtype:
+                raise ChunkResultError(
+                    f"{where} returned {_path_name(path)} with items of shape {item} and dtype "
+                    f"{np.dtype(array.dtype)}; expected {leaf.item_shape} and {np.dtype(leaf.dtype)} {self.origin}"
+                )
+        return arrays
+
+    def build(self, arrays):
+        """The result's structure with ``arrays`` (in leaf order) in place of its arrays, each rebuilt as the
+        type the chunks returned (a torch tensor sharing the array's memory, say)."""
+        from dsched.devices import backends
+
+        rebuilt = [array if leaf.template is None or not isinstance(array, np.ndarray)
+                   else backends.from_host(array, leaf.template) for leaf, array in zip(self.leaves, arrays)]
+        return _fill(self.skeleton, iter(rebuilt))
+
+
+def _check_leaf(path, leaf, size, axis, where):
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+        raise ChunkResultError(
+            f"{where} returned {_path_name(path)} = {_describe(leaf)}; expected an array of {size} items along axis {axis}"
+        )
+    shape = tuple(leaf.shape)
+    if len(shape) <= axis or shape[axis] != size:
+        raise ChunkResultError(
+            f"{where} returned {_path_name(path)} of shape {shape}; expected {size} items along axis {axis} "
+            "(the chunk's size)"
+        )
+
+
+def _describe(value) -> str:
+    if hasattr(value, "shape"):
+        return f"an array of shape {tuple(value.shape)}"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _skeleton(result):
+    if isinstance(result, dict):
+        return {key: _skeleton(value) for key, value in result.items()}
+    if isinstance(result, (tuple, list)):
+        return type(result)(_skeleton(value) for value in result)
+    return None
+
+
+def _fill(skeleton, arrays):
+    if isinstance(skeleton, dict):
+        return {key: _fill(value, arrays) for key, value in skeleton.items()}
+    if isinstance(skeleton, (tuple, list)):
+        return type(skeleton)(_fill(value, arrays) for value in skeleton)
+    return next(arrays)
+
+
+# --- where rows are written ---------------------------------------------------
+
+@dataclass(frozen=True)
+class ZarrTarget:
+    """One array of a Zarr store on a file system every worker can reach."""
+
+    store: str
+    name: str
+
+    def open(self):
+        import zarr
+
+        return zarr.open_array(store=self.store, path=self.name, mode="r+")
+
+
+def _index(axis, start, stop):
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+def write_rows(target, axis: int, start: int, stop: int, values, pinned=False):
+    """Write ``values`` into items ``start:stop`` along ``axis`` of ``target`` (an ArrayRef, a ZarrTarget or an array).
+
+    ``pinned``: through this process's page-locked mapping of the segment, so that
+    a CuPy result is copied from the GPU by DMA (on the chunk's stream).
+    """
+    if isinstance(target, ArrayRef):
+        if axis == 0:
+            copy_to_host(values, target.rows(start, stop, writable=True, pinned=pinned and target.shared))
+        else:
+            target.whole(writable=True)[_index(axis, start, stop)] = _host(values)
+    elif isinstance(target, ZarrTarget):
+        target.open()[_index(axis, start, stop)] = _host(values)
+    else:
+        target[_index(axis, start, stop)] = _host(values)
+
+
+def _host(values):
+    return values.get() if hasattr(values, "__cuda_array_interface__") and hasattr(values, "get") else values
+
+
+@dataclass(frozen=True)
+class OutputSlot:
+    """Where one chunk's result goes: its layout, one target per array, and its items ``start:stop``.
+
+    Shipped with the chunk's task; the worker checks the result and writes it in place.
+    """
+
+    layout: OutputLayout
+    targets: tuple
+    start: int
+    stop: int
+    index: int
+
+    def __reduce__(self):
+        return OutputSlot, (self.layout, self.targets, self.start, self.stop, self.index)
+
+    def views(self):
+        """The chunk's output rows as writable NumPy views, in the result's structure, for a model's ``out=``;
+        ``None`` where they cannot be views (a Zarr store, another axis, torch or NEML2 results)."""
+        if self.layout.axis != 0 or any(leaf.template is not None for leaf in self.layout.leaves) or not all(
+                isinstance(t, ArrayRef) for t in self.targets):
+            return None
+        return self.layout.build([t.rows(self.start, self.stop, writable=True) for t in self.targets])
+
+    def write(self, result, device, pinned=False):
+        arrays = self.layout.check(result, self.stop - self.start, f"chunk {self.index} on {device}")
+        for target, array in zip(self.targets, arrays):
+            write_rows(target, self.layout.axis, self.start, self.stop, array, pinned)
+
+
+def check_out_path(path, overwrite: bool, field: str = "out") -> str:
+    """A Zarr store path to create: its folder must exist, and the store must not, unless ``overwrite``."""
+    path = os.fspath(path)
+    try:
+        import zarr  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{field}: writing the outputs to a Zarr store needs zarr (pip install 'dsched[zarr]')") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{field}: the folder {folder} of {path} does not exist")
+    if os.path.exists(path) and not overwrite:
+        raise ValueError(f"{field}: {path} already exists (pass overwrite=True, or --overwrite, to replace it)")
+    return path

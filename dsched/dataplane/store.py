@@ -1,0 +1,651 @@
+"""The data plane's memory: a batch is placed once where workers read it, and chunks carry references.
+
+A run's :class:`RunStore` owns the memory of one dispatch. It puts each input
+array where the workers can read it without a copy, and hands out
+:class:`ArrayRef` descriptors (a name, a shape and a dtype: about a hundred
+bytes whatever the array's size):
+
+- workers in the client's own process (an in-process cluster) read the
+  client's array itself, through a registry keyed by the reference's token;
+- workers on the client's host map a shared-memory segment under
+  ``/dev/shm`` (one copy, made once per run) and slice it without copying;
+- workers on other hosts cannot map the client's memory: their chunks get
+  the slice's bytes straight from the client (``client.scatter(direct=True)``),
+  never through the Dask scheduler (see :func:`classify_workers`).
+
+Output arrays are allocated the same way, and each chunk writes its own rows
+where it runs (disjoint rows, so no lock).
+
+Lifetime: a segment lives while its run does. :meth:`RunStore.close` unlinks
+every segment, also after a failure or Ctrl-C; the client's mapping of an
+output keeps the memory alive for as long as the user holds the returned
+array, with no name left in ``/dev/shm``. Segments are registered with
+Python's resource tracker, a separate process that unlinks them should the
+client be killed. Names carry 128 random bits and files are created with mode
+0600 and ``O_EXCL``, so another client (or another run) cannot guess, read
+or overwrite a run's segments.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from dsched.names import SEGMENT_PREFIX
+
+__all__ = ["ArrayRef", "RunStore", "classify_workers", "shared_empty", "shared_copy", "find_shared", "SHM_DIR"]
+
+SHM_DIR = "/dev/shm"
+_PREFIX = SEGMENT_PREFIX
+
+# Arrays of this process that in-process workers read directly, by token.
+_local_arrays: dict[str, np.ndarray] = {}
+_local_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ArrayRef:
+    """A reference to an array placed by a :class:`RunStore`: small, picklable, sliceable where it runs.
+
+    ``pid`` is the process that placed it, ``token`` its name (also the segment's
+    name under ``/dev/shm`` when ``shared`` is true), ``offset`` where its bytes
+    start in that segment (the arrays of one call share a segment).
+    """
+
+    token: str
+    shape: tuple
+    dtype: str
+    pid: int
+    shared: bool
+    offset: int = 0
+
+    def __reduce__(self):
+        # Positional, without field names: a chunk's task carries several of these.
+        return ArrayRef, (self.token, self.shape, self.dtype, self.pid, self.shared, self.offset)
+
+    def rows(self, start: int, stop: int, *, writable: bool = False, pinned: bool = False,
+             private: bool = False) -> np.ndarray:
+        """Rows ``start:stop`` (along axis 0) as a view: the client's own array, or a mapping of just those rows.
+
+        ``pinned``: from this process's page-locked mapping of the whole segment
+        (:func:`pinned_segment`), so that a GPU copies them by DMA, asynchronously.
+        ``private``: a copy-on-write mapping, writable without touching the segment
+        (for torch, whose tensors cannot be read-only).
+        """
+        if self.pid == os.getpid():
+            array = _local_arrays.get(self.token)
+            if array is not None:
+                view = array[start:stop]
+                if not writable:
+                    view = view.view()
+                    view.flags.writeable = False  # inputs are read-only, as in the other processes
+                return view
+        if not self.shared:
+            raise RuntimeError(f"array {self.token} lives in process {self.pid} and was not shared with this one")
+        per_row = int(np.prod(self.shape[1:], dtype=np.int64))
+        itemsize = np.dtype(self.dtype).itemsize
+        count = stop - start
+        first = self.offset + start * per_row * itemsize
+        length = count * per_row * itemsize
+        if private:  # copy-on-write: a mapping of its own, dropped with the chunk
+            buffer, delta = _map_range(self.token, first, length)
+            base = np.frombuffer(buffer, np.uint8, count=length, offset=delta)
+        else:
+            whole = pinned_segment(self.token, writable) if pinned else mapped_segment(self.token, writable)
+            base = whole[first:first + length]
+            if writable and not pinned:
+                _populate(whole, first, length)
+        view = base.view(self.dtype).reshape((count,) + tuple(self.shape[1:]))
+        if not writable and view.flags.writeable:
+            view.flags.writeable = False  # inputs are read-only, also in the process that made the segment
+        return view
+
+    def whole(self, *, writable: bool = False) -> np.ndarray:
+        return self.rows(0, self.shape[0], writable=writable)
+
+    def take(self, axis: int, start: int, stop: int, pinned: bool = False) -> np.ndarray:
+        """Items ``start:stop`` along ``axis`` (read-only); only axis 0 maps less than the whole array."""
+        if axis == 0:
+            return self.rows(start, stop, pinned=pinned and self.shared)
+        return self.whole()[(slice(None),) * axis + (slice(start, stop),)]
+
+
+_mapped: dict = {}  # (token, writable) -> mmap of a whole segment, kept for this process's later chunks
+_pinned: dict = {}  # (token, writable) -> (bytes view, pointer) of mappings this process page-locked for a GPU
+_mapped_lock = threading.Lock()
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels refuse it and pages are faulted one by one
+
+
+def mapped_segment(token: str, writable: bool, own: bool = True) -> np.ndarray:
+    """This process's mapping of a whole segment, as bytes; made once per segment and process.
+
+    A mapping is kept rather than made per chunk: a page is faulted into this
+    process once, however many chunks (and calls) touch it, which is what lets
+    a worker reading a :func:`shared_empty` array call after call run as fast as
+    if the array were its own. The segment itself lives in this process's own
+    mapping when it made it (``own=False``: a mapping of its own even then).
+    Mappings of segments that have since been unlinked (runs that ended) are
+    dropped the next time a chunk maps a segment.
+    """
+    segment = _own_segments.get(token) if own else None
+    if segment is not None:
+        return np.frombuffer(segment, np.uint8)
+    with _mapped_lock:
+        buffer = _mapped.get((token, writable))
+        if buffer is None:
+            _forget_vanished_segments()
+            fd = os.open(os.path.join(SHM_DIR, token), os.O_RDWR if writable else os.O_RDONLY)
+            try:
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                buffer = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=prot)
+            finally:
+                os.close(fd)
+            _mapped[(token, writable)] = buffer
+    return np.frombuffer(buffer, np.uint8)
+
+
+def pinned_segment(token: str, writable: bool) -> np.ndarray:
+    """This process's page-locked mapping of a whole segment, as bytes; registered once per segment.
+
+    Page-locked (``cudaHostRegister``) host memory is what lets a GPU copy a
+    chunk by DMA while it computes another. Registration is costly, so it is
+    done once per segment and process; segments that have since been unlinked
+    are unregistered when their mapping is dropped.
+    """
+    # A mapping of its own (never the segment's maker's), so that it is unregistered when it is dropped.
+    view = mapped_segment(token, writable, own=False)
+    with _mapped_lock:
+        if (token, writable) not in _pinned:
+            import cupy
+
+            # cudaHostRegisterPortable (1), plus cudaHostRegisterReadOnly (8) for inputs.
+            cupy.cuda.runtime.hostRegister(view.ctypes.data, view.nbytes, 1 if writable else 1 | 8)
+            _pinned[(token, writable)] = (view, view.ctypes.data)
+        return _pinned[(token, writable)][0]
+
+
+def _forget_vanished_segments():
+    """Drop (and unregister) this process's mappings of segments no longer in ``/dev/shm``: their runs ended."""
+    for key in [k for k in _mapped if not os.path.exists(os.path.join(SHM_DIR, k[0]))]:
+        buffer = _mapped.pop(key)
+        pinned = _pinned.pop(key, None)
+        if pinned is not None:
+            import cupy
+
+            cupy.cuda.runtime.hostUnregister(pinned[1])
+        try:
+            buffer.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes when it does
+            pass
+
+
+def forget_vanished_segments():
+    """Unmap this process's mappings of segments whose runs ended (called as a chunk starts)."""
+    if _mapped:
+        with _mapped_lock:
+            _forget_vanished_segments()
+
+
+def _populate(whole, first, length):
+    """Fault in the pages of rows about to be written with one call rather than a fault per page."""
+    page = mmap.PAGESIZE
+    start = first - first % page
+    stop = min(-(-(first + length) // page) * page, whole.nbytes)
+    buffer = whole.base if isinstance(whole.base, mmap.mmap) else None
+    if buffer is not None and stop > start:
+        try:
+            buffer.madvise(_MADV_POPULATE_WRITE, start, stop - start)
+        except (OSError, ValueError):
+            pass
+
+
+def _map_range(token: str, offset: int, length: int):
+    """A private copy-on-write mapping of ``length`` bytes of segment ``token`` from ``offset``, and the offset of
+    the data in it (torch inputs, whose tensors are writable)."""
+    fd = os.open(os.path.join(SHM_DIR, token), os.O_RDONLY)
+    try:
+        aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
+        buffer = mmap.mmap(fd, max(length + offset - aligned, 1), flags=mmap.MAP_PRIVATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=aligned)
+    finally:
+        os.close(fd)
+    return buffer, offset - aligned
+
+
+# Segments this process made, by token (weakly: a segment goes when its last view does).
+_own_segments: "weakref.WeakValueDictionary[str, mmap.mmap]" = weakref.WeakValueDictionary()
+
+
+class _Segment:
+    """One shared-memory file of this process: created exclusively, mapped, unlinked at close."""
+
+    def __init__(self, nbytes: int):
+        self.token = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
+        self.path = os.path.join(SHM_DIR, self.token)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            _track(self.token)
+            os.ftruncate(fd, max(nbytes, 1))
+            self.buffer = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+            _own_segments[self.token] = self.buffer
+        except BaseException:
+            os.close(fd)
+            self.unlink()
+            raise
+        os.close(fd)
+
+    def unlink(self):
+        _unlink(self.token, self.path)
+
+
+def _unlink(token, path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    _untrack(token)
+
+
+class Placement:
+    """An array being placed in a store: its reference, and its rows copied as chunks are handed out.
+
+    Copying a chunk's rows just before the chunk is sent, rather than the whole
+    batch up front, lets the first chunks start at once.
+    """
+
+    def __init__(self, ref, view, source):
+        self.ref, self.view, self.source = ref, view, source
+
+    def copy(self, axis, start, stop):
+        if self.view is not None:
+            index = (slice(None),) * axis + (slice(start, stop),)
+            np.copyto(self.view[index], self.source[index])
+
+    def copy_all(self):
+        if self.view is not None:
+            np.copyto(self.view, self.source)
+
+
+def _track(token):
+    # The resource tracker is a separate process that unlinks what this one leaves behind
+    # if it dies without unlinking (SIGKILL): the same mechanism shared_memory uses.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.register("/" + token, "shared_memory")
+
+
+def _untrack(token):
+    from multiprocessing import resource_tracker
+
+    resource_tracker.unregister("/" + token, "shared_memory")
+
+
+class RunStore:
+    """The memory of one run: inputs shared once, outputs allocated once, all released at :meth:`close`.
+
+    Parameters
+    ----------
+    shared : bool
+        Whether other processes on this host read it (worker processes): arrays
+        then live in shared-memory segments; otherwise (an in-process cluster,
+        or sync mode) the client's arrays are used as they are, with no copy.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> with RunStore(shared=True) as store:
+    ...     ref = store.share(np.arange(6.0).reshape(3, 2))
+    ...     ref.rows(1, 3).tolist()
+    [[2.0, 3.0], [4.0, 5.0]]
+    """
+
+    def __init__(self, shared: bool):
+        self.shared = shared
+        self._segments: list[_Segment] = []
+        self._tokens: list[str] = []
+        if shared:
+            sweep_stale_segments()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def share(self, array) -> ArrayRef:
+        """A reference to ``array`` (NumPy, any layout) that workers can slice."""
+        return self.share_many([array])[0]
+
+    def share_many(self, arrays) -> list:
+        """References to ``arrays``, copied once into one segment (or registered as they are, in-process)."""
+        placed = self.place_many(arrays)
+        for entry in placed:
+            entry.copy_all()
+        return [entry.ref for entry in placed]
+
+    def place_many(self, arrays) -> list:
+        """:class:`Placement` of each of ``arrays``, their rows still to copy into one new segment.
+
+        Nothing is copied in-process, nor for arrays already in shared memory
+        (:func:`shared_empty`): those are referenced where they are.
+        """
+        arrays = [np.asarray(a) for a in arrays]
+        if not self.shared:
+            return [Placement(self.register(a), None, a) for a in arrays]
+        found = [find_shared(a) for a in arrays]
+        to_copy = [a for a, ref in zip(arrays, found) if ref is None]
+        placed = iter(self.allocate_many([(a.shape, a.dtype) for a in to_copy]) if to_copy else [])
+        placements = []
+        for array, ref in zip(arrays, found):
+            if ref is not None:
+                placements.append(Placement(ref, None, array))
+            else:
+                new_ref, view = next(placed)
+                placements.append(Placement(new_ref, view, array))
+        return placements
+
+    def allocate(self, shape, dtype):
+        """A new uninitialised array: ``(reference, the client's view of it)``."""
+        return self.allocate_many([(shape, dtype)])[0]
+
+    def allocate_many(self, specs) -> list:
+        """New uninitialised arrays ``[(shape, dtype)]`` in one segment: ``[(reference, the client's view)]``."""
+        specs = [(tuple(int(n) for n in shape), np.dtype(dtype)) for shape, dtype in specs]
+        for _, dtype in specs:
+            if dtype.hasobject:
+                raise TypeError(f"dtype {dtype}: arrays of Python objects cannot be shared")
+        if not self.shared:
+            arrays = [np.empty(shape, dtype) for shape, dtype in specs]
+            return [(self.register(a), a) for a in arrays]
+        offsets, end = [], 0
+        for shape, dtype in specs:
+            offsets.append(end)
+            end += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // 64) * 64  # 64-byte aligned
+        segment = _Segment(end)
+        self._segments.append(segment)
+        placed = []
+        for (shape, dtype), offset in zip(specs, offsets):
+            count = int(np.prod(shape, dtype=np.int64))
+            view = np.frombuffer(segment.buffer, dtype, count=count, offset=offset).reshape(shape)
+            placed.append((ArrayRef(segment.token, shape, dtype.str, os.getpid(), True, offset), view))
+        return placed
+
+    def register(self, array) -> ArrayRef:
+        """A reference to this process's own ``array`` (no copy), for workers in this process."""
+        token = f"{_PREFIX}local-{secrets.token_hex(16)}"
+        with _local_lock:
+            _local_arrays[token] = array
+        self._tokens.append(token)
+        return ArrayRef(token, tuple(array.shape), array.dtype.str, os.getpid(), False)
+
+    def close(self):
+        """Release everything: unlink segments (the client's views stay valid) and drop registrations."""
+        segments, self._segments = self._segments, []
+        for segment in segments:
+            segment.unlink()
+        tokens, self._tokens = self._tokens, []
+        with _local_lock:
+            for token in tokens:
+                _local_arrays.pop(token, None)
+
+
+def sweep_stale_segments() -> list:
+    """Unlink this user's segments whose creating process is gone; the names removed.
+
+    The resource tracker unlinks a killed client's segments, unless it was
+    killed too (a whole process group killed at once): then the next run on the
+    host removes them. Dask config ``dsched.sweep-stale-segments: false`` turns
+    this off (for containers that share ``/dev/shm`` but not process ids).
+    """
+    from dask import config
+
+    if not config.get("dsched.sweep-stale-segments", True):
+        return []
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        pid = name[len(_PREFIX):].partition("-")[0]
+        if not name.startswith(_PREFIX) or not pid.isdigit():
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its creator is gone
+            try:
+                os.unlink(path)
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+        except (PermissionError, FileNotFoundError):
+            pass
+    return removed
+
+
+# --- arrays that live in shared memory from the start ----------------------------
+
+_user_segments: dict = {}  # token -> (address, size) of this process's shared_empty arrays still alive
+_user_lock = threading.Lock()
+
+
+def shared_empty(shape, dtype=float) -> np.ndarray:
+    """A new NumPy array in shared memory, for inputs and outputs used again and again.
+
+    :func:`dsched.dispatch` passes it (or a contiguous slice of it) to worker
+    processes on this host by reference, with no copy; given as ``out=``, the
+    workers write their rows straight into it. Its pages stay mapped between
+    calls, so repeated calls pay no page faults. The segment is unlinked when
+    the array (and every view of it) is gone, or by the resource tracker if
+    the process dies.
+
+    Examples
+    --------
+    >>> strain = shared_empty((1000, 6))
+    >>> strain[:] = 0.0
+    """
+    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise ValueError(f"dtype: arrays of Python objects cannot be shared, got {dtype}")
+    count = int(np.prod(shape, dtype=np.int64))
+    segment = _Segment(count * dtype.itemsize)
+    array = np.frombuffer(segment.buffer, dtype, count=count).reshape(shape)
+    with _user_lock:
+        _user_segments[segment.token] = (array.__array_interface__["data"][0], max(count * dtype.itemsize, 1))
+    buffer, token, path = segment.buffer, segment.token, segment.path
+    del segment  # the finalizer must not hold what holds the mapping, or the mapping would never be collected
+    weakref.finalize(buffer, _release_user_segment, token, path)
+    return array
+
+
+def shared_copy(array) -> np.ndarray:
+    """``array`` copied into a new :func:`shared_empty` array."""
+    array = np.asarray(array)
+    shared = shared_empty(array.shape, array.dtype)
+    np.copyto(shared, array)
+    return shared
+
+
+def _release_user_segment(token, path):
+    with _user_lock:
+        _user_segments.pop(token, None)
+    _unlink(token, path)
+
+
+def find_shared(array):
+    """An :class:`ArrayRef` to ``array`` where it lies, if it is C-contiguous memory of a :func:`shared_empty` array."""
+    if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.dtype.hasobject:
+        return None
+    start = array.__array_interface__["data"][0]
+    with _user_lock:
+        for token, (address, size) in _user_segments.items():
+            if address <= start and start + array.nbytes <= address + size:
+                return ArrayRef(token, tuple(array.shape), array.dtype.str, os.getpid(), True, start - address)
+    return None
+
+
+# --- which workers can read what ---------------------------------------------
+
+def _probe(token: str, expected: bytes):
+    """Run on each worker: its process id, and whether it reads the client's probe segment."""
+    try:
+        with open(os.path.join(SHM_DIR, token), "rb") as f:
+            sees = f.read() == expected
+    except OSError:
+        sees = False
+    return os.getpid(), sees
+
+
+_classified: dict = {}
+
+
+def classify_workers(client, addresses) -> dict:
+    """``{address: "process" | "host" | "remote"}``: whether each worker shares this process, this host's memory, or neither.
+
+    A worker is on this host when it can read a probe segment this process
+    writes, which is the test that matters (a container or another mount
+    namespace on the same machine does not share ``/dev/shm``). Cached per
+    worker address.
+    """
+    addresses = sorted(addresses)
+    missing = [a for a in addresses if (id(client), a) not in _classified]
+    if missing:
+        expected = secrets.token_bytes(32)
+        segment = _Segment(len(expected))
+        try:
+            segment.buffer[:] = expected
+            answers = client.run(_probe, segment.token, expected, workers=missing)
+        finally:
+            segment.unlink()
+        for address, (pid, sees) in answers.items():
+            kind = "process" if pid == os.getpid() and sees else ("host" if sees else "remote")
+            _classified[(id(client), address)] = kind
+    return {a: _classified.get((id(client), a), "remote") for a in addresses}
+
+
+# --- chunks of work made of references -----------------------------------------
+
+@dataclass(frozen=True)
+class SliceRef:
+    """Items ``start:stop`` along ``axis`` of a placed array."""
+
+    ref: ArrayRef
+    axis: int
+    start: int
+    stop: int
+    template: object = None  # a torch input: an empty tensor of its type, to rebuild the rows as one
+
+    def __reduce__(self):
+        return SliceRef, (self.ref, self.axis, self.start, self.stop, self.template)
+
+    def resolve(self, pinned=False):
+        if self.template is None:
+            return self.ref.take(self.axis, self.start, self.stop, pinned)
+        from dsched.devices import backends
+
+        rows = self.ref.rows(self.start, self.stop, private=True) if self.axis == 0 and self.ref.shared else \
+            np.array(self.ref.take(self.axis, self.start, self.stop))
+        return backends.from_host(rows, self.template)
+
+
+@dataclass(frozen=True)
+class SharedWork:
+    """A chunk's work whose arrays are :class:`SliceRef` (alone, or as values of a dict): resolved where it runs."""
+
+    payload: object
+
+    def __reduce__(self):
+        return SharedWork, (self.payload,)
+
+    def resolve(self, pinned=False):
+        if isinstance(self.payload, SliceRef):
+            return self.payload.resolve(pinned)
+        return {k: (v.resolve(pinned) if isinstance(v, SliceRef) else v) for k, v in self.payload.items()}
+
+
+def resolve_work(work, pinned=False):
+    """The work a chunk's code sees: references resolved to array views (page-locked ones for a GPU with
+    ``pinned``), anything else unchanged."""
+    return work.resolve(pinned) if isinstance(work, SharedWork) else work
+
+
+def _shareable(array) -> bool:
+    return (isinstance(array, np.ndarray) and not array.dtype.hasobject) or _torch_cpu(array)
+
+
+def _torch_cpu(array) -> bool:
+    return type(array).__module__.partition(".")[0] == "torch" and getattr(array, "device", None) is not None \
+        and array.device.type == "cpu" and type(array).__name__ == "Tensor"
+
+
+def _host_and_template(array, axis):
+    """A NumPy view of a shareable array, and (for torch) the template its rows are rebuilt from."""
+    if not _torch_cpu(array):
+        return array, None
+    from dsched.devices import backends
+
+    return backends.host_view(array), backends.template(array, axis)
+
+
+def share_generator(generator, store: RunStore):
+    """``generator`` handing out references instead of slices, its NumPy arrays placed in ``store`` once.
+
+    Array and mapping loaders over NumPy arrays are shared; any other generator
+    (slices, CuPy arrays, user generators) is returned unchanged.
+    """
+    from dsched.dataplane.loaders import ArrayLoader, MappingLoader, Ranges
+
+    if isinstance(generator, Ranges):  # a re-run of what a run left undone: share its source
+        shared = share_generator(generator.source, store)
+        return generator if shared is generator.source else Ranges(shared, generator.ranges)
+    if isinstance(generator, ArrayLoader) and _shareable(generator.array):
+        arrays, keys = [generator.array], None
+    elif isinstance(generator, MappingLoader) and generator._batched and all(
+            _shareable(generator.mapping[k]) for k in generator._batched):
+        keys = sorted(generator._batched, key=list(generator.mapping).index)
+        arrays = [generator.mapping[k] for k in keys]
+    else:
+        return generator
+    hosts = [_host_and_template(a, generator.axis) for a in arrays]
+    return _SharedLoader(generator, store.place_many([h for h, _ in hosts]), keys, [t for _, t in hosts])
+
+
+class _SharedLoader:
+    """Hands out what an array or mapping loader would, as references to its arrays' placements.
+
+    ``keys`` names the mapping's batched entries (``None`` for an array loader).
+    Each chunk's rows are copied into the store just before it is handed out.
+    """
+
+    def __init__(self, loader, placements, keys, templates):
+        self.loader, self.placements, self.keys, self.templates = loader, placements, keys, templates
+        self.total = loader.total
+
+    @property
+    def offset(self):
+        return self.loader.offset
+
+    def has_more(self):
+        return self.loader.has_more()
+
+    def next(self, n):
+        start = self.loader.offset
+        m = self.loader._check_next(n)
+        self.loader.offset += m
+        return m, self._take(start, start + m)
+
+    def _take(self, start, stop):
+        axis = self.loader.axis
+        for placement in self.placements:
+            placement.copy(axis, start, stop)
+        slices = [SliceRef(p.ref, axis, start, stop, t) for p, t in zip(self.placements, self.templates)]
+        if self.keys is None:
+            return SharedWork(slices[0])
+        refs = dict(zip(self.keys, slices))
+        return SharedWork({k: refs.get(k, v) for k, v in self.loader.mapping.items()})

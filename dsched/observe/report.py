@@ -1,0 +1,148 @@
+"""What a run did: one record per chunk, and the run's report built from them."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from dsched.devices.device import Device
+
+__all__ = ["ChunkRecord", "RunReport", "DeviceOnHost", "worker_host"]
+
+
+@dataclass
+class ChunkRecord:
+    """What happened to one chunk: where it ran, how big it was, and when (epoch seconds)."""
+
+    index: int
+    device: Device
+    size: int
+    worker: str | None = None
+    start: float = 0.0
+    stop: float = 0.0
+    error: BaseException | None = None
+    offset: int = 0  # the chunk's first item in the batch
+
+    @property
+    def duration(self) -> float:
+        return self.stop - self.start
+
+
+@dataclass
+class RunReport:
+    """The last run of a dispatcher: per-chunk records and results in dispatch order.
+
+    After a failed run, ``results`` still holds every finished chunk's result
+    (``None`` where the chunk failed), so no finished work is lost. When the
+    join is the concatenation, results are written in place instead: ``output``
+    holds the joined outputs (a failed chunk's rows are NaN in floating outputs)
+    and ``results`` holds ``None`` per chunk.
+    """
+
+    mode: str
+    records: list = field(default_factory=list)
+    results: list = field(default_factory=list)
+    wall_start: float = 0.0
+    wall_stop: float = 0.0
+    output: object = None
+
+    @property
+    def wall_time(self) -> float:
+        return self.wall_stop - self.wall_start
+
+    @property
+    def items(self) -> int:
+        return sum(r.size for r in self.records if r.error is None)
+
+    def by_device(self) -> dict:
+        """Per device and host: chunks, items, busy seconds and items per busy second.
+
+        Keys are :class:`DeviceOnHost` (``str()`` gives ``cuda:0@node3``): one
+        device name owned by workers on several hosts gives one row per host,
+        so the balance between nodes shows. Each row also has ``device``,
+        ``host``, ``workers`` (the addresses, in order of first use) and
+        ``worker`` (the first of them). Rows come in order of first chunk.
+
+        Busy time is the union of the row's chunk intervals (time with at
+        least one chunk running), so overlapping chunks are not counted twice.
+        """
+        table = {}
+        intervals = {}
+        for r in self.records:
+            key = DeviceOnHost(r.device, worker_host(r.worker))
+            row = table.get(key)
+            if row is None:
+                row = table[key] = {"device": r.device, "host": key.host, "chunks": 0, "items": 0,
+                                    "worker": r.worker, "workers": []}
+            if r.worker is not None and r.worker not in row["workers"]:
+                row["workers"].append(r.worker)
+            row["chunks"] += 1
+            row["items"] += r.size
+            intervals.setdefault(key, []).append((r.start, r.stop))
+        return _with_busy(table, intervals)
+
+    def by_host(self) -> dict:
+        """Per host: its devices, chunks, items, busy seconds and items per busy second.
+
+        A host's busy time is the union over all its devices (time with any
+        chunk running there), so its items/s is the node's throughput while it
+        worked. Hosts come in order of first chunk.
+        """
+        table = {}
+        intervals = {}
+        for r in self.records:
+            host = worker_host(r.worker)
+            row = table.setdefault(host, {"devices": [], "chunks": 0, "items": 0})
+            if r.device not in row["devices"]:
+                row["devices"].append(r.device)
+            row["chunks"] += 1
+            row["items"] += r.size
+            intervals.setdefault(host, []).append((r.start, r.stop))
+        return _with_busy(table, intervals)
+
+
+class DeviceOnHost(NamedTuple):
+    """A device on one host: the key of a per-device row; ``str()`` gives ``cuda:0@node3``."""
+
+    device: Device
+    host: str
+
+    def __str__(self) -> str:
+        return f"{self.device}@{self.host}"
+
+
+def worker_host(address: str | None) -> str:
+    """The host part of a worker address (``tcp://10.0.0.3:4000`` → ``10.0.0.3``).
+
+    ``None`` (a sync run, on the calling thread) is this machine's host name.
+    """
+    if address is None:
+        return socket.gethostname()
+    scheme, _, location = str(address).rpartition("://")
+    if scheme == "inproc":  # inproc://HOST/PID/N
+        return location.split("/")[0]
+    try:
+        from distributed.comm.addressing import parse_host_port
+
+        return parse_host_port(location)[0]
+    except (ImportError, ValueError):  # not a host:port address: keep it whole rather than guess
+        return location
+
+
+def _with_busy(table, intervals) -> dict:
+    """``table`` with each row's busy seconds (the union of its chunk intervals) and items per busy second."""
+    for key, row in table.items():
+        row["busy"] = _union_length(intervals[key])
+        row["items_per_s"] = row["items"] / row["busy"] if row["busy"] > 0 else float("nan")
+    return table
+
+
+def _union_length(intervals) -> float:
+    """Total length covered by a set of ``(start, stop)`` intervals."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
