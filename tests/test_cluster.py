@@ -24,7 +24,7 @@ from dsched import (
     dispatch,
     visible_gpus,
 )
-from dsched.cluster import _rotated_visible_devices
+from dsched.cluster.local import _rotated_visible_devices
 from dsched.devices import EMULATED_RESOURCE, UNLIMITED_CAPACITY
 
 CPU, GPU0 = Device("cpu"), Device("cuda:0")
