@@ -12,25 +12,22 @@ from dsched import legacy
 
 legacy.install()  # old module paths (dsched.feed, dsched.mpi, ...) keep working
 
-from dsched.blocks.map_blocks import as_batched, map_blocks, plan
-from dsched.devices.backends import torch_device
-from dsched.resident.batch import Batch
+from dsched.blocks import as_batched, map_blocks, plan
 from dsched.cluster.local import LocalHybridCluster
-from dsched.devices.device import Device
-from dsched.devices.backends import array_module
-from dsched.devices.context import current_device
-from dsched.devices.cuda import visible_gpus
-from dsched.dispatch.dispatcher import WorkDispatcher, dispatch
-from dsched.dataplane.outputs import ChunkResultError
-from dsched.observe.report import ChunkRecord, RunReport
-from dsched.errors import AggregateError, ChunkTimeoutError, DispatchError, RecoverableError
-from dsched.devices.per_thread import PerThread
 from dsched.cluster.placement import PlacementWarning, register
-from dsched.dispatch.reduce import concat_reduce, derivative_reduce
-from dsched.dataplane.store import shared_copy, shared_empty
-from dsched.schedulers import (DeviceStatus, PerformanceModelScheduler, SimpleMPIScheduler, SimpleScheduler,
-                         StaticHybridScheduler, WorkScheduler)
 from dsched.dataplane.loaders import ArrayLoader, MappingLoader, SliceGenerator, WorkGenerator
+from dsched.dataplane.outputs import ChunkResultError
+from dsched.dataplane.store import shared_copy, shared_empty
+from dsched.devices import Device, array_module, current_device, torch_device, visible_gpus
+from dsched.devices.per_thread import PerThread
+from dsched.dispatch import WorkDispatcher, dispatch
+from dsched.dispatch.reduce import concat_reduce, derivative_reduce
+from dsched.errors import AggregateError, ChunkTimeoutError, DispatchError, RecoverableError
+from dsched.observe.hooks import RunObserver
+from dsched.observe.report import ChunkRecord, RunReport
+from dsched.resident.batch import Batch
+from dsched.schedulers import (DeviceStatus, PerformanceModelScheduler, SimpleMPIScheduler, SimpleScheduler,
+                               StaticHybridScheduler, WorkScheduler)
 
 __version__ = "0.1.0"
 
@@ -40,9 +37,14 @@ __all__ = [
     "PerformanceModelScheduler",
     "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader",
     "concat_reduce", "derivative_reduce",
-    "WorkDispatcher", "dispatch", "shared_empty", "shared_copy", "ChunkRecord", "RunReport",
+    "WorkDispatcher", "dispatch", "shared_empty", "shared_copy", "ChunkRecord", "RunReport", "RunObserver",
     "DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError", "ChunkResultError",
     "LocalHybridCluster", "PerThread",
     "plan", "as_batched", "map_blocks", "register", "PlacementWarning",
     "Batch",
 ]
+
+
+def __getattr__(name):
+    """``dsched.array``, ``dsched.logs``, ...: an old module path read as an attribute is imported on first use."""
+    return legacy.module_attribute(name)

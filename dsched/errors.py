@@ -7,7 +7,10 @@ when several chunks fail at once they are collected in an ``AggregateError``.
 
 from __future__ import annotations
 
-__all__ = ["DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError"]
+import sys
+
+__all__ = ["DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError", "NEML2ConvergenceError",
+           "as_recoverable"]
 
 
 class DispatchError(Exception):
@@ -54,3 +57,19 @@ class AggregateError(DispatchError):
 def is_recoverable(error: BaseException) -> bool:
     """Whether ``error`` is one a caller may retry (foreign errors are fatal)."""
     return bool(getattr(error, "recoverable", False)) if isinstance(error, DispatchError) else False
+
+
+class NEML2ConvergenceError(RecoverableError):
+    """NEML2's nonlinear solve did not converge on a chunk (retry it, e.g. with a smaller step)."""
+
+
+def as_recoverable(err):
+    """A :class:`NEML2ConvergenceError` for NEML2's ``ConvergenceError`` (raised by user code calling NEML2), else ``None``.
+
+    NEML2 is looked up among the loaded modules, never imported: without it
+    loaded, no error can be one of its own.
+    """
+    solvers = sys.modules.get("neml2.solvers")
+    if solvers is not None and isinstance(err, solvers.ConvergenceError):
+        return NEML2ConvergenceError(f"NEML2: {err}")
+    return None

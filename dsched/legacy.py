@@ -94,3 +94,14 @@ def install() -> None:
     """Make the old paths importable (idempotent; ``import dsched`` calls it)."""
     if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _AliasFinder())
+
+
+def module_attribute(name: str):
+    """The module an old path ``dsched.<name>`` names, for ``dsched.<name>`` read as an attribute.
+
+    ``import dsched`` once imported every flat module, so ``dsched.array.plan_blocks``
+    worked without importing ``dsched.array``; this keeps it working (lazily).
+    """
+    if f"dsched.{name}" not in ALIASES:
+        raise AttributeError(f"module 'dsched' has no attribute {name!r}")
+    return importlib.import_module(f"dsched.{name}")

@@ -115,15 +115,15 @@ def _dashboard_option(value, graph) -> str | None:
 
 def _show_dashboard(stack, client, graph):
     """Print the link to the dsched page, and tell the page the run's total (for its progress and ETA)."""
-    from dsched.observe.dashboard.plugin import dashboard_link, track_run
+    from dsched.observe import dashboard  # the package's names: what a user (or a test) patches
 
-    link = dashboard_link(client)
+    link = dashboard.dashboard_link(client)
     if link is None:
         print("dashboard: the cluster serves no dashboard", flush=True)
         return
     print(f"dashboard: {link} (open it while the run goes on; a cluster dsched run started closes with the run)",
           flush=True)
-    stack.enter_context(track_run(client, graph.batch_size, name=f"{graph.model} ({graph.source})"))
+    stack.enter_context(dashboard.track_run(client, graph.batch_size, name=f"{graph.model} ({graph.source})"))
 
 
 def _set_verbosity(verbose: int) -> None:

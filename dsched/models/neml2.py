@@ -31,26 +31,13 @@ from pathlib import Path
 import numpy as np
 
 from dsched.devices import backends
-from dsched.errors import RecoverableError
+from dsched.dispatch.front import dispatch
+from dsched.errors import NEML2ConvergenceError, as_recoverable  # noqa: F401  (as_recoverable: its old home)
 from dsched.devices.per_thread import PerThread
 from dsched.devices.threads import limit_this_thread
 
 __all__ = ["NEML2Model", "NEML2ConvergenceError", "NEML2Parameters", "neml2_chunk", "graph_parameters",
            "as_recoverable"]
-
-
-class NEML2ConvergenceError(RecoverableError):
-    """NEML2's nonlinear solve did not converge on a chunk (retry it, e.g. with a smaller step)."""
-
-
-def as_recoverable(err):
-    """A :class:`NEML2ConvergenceError` for NEML2's ``ConvergenceError`` (raised by user code calling NEML2), else ``None``."""
-    import sys
-
-    solvers = sys.modules.get("neml2.solvers")
-    if solvers is not None and isinstance(err, solvers.ConvergenceError):
-        return NEML2ConvergenceError(f"NEML2: {err}")
-    return None
 
 
 def _import_neml2():
@@ -174,8 +161,6 @@ class NEML2Model:
 
     def dispatch(self, inputs, *, scheduler, **options):
         """:func:`dsched.dispatch` of this model over ``inputs``, its variable names checked first."""
-        from dsched.dispatch.dispatcher import dispatch
-
         self.check_inputs(inputs)
         return dispatch(self, dict(inputs), scheduler=scheduler, **options)
 

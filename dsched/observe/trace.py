@@ -42,6 +42,7 @@ import threading
 import time
 
 from dsched.devices.ownership import emulated_devices
+from dsched.observe.hooks import RunObserver
 
 __all__ = [
     "TraceWriter",
@@ -51,7 +52,7 @@ __all__ = [
     "check_trace_path",
     "read_trace",
     "check_balanced",
-    "DispatchTracer",
+    "TraceObserver",
     "SCHEDULE_WORK",
     "DISPATCH_WORK",
     "COMPLETED_WORK",
@@ -353,63 +354,67 @@ def check_balanced(events) -> None:
 
 # --- what a dispatcher writes -----------------------------------------------
 
-class DispatchTracer:
+class TraceObserver(RunObserver):
     """The events of one :class:`~dsched.dispatch.WorkDispatcher` run, in NEML2's vocabulary.
 
-    The dispatcher calls these only when tracing is on (it keeps ``None``
-    otherwise), so an untraced run pays one ``is None`` test per call site.
+    A run observer (:mod:`dsched.observe.hooks`): the dispatcher adds one for
+    each run when ``trace_file`` is set; an untraced run has none and pays nothing.
     """
 
     def __init__(self, path):
-        self.writer = acquire_writer(path)
+        self.path = path
+        self.writer = None
         self.tid = thread_tid()
         self.emulated = {}
+        self.scheduler = None
+
+    def run_started(self, run):
+        self.writer = acquire_writer(self.path)
+        self.scheduler = run.scheduler
+        if run.client is not None:  # which devices are emulated, to label their tracks
+            self.emulated = emulated_devices(run.client)
         self.writer.begin(RUN, "WorkDispatcher", tid=self.tid)
 
-    def note_cluster(self, client):
-        """Read which devices are emulated, to label their tracks."""
-        self.emulated = emulated_devices(client)
+    def work_scheduled(self, choice, start, stop):
+        """A "schedule work" span around ``scheduler.schedule_work()``."""
+        args = None if choice is None else {"device": str(choice[0]), "batch size": int(choice[1])}
+        self.writer.begin(SCHEDULE_WORK, "WorkScheduler", ts=start, tid=self.tid)
+        self.writer.end(SCHEDULE_WORK, "WorkScheduler", args, ts=stop, tid=self.tid)
 
-    def schedule(self, scheduler):
-        """``scheduler.schedule_work()`` inside a "schedule work" span."""
-        self.writer.begin(SCHEDULE_WORK, "WorkScheduler", tid=self.tid)
-        choice = None
-        try:
-            choice = scheduler.schedule_work()
-            return choice
-        finally:
-            args = None if choice is None else {"device": str(choice[0]), "batch size": int(choice[1])}
-            self.writer.end(SCHEDULE_WORK, "WorkScheduler", args, tid=self.tid)
+    def work_dispatched(self, device, n, start, stop):
+        """A "dispatch work" span around ``scheduler.dispatched_work(device, n)``."""
+        self.writer.begin(DISPATCH_WORK, "WorkScheduler", ts=start, tid=self.tid)
+        self.writer.end(DISPATCH_WORK, "WorkScheduler", {"device": str(device), "batch size": int(n)}, ts=stop,
+                        tid=self.tid)
 
-    def dispatched(self, scheduler, device, n):
-        """``scheduler.dispatched_work(device, n)`` inside a "dispatch work" span."""
-        self.writer.begin(DISPATCH_WORK, "WorkScheduler", tid=self.tid)
-        try:
-            scheduler.dispatched_work(device, n)
-        finally:
-            self.writer.end(DISPATCH_WORK, "WorkScheduler", {"device": str(device), "batch size": int(n)}, tid=self.tid)
-
-    def completed(self, device, n):
+    def chunk_completed(self, record):
         """A "completed work" instant."""
-        self.writer.instant(COMPLETED_WORK, "WorkScheduler", {"device": str(device), "batch size": int(n)}, tid=self.tid)
+        self.writer.instant(COMPLETED_WORK, "WorkScheduler", {"device": str(record.device), "batch size": int(record.size)},
+                            tid=self.tid)
 
-    def finish(self, report, scheduler=None):
+    def run_finished(self, report):
         """Write each chunk's ``task`` span, the run's end, and give the writer back."""
+        if self.writer is None:  # the run failed before it started
+            return
         try:
-            emulated = self.emulated
             for record in report.records:
                 if record.stop <= 0:  # never ran (failed before starting, or cancelled)
                     continue
-                device = str(record.device)
-                track = f"{device} (emulated)" if emulated.get(device) else device
-                args = {"device": device, "batch size": int(record.size), "chunk": record.index}
-                if record.worker:
-                    args["worker"] = record.worker
-                if record.error is not None:
-                    args["error"] = f"{type(record.error).__name__}: {record.error}"
-                self.writer.span(TASK, "WorkDispatcher", record.start, record.stop, track=track, args=args)
+                self._task_span(record)
+            scheduler = self.scheduler
             if scheduler is not None and report.mode == "async" and scheduler.all_work_completed():
                 self.writer.instant(ALL_WORK_COMPLETED, "WorkScheduler", tid=self.tid)
             self.writer.end(RUN, "WorkDispatcher", {"chunks": len(report.records), "mode": report.mode}, tid=self.tid)
         finally:
-            release_writer(self.writer)
+            writer, self.writer = self.writer, None
+            release_writer(writer)
+
+    def _task_span(self, record):
+        device = str(record.device)
+        track = f"{device} (emulated)" if self.emulated.get(device) else device
+        args = {"device": device, "batch size": int(record.size), "chunk": record.index}
+        if record.worker:
+            args["worker"] = record.worker
+        if record.error is not None:
+            args["error"] = f"{type(record.error).__name__}: {record.error}"
+        self.writer.span(TASK, "WorkDispatcher", record.start, record.stop, track=track, args=args)

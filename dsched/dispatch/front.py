@@ -1,0 +1,178 @@
+"""``dispatch()``: the one-call form. Split arrays along the batch axis, call a function per chunk, join the results.
+
+Arrays and dicts of arrays among the arguments are cut into chunks
+(:class:`_ArgsLayout` records which arguments are batched, so that each chunk's
+task carries its rows and nothing of the batch); :class:`_CallOnChunk` rebuilds
+the call on the worker, moves the chunk to its device, and brings the result
+back to host memory. A :class:`~dsched.dispatch.dispatcher.WorkDispatcher`
+with ``join="concat"`` does the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import dask
+
+from dsched.dataplane.loaders import MappingLoader
+from dsched.devices import backends
+from dsched.devices.threads import limit_this_thread
+from dsched.dispatch.dispatcher import WorkDispatcher
+from dsched.dispatch.reduce import concat_reduce
+from dsched.errors import as_recoverable
+
+__all__ = ["dispatch"]
+
+
+def _is_array(x, field="args") -> bool:
+    """Whether ``x`` is an array of a known backend; a ValueError naming ``field`` for look-alikes."""
+    try:
+        return backends.is_array(x)
+    except backends.UnsupportedArrayError as err:
+        raise backends.UnsupportedArrayError(f"{field}: {err}") from None
+
+
+def _is_mapping_of_arrays(x, field="args") -> bool:
+    """A dict holding at least one array: split like a MappingLoader (non-arrays go whole)."""
+    return isinstance(x, dict) and any([_is_array(v, f"{field}[{k!r}]") for k, v in x.items()])
+
+
+def _keep_grad(keep_grad) -> bool:
+    """``keep_grad`` if given, else the Dask config ``dsched.keep-grad`` (read on the client)."""
+    if keep_grad is None:
+        keep_grad = dask.config.get("dsched.keep-grad", False)
+    return bool(keep_grad)
+
+
+class _ArgsLayout:
+    """Flattens ``args`` into a mapping of batched entries and rebuilds them per chunk.
+
+    Inputs keep their type (torch and NEML2 tensors stay tensors). Their
+    autograd history is dropped (``detach``, no copy) unless ``keep_grad``:
+    a graph cannot cross to a worker process, and slicing it per chunk
+    would only grow it.
+    """
+
+    def __init__(self, args, keep_grad=None):
+        # Per argument: _BATCHED, the keys of a mapping, or the argument itself. Never the
+        # arrays: the layout travels with every chunk's task, the batch must not.
+        self.skeleton = []
+        self.mapping = {}
+        prepare = (lambda v: v) if _keep_grad(keep_grad) else backends.detach
+        for i, arg in enumerate(args):
+            if _is_array(arg, f"args[{i}]"):
+                self.mapping[f"args[{i}]"] = prepare(arg)
+                self.skeleton.append(_BATCHED)
+            elif _is_mapping_of_arrays(arg, f"args[{i}]"):
+                for k, v in arg.items():
+                    self.mapping[f"args[{i}][{k!r}]"] = prepare(v)
+                self.skeleton.append(_MappingKeys(tuple(arg)))
+            else:
+                self.skeleton.append(arg)
+
+    def __getstate__(self):
+        return {"skeleton": self.skeleton, "mapping": {}}  # the worker rebuilds from the chunk alone
+
+    def rebuild(self, chunk):
+        out = []
+        for i, arg in enumerate(self.skeleton):
+            if isinstance(arg, _Batched):
+                out.append(chunk[f"args[{i}]"])
+            elif isinstance(arg, _MappingKeys):
+                out.append({k: chunk[f"args[{i}][{k!r}]"] for k in arg.keys})
+            else:
+                out.append(arg)
+        return out
+
+
+class _Batched:
+    """Marks an argument that is split per chunk (compared by type: it survives pickling)."""
+
+
+_BATCHED = _Batched()
+
+
+@dataclass(frozen=True)
+class _MappingKeys:
+    keys: tuple
+
+
+class _CallOnChunk:
+    """``do_work`` for :func:`dispatch`: calls ``fn`` on the rebuilt, device-resident arguments.
+
+    Arrays move to the chunk's device through :mod:`dsched.backends` (torch
+    tensors to the CUDA_VISIBLE_DEVICES-aware ``torch.device``; NumPy to CuPy
+    on a real GPU), unless ``fn.moves_inputs`` says ``fn`` does that itself, and the
+    result comes back to host memory as the type ``fn`` returned. Autograd
+    is kept only with ``keep_grad`` (default: the Dask config
+    ``dsched.keep-grad``), which works where chunks run in the caller's
+    process (sync mode, in-process workers).
+    """
+
+    def __init__(self, fn, layout, kwargs, keep_grad=None):
+        self.fn, self.layout, self.kwargs, self.keep_grad = fn, layout, kwargs, _keep_grad(keep_grad)
+
+    def __call__(self, chunk, device):
+        limit_this_thread()  # torch's thread count is per thread: give this one the worker's share
+        if not getattr(self.fn, "moves_inputs", False):  # e.g. NEML2Model, which moves its inputs itself
+            chunk = backends.to_device(chunk, device, keep_grad=self.keep_grad)
+        args = self.layout.rebuild(chunk)
+        try:
+            result = self.fn(*args, **self.kwargs)
+        except RuntimeError as err:
+            recoverable = as_recoverable(err)  # NEML2's own solve failures, from user code calling NEML2
+            if recoverable is None:
+                raise
+            raise recoverable from err
+        return backends.to_host(result, keep_grad=self.keep_grad)
+
+
+def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file=None, out=None, overwrite=False,
+             timeout=None, keep_grad=None, **kwargs):
+    """Evaluate ``fn`` over a batch split along ``axis`` by ``scheduler``; the joined result.
+
+    Arrays and dicts holding arrays in ``args`` are split (entries of size 1
+    along ``axis``, and a dict's non-array entries, go whole into every chunk); other arguments and ``kwargs`` pass
+    unchanged. ``fn`` returns an array, a tuple or a dict of arrays, joined
+    along ``axis`` in order, in place: each chunk writes its own rows of the
+    outputs where it runs, after a check that its result fits its chunk. On
+    worker processes the inputs are placed once in shared memory and chunks
+    carry references to them. ``out`` sends the outputs to a Zarr store (a
+    path; ``overwrite`` replaces an existing one) or into arrays you provide.
+    On a CUDA device the chunk is moved there (CuPy) before ``fn`` and the
+    result back to host memory after. ``trace_file`` writes a Chrome trace of
+    the run (see :mod:`dsched.observe.trace`). torch tensors stay torch, their autograd
+    dropped unless ``keep_grad`` (default: the Dask config ``dsched.keep-grad``),
+    which joins the chunks' tensors themselves (in the caller's process only).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from dsched import SimpleScheduler
+    >>> dispatch(np.square, np.arange(5.0), scheduler=SimpleScheduler("cpu", 2), mode="sync").tolist()
+    [0.0, 1.0, 4.0, 9.0, 16.0]
+    """
+    if not callable(fn):
+        raise ValueError(f"fn: expected a callable, got {fn!r}")
+    keep_grad = _keep_grad(keep_grad)
+    if keep_grad and out is not None:
+        raise ValueError("out: outputs written in place carry no autograd graph; drop out= or keep_grad")
+    layout = _ArgsLayout(args, keep_grad)
+    if not layout.mapping:
+        raise ValueError("args: dispatch needs at least one array (or dict of arrays) to split")
+    loader = MappingLoader(layout.mapping, axis=axis)
+    # Kept autograd needs the tensors themselves joined (torch.cat), not their values copied in place.
+    join = dict(reduce=functools.partial(concat_reduce, axis=axis)) if keep_grad else dict(
+        join="concat", axis=axis, out=out, overwrite=overwrite)
+    dispatcher = WorkDispatcher(
+        scheduler,
+        _CallOnChunk(fn, layout, kwargs, keep_grad),
+        **join,
+        timeout=timeout,
+        mode=mode,
+        client=client,
+        trace_file=trace_file,
+    )
+    with dispatcher:
+        return dispatcher.run(loader)
