@@ -35,23 +35,93 @@ class ChunkTimeoutError(RecoverableError):
     """A chunk ran past the dispatcher's ``timeout``: it was cancelled and its device's load given back."""
 
 
-class AggregateError(DispatchError):
-    """Several chunks failed; ``errors`` lists them in dispatch order.
+class AggregateError(DispatchError, ExceptionGroup):
+    """Several chunks of one run failed; ``errors`` lists them in dispatch order.
 
-    ``recoverable`` is true only if every one of them is.
+    An ``ExceptionGroup`` (PEP 654), so ``except* ValueError`` picks out the
+    chunks that raised ValueError. It is also an instance of the most specific
+    class all its errors share: when every failed chunk raised ValueError, the
+    group is a ValueError too. Whether one chunk failed (re-raised as itself, as
+    NEML2 does) or several did, which depends on what else was in flight, the
+    same ``except ValueError`` clause catches it.
+
+    ``recoverable`` is true only if every one of the errors is.
+
+    Examples
+    --------
+    >>> err = AggregateError.of([ValueError("a"), ValueError("b")], dispatched=5)
+    >>> isinstance(err, ValueError), isinstance(err, ExceptionGroup), str(err).splitlines()[0]
+    (True, True, '2 of 5 chunks failed:')
     """
 
-    def __init__(self, errors):
-        self.errors = list(errors)
-        lines = [f"{len(self.errors)} concurrent dispatches failed:"]
-        for i, err in enumerate(self.errors):
-            kind = "recoverable" if is_recoverable(err) else "fatal"
-            lines.append(f"[{i}] ({kind}) {type(err).__name__}: {err}")
-        super().__init__("\n".join(lines))
+    def __new__(cls, errors, *, dispatched=None, undispatched=0):
+        errors = [e if isinstance(e, Exception) else RuntimeError(f"{type(e).__name__}: {e}") for e in errors]
+        return super().__new__(cls, _summary(errors, dispatched, undispatched), errors)
+
+    def __init__(self, errors, *, dispatched=None, undispatched=0):
+        self._dispatched, self._undispatched = dispatched, undispatched
+        super().__init__(self.message, self.exceptions)
+
+    @classmethod
+    def of(cls, errors, *, dispatched=None, undispatched=0):
+        """An AggregateError that is also an instance of the errors' most specific common class."""
+        return _aggregate_class(_common_class(errors))(errors, dispatched=dispatched, undispatched=undispatched)
+
+    @property
+    def errors(self) -> list:
+        return list(self.exceptions)
 
     @property
     def recoverable(self):
-        return all(is_recoverable(e) for e in self.errors)
+        return all(is_recoverable(e) for e in self.exceptions)
+
+    def __str__(self):
+        return self.message
+
+    def derive(self, excs):
+        # except* splits a group into the parts each clause caught: each part is a group of the same kind
+        return AggregateError.of(list(excs), dispatched=self._dispatched)
+
+    def __reduce__(self):
+        return _rebuild, (self.errors, self._dispatched, self._undispatched)
+
+
+def _summary(errors, dispatched, undispatched) -> str:
+    of = "" if dispatched is None else f" of {dispatched}"
+    lines = [f"{len(errors)}{of} chunks failed:"]
+    for i, err in enumerate(errors):
+        kind = "recoverable" if is_recoverable(err) else "fatal"
+        lines.append(f"[{i}] ({kind}) {type(err).__name__}: {err}")
+    if undispatched:
+        lines.append(f"(the run stopped at the first failure: {undispatched} items were never dispatched)")
+    return "\n".join(lines)
+
+
+def _common_class(errors) -> type:
+    """The most specific exception class every one of ``errors`` is an instance of."""
+    for cls in type(errors[0]).__mro__:
+        if issubclass(cls, Exception) and all(isinstance(e, cls) for e in errors):
+            return cls
+    return Exception
+
+
+_AGGREGATES = {}  # common class -> AggregateError subclass that is also one
+
+
+def _aggregate_class(common: type) -> type:
+    if common in (Exception, DispatchError, AggregateError) or issubclass(AggregateError, common):
+        return AggregateError
+    if common not in _AGGREGATES:
+        try:
+            _AGGREGATES[common] = type(f"AggregateError[{common.__name__}]", (AggregateError, common),
+                                       {"__module__": __name__})
+        except TypeError:  # a class that cannot be combined (a layout of its own): the plain group
+            _AGGREGATES[common] = AggregateError
+    return _AGGREGATES[common]
+
+
+def _rebuild(errors, dispatched, undispatched):
+    return AggregateError.of(errors, dispatched=dispatched, undispatched=undispatched)
 
 
 def is_recoverable(error: BaseException) -> bool:

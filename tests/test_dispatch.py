@@ -393,7 +393,8 @@ def test_several_failures_aggregate_in_dispatch_order(hybrid_client):
     ]
     assert isinstance(err.errors[3], ValueError) and isinstance(err.errors[0], NotConverged)
     assert err.recoverable is False  # one fatal error among them
-    assert str(err).startswith("8 concurrent dispatches failed:")
+    assert str(err).startswith("8 of 8 chunks failed:")
+    assert str(err).endswith("(the run stopped at the first failure: 24 items were never dispatched)")
     assert "[3] (fatal) ValueError: fatal at 6" in str(err)
     assert "[0] (recoverable) NotConverged: no convergence at 0" in str(err)
     assert len(dispatcher.last_run.records) == 8

@@ -41,6 +41,7 @@ from pathlib import Path
 from dsched.devices.device import Device, parse_devices
 from dsched.devices.cuda import visible_gpus
 from dsched.schedulers import PerformanceModelScheduler, SimpleScheduler, StaticHybridScheduler
+from dsched.schedulers.profiles import profile_settings
 
 __all__ = ["Graph", "GraphError", "load_graph", "DEFAULT_GRAPH"]
 
@@ -204,8 +205,6 @@ class Graph:
         sizes = [AUTO_BATCH_SIZE[d.type] for d in devices]
         capacities = None
         if self.scheduler.get("profile", False):
-            from dsched.apps.tune import profile_settings
-
             tuned = profile_settings(devices, self.model)
             if tuned is None:
                 raise ValueError(

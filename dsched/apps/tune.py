@@ -24,28 +24,38 @@ The result is saved as a profile per host and model (JSON under
 that :func:`profile_speeds` reads back for ``plan()`` and the graph files,
 and is drawn as throughput against sub-batch size (a PNG).
 The cost model itself (``saturation_time``, ``fit_saturation``) lives in
-:mod:`dsched.costmodel`, with its examples.
+:mod:`dsched.costmodel`, with its examples; the profile store (``profile_path``,
+``save_profile``, ``load_profile``, ``profile_speeds``, ``profile_settings``)
+in :mod:`dsched.schedulers.profiles`, beside the policies that read it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import math
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from distributed import Client
 
+from dsched.checks import check_positive_int
 from dsched.schedulers.costmodel import (SaturationFit, device_identities, device_identity, fit_saturation, save_costs,
-                        saturation_time)
+                                         saturation_time)
+from dsched.cluster.local import LocalHybridCluster
+from dsched.devices.cuda import visible_gpus
 from dsched.devices.device import Device, parse_devices, placement_device
-from dsched.schedulers import SimpleScheduler
+from dsched.devices.ownership import emulated_devices
+from dsched.schedulers import SimpleScheduler, profiles
+from dsched.schedulers.profiles import (PROFILE_VERSION, load_profile, profile_dir, profile_path, profile_settings,
+                                        profile_speeds, save_profile)
 from dsched.dataplane.loaders import SliceGenerator
+from dsched.dispatch.dispatcher import WorkDispatcher
+from dsched.models import get_model
 
 __all__ = [
     "TuningWorkload",
@@ -67,9 +77,6 @@ __all__ = [
     "plot_throughput",
     "format_tuning",
 ]
-
-PROFILE_VERSION = 1
-
 
 # --- the model ----------------------------------------------------------------
 # The model and its fit live in dsched.costmodel, beside the online calibration
@@ -137,8 +144,6 @@ def workload_from(model, parameters=None) -> TuningWorkload:
         return model
     if hasattr(model, "tuning_workload"):
         return model.tuning_workload()
-    from dsched.models import get_model
-
     if isinstance(model, str):
         entry = get_model(model)
         return TuningWorkload(model, _ModelChunk(entry.chunk, entry.parameters_type(**(parameters or {})), True))
@@ -243,8 +248,6 @@ def sweep_device(workload, device, *, client=None, mode="async", start=64, max_b
     ``linear_stop`` doublings in a row that each doubled the time (the
     device is saturated: more points add nothing).
     """
-    from dsched.dispatch.dispatcher import WorkDispatcher
-
     workload = workload_from(workload)
     device = Device(device)
     points = []
@@ -318,39 +321,15 @@ def run_tuning(model, devices=None, *, client=None, emulate=False, parameters=No
     -------
     TuningResult
     """
-    from dsched.devices.cuda import visible_gpus
-
     workload = workload_from(model, parameters)
     if devices is None:
         devices = model.devices() if hasattr(model, "devices") and callable(model.devices) else \
             [Device("cpu"), *visible_gpus()]
     devices = parse_devices(devices)
-    if not devices:
-        raise ValueError("devices: at least one device is required, got none")
-    if mode not in ("sync", "async"):
-        raise ValueError(f"mode: expected 'sync' or 'async', got {mode!r}")
-    for field, value in [("start", start), ("max_batch", max_batch), ("min_repeats", min_repeats)]:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{field}: expected an integer >= 1, got {value!r}")
-    if max_batch < start:
-        raise ValueError(f"max_batch: {max_batch} is below start {start}")
-    for field, value in [("max_time", max_time), ("min_time", min_time), ("min_chunk_time", min_chunk_time)]:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"{field}: expected a number of seconds >= 0, got {value!r}")
-    if png_path is not None:
-        _check_parent(png_path, "png_path")
-    directory = None if not save else _resolve_profile_dir(profile_dir)
-
-    import contextlib
-
-    from dsched.devices.ownership import emulated_devices
-
+    _check_sweep(devices, mode, start, max_batch, min_repeats, max_time, min_time, min_chunk_time, png_path)
+    directory = None if not save else profiles.profile_dir(profile_dir)
     with contextlib.ExitStack() as stack:
         if client is None and mode == "async":
-            from distributed import Client
-
-            from dsched.cluster.local import LocalHybridCluster
-
             cluster = stack.enter_context(LocalHybridCluster(devices, emulate=emulate, dashboard_address=None))
             client = stack.enter_context(Client(cluster))
         emulated = emulated_devices(client) if client is not None else {}
@@ -366,146 +345,51 @@ def run_tuning(model, devices=None, *, client=None, emulate=False, parameters=No
             results[device] = DeviceTuning(device, points, fit, batch, capacity,
                                            bool(emulated.get(str(placement_device(device)), False)))
     hosts = sorted({identities[d].host for d in devices})
-    result = TuningResult(workload.name, host or (hosts[0] if len(hosts) == 1 else _host()), results, mode,
-                          identities=identities)
+    result = TuningResult(workload.name, host or (hosts[0] if len(hosts) == 1 else profiles.this_host()), results,
+                          mode, identities=identities)
     if directory is not None:
-        if host is not None or len(hosts) == 1:
-            result.profile_paths = [str(save_profile(result, directory))]
-        else:  # a cluster across hosts: each host's profile holds what its workers measured
-            result.profile_paths = [str(save_profile(result.for_host(h), directory)) for h in hosts]
-        for device, tuning in results.items():
-            identity = identities[device] if host is None else dataclasses.replace(identities[device], host=host)
-            entry = {"t0": tuning.fit.t0, "n_star": tuning.fit.n_star, "rms_log_error": tuning.fit.rms_log_error,
-                     "saturated": tuning.fit.saturated, "samples": sum(len(p.samples) for p in tuning.points),
-                     "items_per_s": tuning.fit.peak_items_per_s, "source": "dsched tune"}
-            result.profile_paths.append(str(save_costs(workload.name, identity, device, entry, directory)))
-        result.profile_path = result.profile_paths[0]
+        _save_tuning(result, workload.name, identities, hosts, host, directory)
     if png_path is not None:
         result.png_path = str(plot_throughput(result, png_path))
     return result
+
+
+def _check_sweep(devices, mode, start, max_batch, min_repeats, max_time, min_time, min_chunk_time, png_path):
+    """ValueError naming the first bad argument of :func:`run_tuning`, before any cluster starts."""
+    if not devices:
+        raise ValueError("devices: at least one device is required, got none")
+    if mode not in ("sync", "async"):
+        raise ValueError(f"mode: expected 'sync' or 'async', got {mode!r}")
+    for field, value in [("start", start), ("max_batch", max_batch), ("min_repeats", min_repeats)]:
+        check_positive_int(value, field, integers=int, below=None)
+    if max_batch < start:
+        raise ValueError(f"max_batch: {max_batch} is below start {start}")
+    for field, value in [("max_time", max_time), ("min_time", min_time), ("min_chunk_time", min_chunk_time)]:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{field}: expected a number of seconds >= 0, got {value!r}")
+    if png_path is not None:
+        _check_parent(png_path, "png_path")
+
+
+def _save_tuning(result, name, identities, hosts, host, directory):
+    """Write the tuning's profile (one per host of the cluster) and each device's cost entry."""
+    if host is not None or len(hosts) == 1:
+        result.profile_paths = [str(save_profile(result, directory))]
+    else:  # a cluster across hosts: each host's profile holds what its workers measured
+        result.profile_paths = [str(save_profile(result.for_host(h), directory)) for h in hosts]
+    for device, tuning in result.devices.items():
+        identity = identities[device] if host is None else dataclasses.replace(identities[device], host=host)
+        entry = {"t0": tuning.fit.t0, "n_star": tuning.fit.n_star, "rms_log_error": tuning.fit.rms_log_error,
+                 "saturated": tuning.fit.saturated, "samples": sum(len(p.samples) for p in tuning.points),
+                 "items_per_s": tuning.fit.peak_items_per_s, "source": "dsched tune"}
+        result.profile_paths.append(str(save_costs(name, identity, device, entry, directory)))
+    result.profile_path = result.profile_paths[0]
 
 
 def _check_parent(path, field):
     parent = Path(os.fspath(path)).absolute().parent
     if not parent.is_dir():
         raise ValueError(f"{field}: the folder {parent} does not exist")
-
-
-# --- profiles -----------------------------------------------------------------
-
-def _host() -> str:
-    return socket.gethostname() or "localhost"
-
-
-def _resolve_profile_dir(directory=None) -> Path:
-    if directory is None:
-        directory = os.environ.get("DSCHED_PROFILE_DIR") or Path.home() / ".cache" / "dsched" / "profiles"
-    return Path(os.fspath(directory))
-
-
-def profile_dir(directory=None) -> Path:
-    """Where profiles live: ``directory``, else ``$DSCHED_PROFILE_DIR``, else ``~/.cache/dsched/profiles``."""
-    return _resolve_profile_dir(directory)
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_.:" else "_" for c in name).replace(":", "_")
-
-
-def profile_path(model, host=None, directory=None) -> Path:
-    """``<profile dir>/<host>/<model>.json``."""
-    return _resolve_profile_dir(directory) / _safe(host or _host()) / f"{_safe(model)}.json"
-
-
-def save_profile(result: TuningResult, directory=None) -> Path:
-    """Write ``result`` as the profile of its host and model; the file's path."""
-    path = profile_path(result.model, result.host, directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".json.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(result.to_profile(), indent=2))
-    os.replace(tmp, path)  # a reader never sees half a profile
-    return path
-
-
-_cache: dict = {}
-
-
-def load_profile(model=None, *, host=None, directory=None) -> dict | None:
-    """The saved profile of ``model`` on ``host`` (this machine by default), or ``None``.
-
-    With ``model=None``, the host's most recently saved profile.
-    """
-    if model is None:
-        folder = _resolve_profile_dir(directory) / _safe(host or _host())
-        # The cost files of dsched.costmodel live beside the profiles: not profiles.
-        candidates = sorted((p for p in folder.glob("*.json") if not p.name.endswith(".costs.json")),
-                            key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
-        if not candidates:
-            return None
-        path = candidates[-1]
-    else:
-        path = profile_path(model, host, directory)
-    try:
-        stamp = path.stat().st_mtime_ns
-    except OSError:
-        return None
-    cached = _cache.get(path)
-    if cached is not None and cached[0] == stamp:
-        return cached[1]
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    _cache[path] = (stamp, data)
-    return data
-
-
-def profile_speeds(scheduler, model=None, *, host=None, directory=None) -> dict | None:
-    """``{Device: items per second}`` for the scheduler's devices from the profile in effect, or ``None``.
-
-    ``None`` when there is no profile, or it lacks one of the devices (a
-    partial profile would skew a plan). Devices are keyed as the scheduler
-    lists them; a bare ``cuda`` reads ``cuda:0``'s entry.
-    """
-    profile = load_profile(model, host=host, directory=directory)
-    if not profile:
-        return None
-    entries = profile.get("devices", {})
-    speeds = {}
-    for device in scheduler.devices:
-        entry = entries.get(str(placement_device(device))) or entries.get(str(device))
-        if entry is None or not entry.get("items_per_s", 0) > 0:
-            return None
-        speeds[Device(device)] = float(entry["items_per_s"])
-    return speeds
-
-
-def profile_settings(devices, model=None, *, host=None, directory=None) -> dict | None:
-    """The profile's recommendation for ``devices`` (in their order), for graph files and schedulers.
-
-    Returns ``{"batch_sizes": [...], "capacities": [...], "items_per_s": [...]}``
-    or ``None`` when there is no profile or it lacks a device.
-
-    Examples
-    --------
-    >>> settings = profile_settings(["cpu", "cuda:0"], "j2")  # doctest: +SKIP
-    >>> StaticHybridScheduler(["cpu", "cuda:0"], settings["batch_sizes"], settings["capacities"])  # doctest: +SKIP
-    """
-    profile = load_profile(model, host=host, directory=directory)
-    if not profile:
-        return None
-    entries = profile.get("devices", {})
-    chosen = []
-    for device in parse_devices(devices):
-        entry = entries.get(str(placement_device(device))) or entries.get(str(device))
-        if entry is None:
-            return None
-        chosen.append(entry)
-    return {
-        "batch_sizes": [int(e["batch_size"]) for e in chosen],
-        "capacities": [int(e["capacity"]) for e in chosen],
-        "items_per_s": [float(e["items_per_s"]) for e in chosen],
-    }
 
 
 # --- output -----------------------------------------------------------------

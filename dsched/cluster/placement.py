@@ -45,6 +45,7 @@ import weakref
 
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
+from dsched.checks import check_positive_int
 from dsched.names import (DEVICE_ANNOTATION, DEVICE_WORKER_PLUGIN, PLACEMENT_EVENT_TOPIC, PLACEMENT_PLUGIN,
                           RELAXED_ANNOTATION)
 from dsched.devices.device import (EMULATED_RESOURCE, RESOURCE_PREFIX, UNLIMITED_CAPACITY, Device, device_resource, placement_device)
@@ -377,8 +378,8 @@ class DeviceWorkerPlugin(WorkerPlugin):
 
     def __init__(self, device=None, *, capacity=None, emulate=False, claim=False):
         self.device = None if device is None else Device(device)
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
-            raise ValueError(f"capacity: expected an integer >= 1, got {capacity!r}")
+        if capacity is not None:
+            check_positive_int(capacity, "capacity", integers=int, below=None)
         self.capacity = capacity
         self.emulate = bool(emulate)
         self.claim = bool(claim)

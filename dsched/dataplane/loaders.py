@@ -34,8 +34,7 @@ class WorkGenerator(ABC):
 
     def _check_next(self, n: int):
         """The size of the next chunk of at most ``n`` items; raises for a bad ``n`` or an empty batch."""
-        if isinstance(n, bool) or int(n) != n or n < 1:
-            raise ValueError(f"n: a chunk needs at least one item, got {n!r}")
+        _check_chunk_items(n)
         if not self.has_more():
             raise RuntimeError(f"{type(self).__name__} is exhausted ({self.total} items handed out)")
         return min(int(n), self.total - self.offset)
@@ -46,6 +45,12 @@ class WorkGenerator(ABC):
 
     def __repr__(self):
         return f"{type(self).__name__}(total={self.total}, offset={self.offset})"
+
+
+def _check_chunk_items(n):
+    """A chunk size asked of a generator: a whole number >= 1 (``2.0`` too), else a ValueError."""
+    if isinstance(n, bool) or int(n) != n or n < 1:
+        raise ValueError(f"n: a chunk needs at least one item, got {n!r}")
 
 
 class SliceGenerator(WorkGenerator):
@@ -178,8 +183,7 @@ class Ranges:
         return self._index < len(self.ranges)
 
     def next(self, n: int):
-        if isinstance(n, bool) or int(n) != n or n < 1:
-            raise ValueError(f"n: a chunk needs at least one item, got {n!r}")
+        _check_chunk_items(n)
         if not self.has_more():
             raise RuntimeError("Ranges is exhausted")
         start, stop = self.offset, min(self.offset + int(n), self.ranges[self._index][1])

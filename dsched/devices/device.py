@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
+from dsched.checks import check_positive_int
 from dsched.names import EMULATED_RESOURCE, RESOURCE_PREFIX
 
 __all__ = ["Device", "parse_devices", "placement_device", "device_resource", "device_entries", "check_capacities",
@@ -147,9 +146,7 @@ def check_capacities(capacities, devices) -> dict:
     """
     result = {Device(d): UNLIMITED_CAPACITY for d in devices}
     for device, value in device_entries(capacities or {}, devices, "capacities"):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"capacities[{str(device)!r}]: expected an integer >= 1, got {value!r}")
-        result[device] = int(value)
+        result[device] = check_positive_int(value, f"capacities[{str(device)!r}]", below=None)
     return result
 
 

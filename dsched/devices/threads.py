@@ -33,6 +33,8 @@ import threading
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from dsched.checks import check_positive_int
+
 __all__ = ["ThreadLimits", "thread_share", "apply_thread_limit", "limit_this_thread", "restore_mmap_threshold",
            "user_thread_settings"]
 
@@ -97,8 +99,7 @@ class ThreadLimits(WorkerPlugin):
     idempotent = True
 
     def __init__(self, threads: int):
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads: expected an integer >= 1, got {threads!r}")
+        check_positive_int(threads, "threads", integers=int, below=None)
         self.threads = threads
         self.user_set = user_thread_settings()
         self.creator_pid = os.getpid()

@@ -218,6 +218,7 @@ class WorkDispatcher:
         out = None if self.join is None else check_out(self.out, generator.total, self.axis,
                                                        self.overwrite or _overwrite_out)
         self._last_generator = generator
+        total = _items(generator)
         self.last_run = report = RunReport(self.mode, wall_start=time.time())
         observers = self._run_observers()
         data = None
@@ -241,15 +242,28 @@ class WorkDispatcher:
                     report.output = data.output()
                 data.close()
             observers.run_finished(report)  # even after a failure, so a trace file stays balanced
-        return self._result(report)
+        return self._result(report, total)
 
-    def _result(self, report):
-        """The run's value: its joined output, its results (reduced), or its chunks' errors raised."""
-        errors = [r.error for r in report.records if r.error is not None]
-        if len(errors) == 1:
-            raise errors[0]
-        if errors:
-            raise AggregateError(errors)
+    def _result(self, report, total):
+        """The run's value: its joined output, its results (reduced), or its chunks' errors raised.
+
+        One failed chunk is re-raised as itself (NEML2's rule), with a note naming
+        the chunk; several raise an :class:`~dsched.errors.AggregateError`, which is
+        also an instance of the class their errors share, so one ``except`` clause
+        catches the failure however many chunks it hit.
+        """
+        failed = [r for r in report.records if r.error is not None]
+        undispatched = total - sum(r.size for r in report.records)
+        if len(failed) == 1:
+            record = failed[0]
+            note = (f"dsched: chunk {record.index} of {len(report.records)} dispatched ({record.device}, "
+                    f"items {record.offset}-{record.offset + record.size - 1}) failed")
+            if note not in getattr(record.error, "__notes__", ()):
+                record.error.add_note(note)
+            raise record.error
+        if failed:
+            raise AggregateError.of([r.error for r in failed], dispatched=len(report.records),
+                                    undispatched=undispatched)
         if self.join is not None:
             return report.output
         return report.results if self.reduce is None else self.reduce(report.results)

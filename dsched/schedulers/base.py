@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsched.checks import check_positive_int  # its old home: still importable from here
 from dsched.devices.device import Device, parse_devices
 
 __all__ = ["WorkScheduler", "SingleDeviceScheduler", "DeviceStatus"]
@@ -122,15 +123,6 @@ class SingleDeviceScheduler(WorkScheduler):
     @property
     def capacity(self) -> int:
         return self._status[0].capacity
-
-
-def check_positive_int(value, field: str) -> int:
-    """``value`` as an int >= 1, or a ValueError naming ``field``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{field}: expected an integer >= 1, got {value!r}")
-    if int(value) < 1:
-        raise ValueError(f"{field}: must be >= 1, got {value!r}")
-    return int(value)
 
 
 def broadcast(values, n: int, field: str, default=None) -> list:

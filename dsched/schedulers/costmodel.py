@@ -41,13 +41,13 @@ import json
 import math
 import os
 import platform
-import socket
 import time
 from pathlib import Path
 
 import numpy as np
 
 from dsched.devices.device import Device, placement_device
+from dsched.schedulers.profiles import profile_dir, safe_name, this_host, write_json
 
 __all__ = [
     "saturation_time",
@@ -286,10 +286,6 @@ class DeviceIdentity:
         return f"emulated {self.hardware}" if self.emulated else self.hardware
 
 
-def _host() -> str:
-    return socket.gethostname() or "localhost"
-
-
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -343,7 +339,7 @@ def device_identity(device, *, emulated=False) -> DeviceIdentity:
         hardware = _gpu_name(device)
         if hardware is None:  # neither CuPy nor NVML knows it: no GPU of that number here, so emulated
             hardware, emulated = str(device), True
-    return DeviceIdentity(_host(), hardware, bool(emulated))
+    return DeviceIdentity(this_host(), hardware, bool(emulated))
 
 
 def _worker_identity(dask_worker=None):
@@ -374,22 +370,11 @@ def device_identities(devices, client=None) -> dict:
 
 
 # --- cost files -------------------------------------------------------------------
-
-def profile_dir(directory=None) -> Path:
-    """Where profiles live: ``directory``, else ``$DSCHED_PROFILE_DIR``, else ``~/.cache/dsched/profiles``."""
-    if directory is None:
-        directory = os.environ.get("DSCHED_PROFILE_DIR") or Path.home() / ".cache" / "dsched" / "profiles"
-    return Path(os.fspath(directory))
-
-
-def safe_name(name: str) -> str:
-    """A name as a file or folder name (``cuda:0`` -> ``cuda_0``)."""
-    return "".join(c if c.isalnum() or c in "-_.:" else "_" for c in name).replace(":", "_")
-
+# They live beside the profiles (dsched.schedulers.profiles), named and written by its helpers.
 
 def costs_path(model, host=None, directory=None) -> Path:
     """``<profile dir>/<host>/<model>.costs.json``."""
-    return profile_dir(directory) / safe_name(host or _host()) / f"{safe_name(model)}.costs.json"
+    return profile_dir(directory) / safe_name(host or this_host()) / f"{safe_name(model)}.costs.json"
 
 
 def load_costs(model, host=None, directory=None) -> dict:
@@ -415,14 +400,9 @@ def fit_of(entry) -> SaturationFit | None:
 
 def save_costs(model, identity: DeviceIdentity, device, entry: dict, directory=None) -> Path:
     """Merge ``entry`` (a fit as :meth:`DeviceCalibration.to_dict` gives) into its host's cost file."""
-    path = costs_path(model, identity.host, directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
     entries = load_costs(model, identity.host, directory)
     entries[identity.key] = {**entry, "device": str(device), "hardware": identity.hardware,
                              "emulated": identity.emulated, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     data = {"version": COSTS_VERSION, "model": model, "host": identity.host,
             "model_formula": "t(N) = t0 * (max(N - n_star, 0) / n_star + 1)", "devices": entries}
-    tmp = path.with_suffix(f".json.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)  # a reader never sees half a file
-    return path
+    return write_json(costs_path(model, identity.host, directory), data)

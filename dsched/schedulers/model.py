@@ -43,6 +43,7 @@ import time
 from dsched.schedulers.costmodel import DeviceCalibration, SaturationFit, device_identities, fit_of, load_costs, save_costs
 from dsched.devices.device import Device
 from dsched.schedulers.base import DeviceStatus, WorkScheduler, broadcast, build_status, check_positive_int
+from dsched.schedulers.profiles import load_profile
 
 __all__ = ["PerformanceModelScheduler"]
 
@@ -492,8 +493,6 @@ def _identities(devices, client):
 
 def _tuned_fit(model, host, device, directory):
     """The fit ``dsched tune`` saved for ``device`` in the host's profile of ``model``, if any."""
-    from dsched.apps.tune import load_profile
-
     profile = load_profile(model, host=host, directory=directory) or {}
     return fit_of(profile.get("devices", {}).get(str(device)))
 

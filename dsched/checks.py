@@ -1,0 +1,40 @@
+"""Argument checks shared across the package, with the messages its errors have always had.
+
+A ground-floor module: it imports only the standard library and NumPy, so
+every module of dsched can use it without an import cycle.
+
+Examples
+--------
+>>> check_positive_int(4, "batch_size")
+4
+>>> check_positive_int(0, "batch_size")
+Traceback (most recent call last):
+...
+ValueError: batch_size: must be >= 1, got 0
+>>> check_positive_int(0, "threads", integers=int, below=None)
+Traceback (most recent call last):
+...
+ValueError: threads: expected an integer >= 1, got 0
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["check_positive_int"]
+
+
+def check_positive_int(value, field: str, *, integers=(int, np.integer), expected="an integer >= 1",
+                       below="must be >= 1") -> int:
+    """``value`` as an int >= 1, or a ValueError naming ``field``.
+
+    ``integers`` are the types accepted (``bool`` never is). A value of
+    another type raises ``"<field>: expected <expected>, got <value!r>"``; an
+    integer below 1 raises ``"<field>: <below>, got <value!r>"``, or the
+    first message when ``below`` is ``None``.
+    """
+    if isinstance(value, bool) or not isinstance(value, integers):
+        raise ValueError(f"{field}: expected {expected}, got {value!r}")
+    if int(value) < 1:
+        raise ValueError(f"{field}: {f'expected {expected}' if below is None else below}, got {value!r}")
+    return int(value)
