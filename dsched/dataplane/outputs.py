@@ -7,6 +7,12 @@ disjoint, so writers need no lock and nothing is gathered or concatenated at
 the end (the *write* dependency of a dependency engine, with one writer per
 row range).
 
+An output that cannot live in shared memory (Python objects, strings whose
+width varies from chunk to chunk) travels back by value, that output alone:
+its chunks' pieces are joined on the client at the end
+(:data:`BY_VALUE` is its target), while the run's other outputs are still
+written in place.
+
 Every result is checked against its chunk before it is written: the same
 structure as the first, the chunk's length along the batch axis, and the
 same item shape and dtype. A mismatch is a :class:`ChunkResultError` naming
@@ -24,7 +30,11 @@ from dsched.errors import DispatchError
 from dsched.dataplane.store import ArrayRef
 from dsched.dataplane.pinned import copy_to_host
 
-__all__ = ["OutputLayout", "ChunkResultError", "OutputSlot", "ZarrTarget", "check_out_path"]
+__all__ = ["OutputLayout", "ChunkResultError", "OutputSlot", "ZarrTarget", "check_out_path", "BY_VALUE", "Leftover",
+           "travels_by_value"]
+
+#: dtype kinds that travel by value: Python objects, and strings (their width may differ per chunk)
+BY_VALUE_KINDS = "OUS"
 
 
 class ChunkResultError(DispatchError):
@@ -53,6 +63,22 @@ class _Leaf:
 
     def __reduce__(self):  # positional: every chunk's task carries the layout
         return _Leaf, (self.path, self.item_shape, self.dtype, self.template)
+
+    @property
+    def by_value(self) -> bool:
+        """Whether this output travels back by value (it cannot live in shared memory)."""
+        return travels_by_value(self.dtype)
+
+
+def travels_by_value(dtype) -> bool:
+    """Whether arrays of ``dtype`` travel back by value: Python objects and strings.
+
+    Examples
+    --------
+    >>> travels_by_value(object), travels_by_value("<U3"), travels_by_value("float64")
+    (True, True, False)
+    """
+    return np.dtype(dtype).kind in BY_VALUE_KINDS
 
 
 def _host_leaf(leaf, axis):
@@ -126,7 +152,7 @@ class OutputLayout:
             _check_leaf(path, array, size, self.axis, where)
             shape = tuple(array.shape)
             item = shape[:self.axis] + shape[self.axis + 1:]
-            if item != leaf.item_shape or np.dtype(array.dtype).str != leaf.dtype:
+            if item != leaf.item_shape or not _same_dtype(array.dtype, leaf):
                 raise ChunkResultError(
                     f"{where} returned {_path_name(path)} with items of shape {item} and dtype "
                     f"{np.dtype(array.dtype)}; expected {leaf.item_shape} and {np.dtype(leaf.dtype)} {self.origin}"
@@ -141,6 +167,14 @@ class OutputLayout:
         rebuilt = [array if leaf.template is None or not isinstance(array, np.ndarray)
                    else backends.from_host(array, leaf.template) for leaf, array in zip(self.leaves, arrays)]
         return _fill(self.skeleton, iter(rebuilt))
+
+
+def _same_dtype(dtype, leaf) -> bool:
+    """A chunk's dtype matches its output's: exactly, or of the same kind for strings (of any width)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "US" and leaf.by_value:
+        return dtype.kind == np.dtype(leaf.dtype).kind
+    return dtype.str == leaf.dtype
 
 
 def _check_leaf(path, leaf, size, axis, where):
@@ -198,6 +232,33 @@ def _index(axis, start, stop):
     return (slice(None),) * axis + (slice(start, stop),)
 
 
+class _ByValue:
+    """The target of an output that travels back by value: the chunk returns those rows (a :class:`Leftover`)."""
+
+    def __reduce__(self):
+        return _by_value, ()
+
+    def __repr__(self):
+        return "BY_VALUE"
+
+
+BY_VALUE = _ByValue()
+
+
+def _by_value():
+    return BY_VALUE
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """What a chunk returns when it wrote its result in place except for outputs that travel by value.
+
+    ``arrays`` maps the index of each such output (in leaf order) to the chunk's rows of it.
+    """
+
+    arrays: dict
+
+
 def write_rows(target, axis: int, start: int, stop: int, values, pinned=False):
     """Write ``values`` into items ``start:stop`` along ``axis`` of ``target`` (an ArrayRef, a ZarrTarget or an array).
 
@@ -244,9 +305,15 @@ class OutputSlot:
         return self.layout.build([t.rows(self.start, self.stop, writable=True) for t in self.targets])
 
     def write(self, result, device, pinned=False):
+        """Check ``result`` and write it in place; a :class:`Leftover` of the outputs that travel by value, or ``None``."""
         arrays = self.layout.check(result, self.stop - self.start, f"chunk {self.index} on {device}")
-        for target, array in zip(self.targets, arrays):
-            write_rows(target, self.layout.axis, self.start, self.stop, array, pinned)
+        leftover = {}
+        for i, (target, array) in enumerate(zip(self.targets, arrays)):
+            if target is BY_VALUE:
+                leftover[i] = _host(array)
+            else:
+                write_rows(target, self.layout.axis, self.start, self.stop, array, pinned)
+        return Leftover(leftover) if leftover else None
 
 
 def check_out_path(path, overwrite: bool, field: str = "out") -> str:

@@ -24,7 +24,8 @@ import os
 
 import numpy as np
 
-from dsched.dataplane.outputs import OutputLayout, OutputSlot, ZarrTarget, check_out_path, write_rows
+from dsched.dataplane.outputs import (BY_VALUE, Leftover, OutputLayout, OutputSlot, ZarrTarget, check_out_path,
+                                      write_rows)
 from dsched.dataplane.store import ArrayRef, RunStore, classify_workers, find_shared, resolve_work, share_generator
 
 __all__ = ["RunData", "check_out", "direct_to_workers", "zarr_chunk_items"]
@@ -103,6 +104,7 @@ class RunData:
         self.generator = share_generator(generator, self.store) if local else generator
         self.targets = None  # one write target per output array, once the layout is known
         self.outputs = None  # the client's view of the joined outputs
+        self.pieces = {}  # output index -> {offset: rows}, for outputs that travel back by value
         if self.layout is None and self.axis is not None and _out_arrays(out):
             # The user's out= arrays declare the layout: every chunk, the first ones included, writes in place.
             self.layout = layout = OutputLayout.of(out, self.total, self.axis, where="out", origin="as out= holds")
@@ -123,7 +125,7 @@ class RunData:
     def writes_in_place(self, device) -> bool:
         """Whether ``device``'s chunks write their rows where they run (for chunks of the scheduler's sizes)."""
         return self.axis is not None and self.targets is not None and device not in self.remote and all(
-            isinstance(t, (ZarrTarget, ArrayRef)) for t in self.targets)
+            isinstance(t, (ZarrTarget, ArrayRef)) or t is BY_VALUE for t in self.targets)
 
     def slot(self, device, start, stop, index):
         """The chunk's :class:`OutputSlot` when its worker can write in place; ``None`` to return the result."""
@@ -143,14 +145,26 @@ class RunData:
         if self.layout is None:
             self._allocate(OutputLayout.of(result, record.size, self.axis, where=where))
         arrays = self.layout.check(result, record.size, where)
-        for target, array in zip(self.targets, arrays):
-            write_rows(target, self.axis, record.offset, record.offset + record.size, array)
+        for i, (target, array) in enumerate(zip(self.targets, arrays)):
+            if target is BY_VALUE:
+                self.pieces.setdefault(i, {})[record.offset] = array
+            else:
+                write_rows(target, self.axis, record.offset, record.offset + record.size, array)
+
+    def accept_leftover(self, record, leftover):
+        """Keep the rows a chunk sent back by value (it wrote its other outputs in place)."""
+        if not isinstance(leftover, Leftover):
+            return
+        for i, array in leftover.arrays.items():
+            self.pieces.setdefault(i, {})[record.offset] = array
 
     def failed(self, record):
         """Mark a failed chunk's rows: NaN in floating outputs (integer outputs keep what was there)."""
         if self.targets is None:
             return
         for leaf, target in zip(self.layout.leaves, self.targets):
+            if target is BY_VALUE:
+                continue  # its missing rows are filled when the output is joined
             dtype = np.dtype(leaf.dtype)
             if np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.complexfloating):
                 shape = self.layout.shapes(record.size)[leaf.path]
@@ -160,7 +174,28 @@ class RunData:
         """The joined outputs, in the structure of a chunk's result."""
         if self.outputs is None:
             raise RuntimeError("no chunk result arrived, so the outputs were never allocated")
-        return self.layout.build(self.outputs)
+        outputs = list(self.outputs)
+        for i, target in enumerate(self.targets):
+            if target is BY_VALUE:
+                outputs[i] = self._join_pieces(i)
+        return self.layout.build(outputs)
+
+    def _join_pieces(self, i):
+        """Output ``i`` joined from the pieces chunks sent back; rows no chunk sent (a failed one) are empty."""
+        leaf = self.layout.leaves[i]
+        pieces = self.pieces.get(i, {})
+        shape = self.layout.shapes(self.total)[leaf.path]
+        if not pieces:
+            return np.empty(shape, dtype=leaf.dtype) if np.dtype(leaf.dtype).kind == "O" else np.zeros(shape, leaf.dtype)
+        ordered, position = [], 0
+        for offset in sorted(pieces):
+            if offset > position:
+                ordered.append(_empty_rows(pieces[offset], offset - position, self.axis))
+            ordered.append(pieces[offset])
+            position = offset + pieces[offset].shape[self.axis]
+        if position < self.total:
+            ordered.append(_empty_rows(ordered[-1], self.total - position, self.axis))
+        return np.concatenate(ordered, axis=self.axis)
 
     def close(self):
         """Release the run's shared memory (the returned outputs stay valid)."""
@@ -177,9 +212,11 @@ class RunData:
             self.outputs = _user_arrays(self.out, layout, shapes)
             self.targets = tuple(self._user_target(a) for a in self.outputs)
         else:
-            allocated = self.store.allocate_many([(shapes[leaf.path], leaf.dtype) for leaf in layout.leaves])
-            self.targets = tuple(ref for ref, _ in allocated)
-            self.outputs = [view for _, view in allocated]
+            shared = [leaf for leaf in layout.leaves if not leaf.by_value]
+            allocated = iter(self.store.allocate_many([(shapes[leaf.path], leaf.dtype) for leaf in shared]))
+            pairs = [(BY_VALUE, None) if leaf.by_value else next(allocated) for leaf in layout.leaves]
+            self.targets = tuple(target for target, _ in pairs)
+            self.outputs = [view for _, view in pairs]
 
     def _user_target(self, array):
         """Where workers write into one of the user's ``out`` arrays: a reference, or the array itself.
@@ -197,6 +234,13 @@ class RunData:
 
     def _create_zarr(self, layout, shapes):
         import zarr
+
+        by_value = [leaf for leaf in layout.leaves if leaf.by_value]
+        if by_value:
+            from dsched.dataplane.outputs import ChunkResultError, _path_name
+
+            raise ChunkResultError(f"out: {_path_name(by_value[0].path)} holds {np.dtype(by_value[0].dtype)} items, "
+                                   "which a Zarr store written by workers cannot hold; return numbers, or drop out=")
 
         group = zarr.open_group(store=os.fspath(self.out), mode="w")
         targets, arrays = [], []
@@ -218,6 +262,12 @@ class RunData:
 def _out_arrays(out) -> bool:
     """Whether ``out`` is the user's arrays (not a store path, not absent)."""
     return out is not None and not isinstance(out, (str, os.PathLike))
+
+
+def _empty_rows(like, n, axis):
+    """``n`` empty rows shaped like ``like``'s (None for objects, empty strings for strings)."""
+    shape = tuple(like.shape[:axis]) + (n,) + tuple(like.shape[axis + 1:])
+    return np.empty(shape, like.dtype) if like.dtype.kind == "O" else np.zeros(shape, like.dtype)
 
 
 def _fill_value(dtype):

@@ -289,6 +289,8 @@ class AsyncRun:
                 except Exception as err:  # the result does not fit its chunk
                     failed |= self._done(entry, err)
                     continue
+            elif self.join:
+                self.data.accept_leftover(record, value)  # outputs that travel by value, if any
             failed |= self._done(entry)
         return failed
 
@@ -362,6 +364,8 @@ class AsyncRun:
                     record.worker, record.start, record.stop = address, start, stop
                     if not self.join:
                         report.results[index] = result
+                    else:
+                        self.data.accept_leftover(record, result)  # outputs that travel by value, if any
         for future in distinct(self.futures):
             future.release()
 

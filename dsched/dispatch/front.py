@@ -11,11 +11,13 @@ with ``join="concat"`` does the rest.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import dask
 
 from dsched.dataplane.loaders import MappingLoader
+from dsched.dataplane.rundata import check_out
 from dsched.devices import backends
 from dsched.devices.threads import limit_this_thread
 from dsched.dispatch.dispatcher import WorkDispatcher
@@ -161,6 +163,8 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file
     layout = _ArgsLayout(args, keep_grad)
     if not layout.mapping:
         raise ValueError("args: dispatch needs at least one array (or dict of arrays) to split")
+    if _batch_is_empty(layout.mapping, axis):
+        return _empty_result(out, axis)
     loader = MappingLoader(layout.mapping, axis=axis)
     # Kept autograd needs the tensors themselves joined (torch.cat), not their values copied in place.
     join = dict(reduce=functools.partial(concat_reduce, axis=axis)) if keep_grad else dict(
@@ -176,3 +180,17 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file
     )
     with dispatcher:
         return dispatcher.run(loader)
+
+
+def _batch_is_empty(mapping, axis) -> bool:
+    """Whether every batched argument has 0 items along ``axis`` (nothing to dispatch)."""
+    sizes = [backends.batch_shape(v)[axis] for v in mapping.values() if len(backends.batch_shape(v)) > axis]
+    return bool(sizes) and max(sizes) == 0
+
+
+def _empty_result(out, axis):
+    """An empty batch: the ``out=`` arrays as given (they declare the outputs), else a one-line error."""
+    if out is not None and not isinstance(out, (str, os.PathLike)):
+        return check_out(out, 0, axis)
+    raise ValueError(f"args: the batch is empty (0 items along axis {axis}); with nothing to run, dispatch cannot "
+                     "know the outputs' shapes: pass out= arrays of 0 items to get them back")

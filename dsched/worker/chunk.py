@@ -113,9 +113,8 @@ def _compute(program, device, work, slot):
     with chunk_stream(device):
         out = slot.views() if slot is not None and program.takes_out and not gpu else None
         result = program.run(device, resolve_work(work, pinned=gpu), out)
-        if slot is not None:
-            slot.write(result, device, pinned=gpu)
-            return None
+        if slot is not None:  # written in place; only outputs that travel by value come back
+            return slot.write(result, device, pinned=gpu)
     return result
 
 

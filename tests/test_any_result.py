@@ -1,0 +1,85 @@
+"""Every result works: Python objects and strings travel back by value, the other outputs stay in place;
+empty batches return empty outputs or say the batch is empty."""
+
+import os
+
+import numpy as np
+import pytest
+
+import dsched
+from dsched.dataplane.store import SHM_DIR
+
+
+def labelled(x):
+    """A label object per point, and a number per point."""
+    labels = np.empty(len(x), dtype=object)
+    for i, v in enumerate(x):
+        labels[i] = ("big" if v > 10 else "small", int(v))
+    return {"label": labels, "twice": x * 2}
+
+
+def named(x):
+    """Strings whose width differs from chunk to chunk ('p9' then 'p10')."""
+    return np.array([f"p{int(v)}" for v in x]), x + 1
+
+
+def _expected_labels(x):
+    return [("big" if v > 10 else "small", int(v)) for v in x]
+
+
+@pytest.fixture(params=["sync", "in-process", "processes"])
+def run(request, hybrid_client, process_client):
+    client = {"sync": None, "in-process": hybrid_client, "processes": process_client}[request.param]
+    scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[3, 4])
+    mode = "sync" if client is None else "async"
+    return lambda fn, *args, **kw: dsched.dispatch(fn, *args, scheduler=scheduler, client=client, mode=mode, **kw)
+
+
+def test_object_outputs_travel_by_value_and_the_others_stay_numbers(run):
+    x = np.arange(23.0)
+    out = run(labelled, x)
+    assert out["label"].dtype == object
+    assert out["label"].tolist() == _expected_labels(x)
+    np.testing.assert_array_equal(out["twice"], x * 2)
+
+
+def test_string_outputs_of_varying_width_are_joined_at_the_widest(run):
+    x = np.arange(23.0)
+    names, plus_one = run(named, x)
+    assert names.dtype == np.dtype("<U3")
+    assert names.tolist() == [f"p{i}" for i in range(23)]
+    np.testing.assert_array_equal(plus_one, x + 1)
+
+
+def test_a_string_where_a_number_was_is_still_an_error_naming_the_chunk(run):
+    def changes_kind(x):
+        return np.array([f"p{int(v)}" for v in x]) if x[0] > 5 else x
+
+    with pytest.raises(dsched.ChunkResultError, match=r"dtype <U\d+; expected \(\) and float64"):
+        run(changes_kind, np.arange(23.0))
+
+
+def test_an_empty_batch_returns_the_out_arrays_it_was_given(run):
+    out = np.empty((0, 3))
+    assert run(np.sqrt, np.zeros((0, 3)), out=out) is out
+
+
+def test_an_empty_batch_without_out_is_a_one_line_error(run):
+    with pytest.raises(ValueError, match=r"^args: the batch is empty \(0 items along axis 0\)") as info:
+        run(np.sqrt, np.zeros((0, 3)))
+    assert "\n" not in str(info.value)
+
+
+def _segments():
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith("dsched-"))
+
+
+def test_thirty_calls_with_object_outputs_leave_no_segment(process_client):
+    scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[300, 400])
+    before = _segments()
+    x = np.arange(5000.0)
+    for _ in range(30):
+        out = dsched.dispatch(labelled, x, scheduler=scheduler, client=process_client)
+    assert out["label"][4999] == ("big", 4999)
+    del out
+    assert _segments() == before
