@@ -9,8 +9,8 @@ the same module object, so state and monkeypatching are shared.
 
 Examples
 --------
->>> import dsched.feed, dsched.worker.feed
->>> dsched.feed is dsched.worker.feed
+>>> import dsched.feed, dsched.dispatch.feeds
+>>> dsched.feed is dsched.dispatch.feeds
 True
 """
 
@@ -38,7 +38,7 @@ ALIASES = {
     "dsched.dashboard": "dsched.observe.dashboard",
     "dsched.dashboard_plots": "dsched.observe.dashboard.plots",
     "dsched.engine": "dsched.resident.engine",
-    "dsched.feed": "dsched.worker.feed",
+    "dsched.feed": "dsched.dispatch.feeds",
     "dsched.graph": "dsched.apps.jobfile",
     "dsched.job": "dsched.apps.job",
     "dsched.logs": "dsched.cluster.logs",
@@ -59,6 +59,13 @@ ALIASES = {
 }
 
 
+#: old paths whose import had an effect that command lines rely on: the module to import along with it
+IMPORTED_WITH = {
+    # ``dask scheduler --preload dsched.dashboard`` listed the dsched page by importing the module
+    "dsched.dashboard": "dsched.observe.dashboard.preload",
+}
+
+
 class _AliasLoader(importlib.abc.Loader):
     """Loads an old path as the module it names: ``sys.modules`` maps both names to one object."""
 
@@ -71,7 +78,10 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module):
         # The import system reads the module back from sys.modules after this call, so the
         # old name ends up bound to the real module (and set as an attribute of ``dsched``).
-        sys.modules[module.__spec__.name] = importlib.import_module(self.target)
+        name = module.__spec__.name
+        sys.modules[name] = importlib.import_module(self.target)
+        if name in IMPORTED_WITH:
+            importlib.import_module(IMPORTED_WITH[name])
 
     def get_code(self, fullname):
         """For ``python -m <old path>``: the code of the module it names, run as ``__main__``."""

@@ -115,8 +115,9 @@ def test_python_m_on_an_old_path_runs_the_module():
     assert "usage: python -m dsched.mpi" in result.stdout
 
 
-def test_importing_dsched_loads_no_optional_dependency():
-    code = ("import sys, dsched; heavy = [m for m in ('bokeh', 'torch', 'neml2', 'zarr', 'cupy', 'mpi4py', "
+@pytest.mark.parametrize("module", ["dsched", "dsched.observe.dashboard"])
+def test_importing_loads_no_optional_dependency(module):
+    code = (f"import sys, {module}; heavy = [m for m in ('bokeh', 'torch', 'neml2', 'zarr', 'cupy', 'mpi4py', "
             "'matplotlib') if m in sys.modules]; print(heavy)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -702,7 +702,8 @@ def test_run_table_has_a_row_per_device_and_host_and_a_host_summary():
 
 
 def test_items_per_second_series_keeps_every_item_and_the_formats():
-    from dsched.observe.dashboard.plugin import DashboardPlugin, _throughput_series, track_run
+    from dsched.observe.dashboard import DashboardPlugin, track_run
+    from dsched.observe.dashboard.plugin import _throughput_series
     from dsched.dashboard_plots import format_count, format_seconds
 
     chunks = [("cpu@a", "cpu", 10.0, 11.0, 100), ("cpu@a", "cpu", 11.0, 13.0, 100),

@@ -15,7 +15,8 @@ from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 import dsched
-from dsched.feed import _Inbox, _failure, is_feed_key
+from dsched.names import is_feed_key
+from dsched.worker.feed import _Inbox, _failure
 
 
 class KeysSeen(SchedulerPlugin):
@@ -270,7 +271,7 @@ def test_no_feed_is_parked_with_linger_zero(client):
 
 
 def _close_inboxes(prefix, dask_worker=None):
-    from dsched import feed
+    from dsched.worker import feed
 
     closed = [name for name, inbox in list(feed._inboxes.items()) if name.startswith(prefix) and not inbox.closed]
     for name in closed:
@@ -322,7 +323,7 @@ def test_a_closed_inbox_lets_go_of_its_program():
 def test_parked_feeds_of_another_thread_are_kept_apart_and_swept_once_ended(client):
     import threading
 
-    from dsched.feed import _parked
+    from dsched.dispatch.feeds import _parked
 
     x = np.arange(300.0)
     with dask.config.set({"dsched.feed-linger": 0.6}):

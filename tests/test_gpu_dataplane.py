@@ -12,7 +12,8 @@ pytestmark = pytest.mark.gpu
 
 
 def test_pinned_segment_is_registered_once_and_sliced_without_copy():
-    from dsched.store import RunStore, _pinned, pinned_segment
+    from dsched.dataplane.segments import _pinned
+    from dsched.store import RunStore, pinned_segment
 
     with RunStore(shared=True) as store:
         ref = store.share(np.arange(4096.0).reshape(1024, 4))

@@ -1,36 +1,13 @@
 """The dask.array path: a batch as a Dask array chunked by a scheduler's plan.
 
-``plan(n, scheduler)`` decides, ahead of time, the chunks a dispatcher would
-send: their devices and sizes along axis 0; ``plan_blocks(sizes, scheduler)``
-gives the devices of blocks already cut. ``as_batched`` chunks an array by
-the plan, and ``map_blocks`` is ``dask.array.map_blocks`` with each block on
-the device planned for it (:mod:`dsched.placement` pins the blocks), a lazy
-Dask array that composes (and fuses) with the rest of a graph.
-
-The plan replays the scheduler's greedy policy in simulated time: a device
-takes a chunk when it has room (``load + batch_size <= capacity``), the
-highest priority first, the first listed on ties; a device works through its
-chunks one after another at its estimated speed (items per second), and a
-completion frees its items. So every device keeps busy until the batch is
-planned and they all finish at about the same time. The speed estimate, in
-order of preference:
-
-1. ``speeds={device: items_per_s}`` passed by the caller;
-2. a measured profile, when ``dsched.tuning.profile_speeds(scheduler)``
-   exists and returns one for every device;
-3. the priorities: a device of priority 2 is taken to be twice as fast as
-   one of priority 1 (a priority <= 0 counts as the smallest positive one,
-   or 1 if there is none).
-
-For a single device (``SimpleScheduler``) the plan is uniform chunks of the
-batch size with a short last chunk. A plan holds at most ``MAX_PLAN_CHUNKS``
-chunks: a batch that needs more is refused at once (a ``ValueError``), not
-planned for minutes.
+``as_batched`` chunks an array by the plan (:mod:`dsched.blocks.planning`), and
+``map_blocks`` is ``dask.array.map_blocks`` with each block on the device
+planned for it (:mod:`dsched.placement` pins the blocks), a lazy Dask array
+that composes (and fuses) with the rest of a graph.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import numbers
@@ -39,168 +16,13 @@ from itertools import product
 
 import numpy as np
 
-from dsched.devices.device import device_entries, placement_device
+from dsched.blocks.planning import MAX_PLAN_CHUNKS, plan, plan_blocks
 from dsched.cluster.placement import PlannedBlock, run_block
+from dsched.devices import backends
 
-__all__ = ["plan", "plan_blocks", "as_batched", "map_blocks", "default_speeds"]
+__all__ = ["as_batched", "map_blocks"]
 
-logger = logging.getLogger(__name__)
-
-
-# --- the plan ------------------------------------------------------------------
-
-def default_speeds(scheduler) -> tuple[dict, str]:
-    """The speed estimate ``plan`` uses without ``speeds``, and where it came from.
-
-    Returns ``({Device: items_per_s}, source)`` with ``source`` ``"profile"``
-    or ``"priorities"``.
-    """
-    status = scheduler.status()
-    try:
-        from dsched.apps import tune as tuning
-
-        measured = tuning.profile_speeds(scheduler)
-    except (ImportError, AttributeError):
-        measured = None
-    if measured:
-        try:
-            speeds = _check_speeds(measured, status, field="profile_speeds")
-            return speeds, "profile"
-        except ValueError:
-            pass  # a profile that does not cover these devices: fall back to priorities
-    positive = [s.priority for s in status if s.priority > 0]
-    floor = min(positive) if positive else 1.0
-    return {s.device: (s.priority if s.priority > 0 else floor) for s in status}, "priorities"
-
-
-def _check_speeds(speeds, status, field="speeds") -> dict:
-    if not hasattr(speeds, "items"):
-        raise ValueError(f"{field}: expected a mapping {{device: items_per_s}}, got {speeds!r}")
-    devices = [s.device for s in status]
-    out = {}
-    for device, value in device_entries(speeds, devices, field, among="the scheduler's devices"):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{field}[{str(device)!r}]: expected a finite number of items per second > 0, got {value!r}")
-        out[device] = float(value)
-    missing = [str(d) for d in devices if d not in out]
-    if missing:
-        raise ValueError(f"{field}: no speed for {', '.join(missing)}")
-    return out
-
-
-def plan(n, scheduler, *, speeds=None) -> list:
-    """The chunks a batch of ``n`` items is cut into: a list of ``(Device, size)``.
-
-    A pure function of ``n``, the scheduler's configuration (its current load
-    is ignored and left alone) and the speed estimate (see the module
-    docstring). Sizes sum to ``n``; each is the batch size of its device,
-    except that the last chunk may be short.
-
-    Parameters
-    ----------
-    n : int
-        Items in the batch, at least 1.
-    scheduler : WorkScheduler
-        ``SimpleScheduler``, ``StaticHybridScheduler`` or any policy with ``status()``.
-    speeds : dict, optional
-        ``{device: items per second}`` for every device of the scheduler.
-
-    Examples
-    --------
-    >>> from dsched import SimpleScheduler, StaticHybridScheduler
-    >>> [(str(d), m) for d, m in plan(10, SimpleScheduler("cpu", 4))]
-    [('cpu', 4), ('cpu', 4), ('cpu', 2)]
-    >>> s = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[2, 4], priorities=[1, 2])
-    >>> [(str(d), m) for d, m in plan(12, s)]
-    [('cuda:0', 4), ('cpu', 2), ('cuda:0', 4), ('cpu', 2)]
-    """
-    if isinstance(n, bool) or not isinstance(n, (numbers.Integral,)) or int(n) < 1:
-        raise ValueError(f"n: expected an integer number of items >= 1, got {n!r}")
-    own_plan = getattr(scheduler, "plan", None)
-    if speeds is None and callable(own_plan):  # a policy that plans by its own model (PerformanceModelScheduler)
-        return own_plan(int(n))
-    status, speed = _policy(scheduler, speeds)
-    n = int(n)
-    fewest = -(-n // max(s.batch_size for s in status))  # chunks if every one were of the largest size
-    if fewest > MAX_PLAN_CHUNKS:
-        raise ValueError(
-            f"n: {n} items make at least {fewest} chunks of at most {max(s.batch_size for s in status)} items, "
-            f"more than a plan holds ({MAX_PLAN_CHUNKS}); raise the batch sizes"
-        )
-    return _simulate(status, speed, n=n)
-
-
-def plan_blocks(sizes, scheduler, *, speeds=None) -> list:
-    """The device of each block of a batch already cut into ``sizes`` (items per block, in order).
-
-    The same greedy policy in simulated time as :func:`plan`, with the blocks
-    given instead of cut: each block goes to the highest-priority device with
-    room, so faster devices take more blocks and all finish together. For
-    blocks of the plan's own sizes it gives the plan's devices.
-
-    Examples
-    --------
-    >>> from dsched import StaticHybridScheduler
-    >>> s = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[2, 4], priorities=[1, 2])
-    >>> [str(d) for d in plan_blocks([4, 2, 4, 2], s)]
-    ['cuda:0', 'cpu', 'cuda:0', 'cpu']
-    """
-    sizes = [int(m) for m in sizes]
-    if any(m < 0 for m in sizes):
-        raise ValueError(f"sizes: expected block sizes >= 0, got {sizes!r}")
-    if len(sizes) > MAX_PLAN_CHUNKS:
-        raise ValueError(f"sizes: {len(sizes)} blocks, more than a plan holds ({MAX_PLAN_CHUNKS})")
-    status, speed = _policy(scheduler, speeds)
-    return [device for device, _ in _simulate(status, speed, blocks=sizes)]
-
-
-# A plan is a list of chunks: past this many, building it (and a graph of as many
-# tasks) would take minutes, so plan() refuses up front rather than run for them.
-MAX_PLAN_CHUNKS = 1_000_000
-
-
-def _policy(scheduler, speeds):
-    if not hasattr(scheduler, "status"):
-        raise ValueError(f"scheduler: expected a WorkScheduler, got {scheduler!r}")
-    status = scheduler.status()
-    speed = _check_speeds(speeds, status) if speeds is not None else default_speeds(scheduler)[0]
-    return status, speed
-
-
-def _simulate(status, speed, *, n=None, blocks=None) -> list:
-    """Replay the greedy policy: ``n`` items cut by batch size, or the given ``blocks``."""
-    load = [0] * len(status)
-    free_at = [0.0] * len(status)  # when each device finishes the chunks it already holds
-    events = []  # (finish time, dispatch order, device position, size)
-    chunks = []
-    now = 0.0
-    remaining = n if blocks is None else len(blocks)
-    while remaining:
-        while remaining:
-            # schedule_work's rule: highest priority with room, first listed on ties.
-            best = None
-            for i, s in enumerate(status):
-                if load[i] + s.batch_size <= s.capacity and (best is None or s.priority > status[best].priority):
-                    best = i
-            if best is None:
-                break
-            if blocks is None:
-                m = min(status[best].batch_size, remaining)
-                remaining -= m
-            else:
-                m = blocks[len(chunks)]
-                remaining -= 1
-            if len(chunks) >= MAX_PLAN_CHUNKS:
-                raise ValueError(f"n: {n} items make more chunks than a plan holds ({MAX_PLAN_CHUNKS}); "
-                                 "raise the batch sizes")
-            load[best] += m
-            free_at[best] = max(now, free_at[best]) + m / speed[status[best].device]
-            heapq.heappush(events, (free_at[best], len(chunks), best, m))
-            chunks.append((placement_device(status[best].device), m))
-        if remaining:
-            now, _, i, m = heapq.heappop(events)
-            load[i] -= m
-    return chunks
+logger = logging.getLogger("dsched.array")  # the name users filter on since the first release
 
 
 # --- batched arrays --------------------------------------------------------------
@@ -345,10 +167,22 @@ def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True
     >>> y.chunks, float(y.sum().compute(scheduler="sync"))
     (((4, 4, 2),), 19.30600052603572)
     """
-    import dask.array as da
-    from dask.array.core import apply_and_enforce
-    from dask.array.core import map_blocks as dask_map_blocks  # the module's own, however `da` is patched
+    fn, to_device, to_host = _check_arguments(fn, backend, scheduler, to_device, to_host)
+    drop_axis, new_axis, out_ind = _axes(args, drop_axis, new_axis, chunks)
+    layout = _BatchLayout.of(args, scheduler, speeds, chunks, out_ind, rechunk)
+    args, chunks = layout.apply(args, chunks, out_ind)
+    first = _dask_array(fn, args, meta, out_ind, dict(name=name, token=token, dtype=dtype, chunks=chunks,
+                        drop_axis=drop_axis, new_axis=new_axis, enforce_ndim=enforce_ndim, **kwargs))
+    call = _block_call(fn, args, out_ind, enforce_ndim, to_device, to_host)
+    return _rebuild(first, fn, call, args, out_ind, drop_axis, layout, name, token, kwargs)
 
+
+def _check_arguments(fn, backend, scheduler, to_device, to_host):
+    """Check ``fn``, ``backend`` and ``scheduler``; ``fn``, ``to_device`` and ``to_host`` as the blocks use them.
+
+    With ``backend="torch"``, ``fn`` is wrapped in :class:`TorchBlocks`, which
+    moves the blocks itself (torch's own moves): no CuPy moves around it.
+    """
     if not callable(fn):
         raise TypeError(f"fn: expected a callable, got {fn!r}")
     if backend not in ("numpy", "torch"):
@@ -357,15 +191,26 @@ def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True
         fn, to_device, to_host = TorchBlocks(fn), False, False
     if not hasattr(scheduler, "status"):
         raise ValueError(f"scheduler: expected a WorkScheduler, got {scheduler!r}")
+    return fn, to_device, to_host
+
+
+def _axes(args, drop_axis, new_axis, chunks) -> tuple:
+    """``drop_axis`` and ``new_axis`` as lists (``new_axis`` may stay ``None``), and the output's index labels."""
     drop_axis = [drop_axis] if isinstance(drop_axis, numbers.Number) else list(drop_axis or [])
     new_axis = [new_axis] if isinstance(new_axis, numbers.Number) else (None if new_axis is None else list(new_axis))
-    out_ind = _output_indices(args, drop_axis, new_axis, chunks)
-    layout = _BatchLayout.of(args, scheduler, speeds, chunks, out_ind, rechunk)
-    args, chunks = layout.apply(args, chunks, out_ind)
-    # Dask builds the array once (meta, dtype, chunks and all its checks), then
-    # the layer is rebuilt with one more per-block argument: the block's plan.
-    options = dict(name=name, token=token, dtype=dtype, chunks=chunks, drop_axis=drop_axis, new_axis=new_axis,
-                   enforce_ndim=enforce_ndim, **kwargs)
+    return drop_axis, new_axis, _output_indices(args, drop_axis, new_axis, chunks)
+
+
+def _dask_array(fn, args, meta, out_ind, options):
+    """The array ``dask.array.map_blocks`` makes of the call (``options``: its keyword arguments).
+
+    Dask builds the array once (meta, dtype, chunks and all its checks), then
+    the layer is rebuilt with one more per-block argument: the block's plan
+    (:func:`_rebuild`).
+    """
+    import dask.array as da
+    from dask.array.core import map_blocks as dask_map_blocks  # the module's own, however `da` is patched
+
     first = dask_map_blocks(fn, *args, meta=meta, **options)
     if not isinstance(first, da.Array):
         # A pandas meta makes a DataFrame collection (map_blocks(pd.Series, x)); the same call
@@ -373,9 +218,16 @@ def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True
         probe = dask_map_blocks(fn, *args, meta=np.empty((0,) * len(out_ind), dtype=first.dtype), **options)
         probe._meta = first._meta
         first = probe
+    return first
+
+
+def _block_call(fn, args, out_ind, enforce_ndim, to_device, to_host):
+    """What every block runs: ``fn`` on the block's device (its output's dimensions checked with ``enforce_ndim``)."""
+    import dask.array as da
+    from dask.array.core import apply_and_enforce
+
     inner = partial(apply_and_enforce, _func=fn, expected_ndim=len(out_ind)) if enforce_ndim else fn
-    call = _BlockCall(inner, [i for i, a in enumerate(args) if isinstance(a, da.Array)], to_device, to_host)
-    return _rebuild(first, fn, call, args, out_ind, drop_axis, layout, name, token, kwargs)
+    return _BlockCall(inner, [i for i, a in enumerate(args) if isinstance(a, da.Array)], to_device, to_host)
 
 
 def funcname_of(fn) -> str:
@@ -580,8 +432,6 @@ class TorchBlocks:
         self.__name__ = funcname_of(fn)  # Dask names the output's keys after it
 
     def __call__(self, *args, **kwargs):
-        from dsched.devices import backends
-
         def to_torch(x):
             if isinstance(x, np.ndarray):
                 return backends.TorchBackend().from_host(np.ascontiguousarray(x), None).to(backends.torch_device())

@@ -6,8 +6,12 @@ import logging
 
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 
+from dsched.cluster.logs import apply_log_level, configured_log_level, spawn_config, worker_preload
+from dsched.cluster.placement import DeviceWorkerPlugin, PlacementPlugin
 from dsched.devices.device import EMULATED_RESOURCE, Device, check_capacities, device_resource, parse_devices
 from dsched.devices.cuda import visible_gpus
+from dsched.devices.threads import ThreadLimits, thread_share
+from dsched.checks import check_positive_int
 
 __all__ = ["LocalHybridCluster"]
 
@@ -92,29 +96,14 @@ class LocalHybridCluster(SpecCluster):
         **kwargs,
     ):
         present = [d.ordinal for d in visible_gpus()]
-        self.devices = parse_devices([Device("cpu")] + [Device(f"cuda:{i}") for i in present] if devices is None else devices)
-        if not self.devices:
-            raise ValueError("devices: at least one device is required, got none")
-        if len(set(self.devices)) != len(self.devices):
-            raise ValueError(f"devices: duplicate device in {[str(d) for d in self.devices]}")
-        if isinstance(threads_per_worker, bool) or not isinstance(threads_per_worker, int) or threads_per_worker < 1:
-            raise ValueError(f"threads_per_worker: expected an integer >= 1, got {threads_per_worker!r}")
+        self.devices = _checked_devices(devices, present)
+        check_positive_int(threads_per_worker, "threads_per_worker", integers=int, below=None)
         self.capacities = check_capacities(capacities, self.devices)
-        from dsched.cluster.logs import apply_log_level, configured_log_level
-
         silence_logs = configured_log_level() if silence_logs is None else silence_logs
         apply_log_level(silence_logs)
         self._log_level = silence_logs
         self._dashboard_host = _listen_host(dashboard_address)
-        self.emulated = {}
-        for device in self.devices:
-            missing = device.is_cuda and device.ordinal not in present
-            if missing and not emulate:
-                raise ValueError(
-                    f"devices: {device} is not present on this machine (visible GPUs: "
-                    f"{', '.join(f'cuda:{i}' for i in present) or 'none'}); pass emulate=True to emulate it"
-                )
-            self.emulated[device] = missing
+        self.emulated = _which_emulated(self.devices, present, emulate)
         if processes is None:
             processes = any(d.is_cuda and not self.emulated[d] for d in self.devices)
         if not processes and sum(d.is_cuda and not self.emulated[d] for d in self.devices) > 0:
@@ -123,29 +112,7 @@ class LocalHybridCluster(SpecCluster):
         if protocol is None:
             protocol = "tcp://" if processes else "inproc://"
         self.protocol = protocol
-        scheduler = {
-            "cls": Scheduler,
-            "options": {
-                "protocol": protocol,
-                "host": None if protocol.startswith("inproc") else host,
-                # Without a dashboard the scheduler still serves its HTTP routes (health,
-                # metrics), by default on every interface at 8787: keep it on loopback.
-                "dashboard_address": dashboard_address if dashboard_address is not None else _loopback_port0(host),
-                "dashboard": dashboard_address is not None,
-                **(scheduler_options or {}),
-            },
-        }
-        # Pin planned blocks (dsched.map_blocks) without the user calling dsched.register.
-        from dsched.cluster.placement import PlacementPlugin
-
-        scheduler["options"]["plugins"] = [*scheduler["options"].get("plugins", ()), PlacementPlugin()]
-        if dashboard_address is not None:
-            # The dsched page of the dashboard: listed before the scheduler builds its dashboard.
-            from dsched.observe.dashboard.plugin import DashboardPlugin, register_page
-
-            register_page()
-            options = scheduler["options"]
-            options["plugins"] = [*options.get("plugins", ()), DashboardPlugin()]
+        scheduler = _scheduler_spec(protocol, host, dashboard_address, scheduler_options)
         workers = {
             str(device): self._worker_spec(
                 device, threads_per_worker, processes, host, memory_limit, present, worker_options or {}
@@ -153,8 +120,6 @@ class LocalHybridCluster(SpecCluster):
             for device in self.devices
         }
         import dask
-
-        from dsched.cluster.logs import spawn_config
 
         with dask.config.set(spawn_config(silence_logs)):  # worker processes start at this log level
             super().__init__(
@@ -183,10 +148,6 @@ class LocalHybridCluster(SpecCluster):
             "dashboard_address": _loopback_port0(host),
             **extra,
         }
-        from dsched.cluster.placement import DeviceWorkerPlugin
-
-        from dsched.devices.threads import ThreadLimits, thread_share
-
         # torch and BLAS threads per worker: this host's cores over all workers' chunk threads.
         limits = ThreadLimits(thread_share(len(self.devices) * threads))
         options["plugins"] = set(options.get("plugins", ())) | {DeviceWorkerPlugin(), limits}
@@ -197,8 +158,6 @@ class LocalHybridCluster(SpecCluster):
             options.setdefault("plugins", set()).update(_cuda_worker_plugins(device.ordinal))
         else:
             options["env"] = {"CUDA_VISIBLE_DEVICES": ""}  # CPU and emulated workers must not grab a GPU
-        from dsched.cluster.logs import worker_preload
-
         return {"cls": Nanny, "options": worker_preload(options, self._log_level)}  # the process's own log level
 
     @property
@@ -228,6 +187,56 @@ def _listen_host(address):
         return None
     host = str(address).rpartition(":")[0].strip("[]")
     return None if host in ("", "0.0.0.0", "::") else host
+
+
+def _checked_devices(devices, present) -> list:
+    """The cluster's devices: ``devices`` parsed, or the CPU and every visible GPU (``present``: their ordinals)."""
+    devices = parse_devices([Device("cpu")] + [Device(f"cuda:{i}") for i in present] if devices is None else devices)
+    if not devices:
+        raise ValueError("devices: at least one device is required, got none")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"devices: duplicate device in {[str(d) for d in devices]}")
+    return devices
+
+
+def _which_emulated(devices, present, emulate) -> dict:
+    """``{device: whether it is emulated}``: a CUDA device not present is, given ``emulate``; else a ValueError."""
+    emulated = {}
+    for device in devices:
+        missing = device.is_cuda and device.ordinal not in present
+        if missing and not emulate:
+            raise ValueError(
+                f"devices: {device} is not present on this machine (visible GPUs: "
+                f"{', '.join(f'cuda:{i}' for i in present) or 'none'}); pass emulate=True to emulate it"
+            )
+        emulated[device] = missing
+    return emulated
+
+
+def _scheduler_spec(protocol, host, dashboard_address, scheduler_options) -> dict:
+    """The scheduler's spec: on loopback (or in-process), with dsched's plugins (the dashboard page's if it has one)."""
+    scheduler = {
+        "cls": Scheduler,
+        "options": {
+            "protocol": protocol,
+            "host": None if protocol.startswith("inproc") else host,
+            # Without a dashboard the scheduler still serves its HTTP routes (health,
+            # metrics), by default on every interface at 8787: keep it on loopback.
+            "dashboard_address": dashboard_address if dashboard_address is not None else _loopback_port0(host),
+            "dashboard": dashboard_address is not None,
+            **(scheduler_options or {}),
+        },
+    }
+    # Pin planned blocks (dsched.map_blocks) without the user calling dsched.register.
+    scheduler["options"]["plugins"] = [*scheduler["options"].get("plugins", ()), PlacementPlugin()]
+    if dashboard_address is not None:
+        # The dsched page of the dashboard: listed before the scheduler builds its dashboard.
+        from dsched.observe.dashboard import DashboardPlugin, register_page
+
+        register_page()
+        options = scheduler["options"]
+        options["plugins"] = [*options.get("plugins", ()), DashboardPlugin()]
+    return scheduler
 
 
 def _cuda_worker_plugins(ordinal: int) -> set:

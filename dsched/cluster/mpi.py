@@ -38,165 +38,19 @@ import json
 import os
 import sys
 import warnings
-from dataclasses import dataclass
 
-from dsched.devices.device import (EMULATED_RESOURCE, UNLIMITED_CAPACITY, Device, check_capacities, device_of_resources, device_resource, parse_devices)
-from dsched.devices.cuda import visible_gpus
+from dsched.cluster.logs import apply_log_level
+from dsched.cluster.mpi_layout import (WorkerPlacement, _check_devices, _default_devices, _is_loopback, _plan,
+                                       _worker_options, cluster_layout, format_layout)
+from dsched.devices.device import check_capacities
 from dsched.devices.ownership import cluster_info
-from dsched.schedulers.mpi import NodePlacement, check_ranks_fit, place_on_nodes
+from dsched.checks import check_positive_int
 
 __all__ = ["initialize", "serve", "main", "WorkerPlacement", "WorkersMissing", "cluster_layout", "format_layout",
            "use_tls"]
 
 SCHEDULER_RANK = 0
 CLIENT_RANK = 1  # in initialize(); serve() has no client rank
-
-
-@dataclass(frozen=True)
-class WorkerPlacement:
-    """One rank of the job: its host, rank and role, and for a worker its device."""
-
-    host: str
-    rank: int
-    role: str  # "scheduler", "client" or "worker"
-    device: str | None = None
-    capacity: int | None = None
-    emulated: bool = False
-    name: str | None = None
-
-
-# --- planning: which rank owns which device ----------------------------------
-
-def _check_devices(devices) -> list[Device]:
-    devices = parse_devices(devices)
-    if not devices:
-        raise ValueError("devices: at least one device is required, got none")
-    if len(set(devices)) != len(devices):
-        raise ValueError(f"devices: duplicate device in {[str(d) for d in devices]}")
-    cpus = [str(d) for d in devices if d.type == "cpu"]
-    if len(cpus) > 1:
-        raise ValueError(f"devices: more than one CPU ({', '.join(cpus)})")
-    return devices
-
-
-def _plan_rank(role, placement: NodePlacement, devices, capacities, emulate, multi_node) -> tuple[WorkerPlacement, str | None]:
-    """This rank's placement, and the reason it cannot start (or ``None``)."""
-    if role != "worker":
-        return WorkerPlacement(placement.host, placement.rank, role), None
-    device = devices[placement.local_rank]
-    emulated = False
-    if device.is_cuda:
-        present = [d.ordinal for d in visible_gpus()]
-        if device.ordinal not in present:
-            if not emulate:
-                shown = ", ".join(f"cuda:{i}" for i in present) or "none"
-                return WorkerPlacement(placement.host, placement.rank, role, str(device)), (
-                    f"devices: {device} is not present on host {placement.host!r} (rank {placement.rank}; "
-                    f"visible GPUs: {shown}); pass emulate=True (--emulate) to emulate it"
-                )
-            emulated = True
-    name = f"{device}@{placement.host}" if multi_node else str(device)
-    return WorkerPlacement(placement.host, placement.rank, role, str(device), capacities[device], emulated, name), None
-
-
-def _plan(comm, roles, devices, capacities, emulate, interface=None) -> tuple[list[WorkerPlacement], WorkerPlacement]:
-    """Collective: every rank's placement, the same on all ranks; raises the same error on all ranks."""
-    rank = comm.Get_rank()
-    role = roles(rank)
-    placement = place_on_nodes(comm, participate=role == "worker")
-    # Every rank sees every node, so all raise this together and none hangs in a collective.
-    check_ranks_fit(placement, devices, what="Dask worker ranks",
-                    hint="each worker rank owns one device, so start at most {n} worker ranks per node or list more devices")
-    worker_nodes = [host for host, ranks in placement.nodes.items() if ranks]
-    mine, problem = _plan_rank(role, placement, devices, capacities, emulate, len(worker_nodes) > 1)
-    if interface is not None and _is_loopback(interface):  # collective: every rank calls it, whatever its problem
-        across_hosts = _loopback_across_hosts(comm, interface)
-        problem = problem or across_hosts
-    everyone = comm.allgather((mine, problem))
-    problems = [p for _, p in everyone if p is not None]
-    if problems:
-        raise ValueError(problems[0])
-    return [p for p, _ in everyone], mine
-
-
-def _is_loopback(interface) -> bool:
-    from distributed.utils import get_ip_interface
-
-    try:
-        return get_ip_interface(interface).startswith("127.")
-    except ValueError:
-        return False  # Dask names the unknown interface itself when it binds
-
-
-def _loopback_across_hosts(comm, interface) -> str | None:
-    """Collective: why loopback cannot work here (ranks on several real hosts), or ``None``.
-
-    Real host names, not ``$DSCHED_NODE_NAME``: fake nodes on one machine share loopback.
-    """
-    import socket
-
-    hosts = list(dict.fromkeys(comm.allgather(socket.gethostname())))
-    if len(hosts) < 2:
-        return None
-    return (f"--interface: {interface} is loopback, but the job's ranks run on {len(hosts)} hosts "
-            f"({', '.join(hosts)}), which cannot reach each other through it; pass the interface that connects "
-            "them (--interface eth0, ib0, ...)")
-
-
-def _worker_options(mine: WorkerPlacement, nthreads: int) -> dict:
-    resources = {device_resource(mine.device): mine.capacity}
-    if mine.emulated:
-        resources[EMULATED_RESOURCE] = 1
-    return {"name": mine.name, "resources": resources, "nthreads": nthreads}
-
-
-def format_layout(layout, devices=None) -> str:
-    """The cluster layout as a table: host, rank, role, device (and idle devices per node)."""
-    def capacity(p):
-        if p.capacity is None:
-            return ""
-        return "unlimited" if p.capacity >= UNLIMITED_CAPACITY else str(p.capacity)
-
-    # Worker names only add something when they are not just the device (several nodes).
-    named = any(p.name not in (None, p.device) for p in layout)
-    rows = [("host", "rank", "role", "device", "capacity", *(("worker",) if named else ()), "")]
-    for p in sorted(layout, key=lambda p: (p.rank, p.name or "")):
-        rank = str(p.rank) if p.rank >= 0 else "-"
-        name = ((p.name or "-"),) if named else ()
-        rows.append((p.host, rank, p.role, p.device or "-", capacity(p), *name, "(emulated)" if p.emulated else ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    if devices is not None:
-        for host in dict.fromkeys(p.host for p in layout if p.role == "worker"):
-            owned = {p.device for p in layout if p.role == "worker" and p.host == host}
-            idle = [str(d) for d in devices if str(d) not in owned]
-            if idle:
-                lines.append(f"idle on {host}: {', '.join(idle)} (no worker rank left for them)")
-    return "\n".join(lines)
-
-
-def cluster_layout(client) -> list[WorkerPlacement]:
-    """The device workers a client sees, as :class:`WorkerPlacement` records (any dsched cluster).
-
-    Examples
-    --------
-    >>> print(format_layout(cluster_layout(client)))  # doctest: +SKIP
-    host       rank  role    device  capacity
-    127.0.0.1  -     worker  cpu     unlimited
-    """
-    from distributed.comm.addressing import get_address_host
-
-    layout = []
-    for address, info in sorted(cluster_info(client)["workers"].items()):
-        device = device_of_resources(info.get("resources"))
-        if device is None:
-            continue
-        resources = info["resources"]
-        layout.append(WorkerPlacement(
-            get_address_host(address), -1, "worker", str(device),
-            int(resources[device_resource(device)]), EMULATED_RESOURCE in resources, str(info.get("name")),
-        ))
-    return layout
 
 
 def _comm(comm):
@@ -234,7 +88,7 @@ def _list_dashboard_page(dashboard: bool) -> None:
     if not dashboard:
         return
     try:
-        from dsched.observe.dashboard.plugin import register_page
+        from dsched.observe.dashboard import register_page
     except ImportError:  # no dsched.dashboard, or no Bokeh
         return
     register_page()
@@ -249,9 +103,9 @@ def install_plugins(client) -> list[str]:
     that fails to install is a RuntimeWarning, not a failed cluster:
     dispatching needs neither.
     """
-    for module_name in ("placement", "dashboard"):
+    for module_name, path in (("placement", "dsched.cluster.placement"), ("dashboard", "dsched.observe.dashboard")):
         try:
-            module = importlib.import_module(f"{__package__}.{module_name}")
+            module = importlib.import_module(path)
         except ImportError:
             continue
         if not hasattr(module, "register"):
@@ -339,6 +193,22 @@ def initialize(
     import dask_mpi
 
     comm = _comm(comm)
+    nthreads, layout, mine = _prepare_ranks(comm, devices, capacities, emulate, nthreads, interface, dashboard_address,
+                                            verbose, log_level)
+    is_client = dask_mpi.initialize(**_dask_mpi_options(comm, mine, nthreads, interface, dashboard_address,
+                                                        memory_limit, local_directory, worker_class, exit))
+    if is_client:
+        _join_as_client(comm, layout, interface, dashboard_address, verbose)
+    return is_client
+
+
+def _prepare_ranks(comm, devices, capacities, emulate, nthreads, interface, dashboard_address, verbose, log_level):
+    """Collective, for :func:`initialize`: the checked ``nthreads``, every rank's placement, and this rank's.
+
+    Checks the arguments (the same error on every rank), plans which rank
+    owns which device, prints the layout on rank 0 and lists the dashboard
+    page on the scheduler rank (before dask-mpi starts the scheduler).
+    """
     nthreads = _check_nthreads(nthreads)
     _set_log_level(log_level)
     size = comm.Get_size()
@@ -355,11 +225,17 @@ def initialize(
     layout, mine = _plan(comm, roles, devices, capacities, emulate, interface)
     if verbose and comm.Get_rank() == SCHEDULER_RANK:
         print(f"dsched.mpi cluster (dask-mpi, interface {interface}):\n{format_layout(layout, devices)}", flush=True)
-    options = _worker_options(mine, nthreads) if mine.role == "worker" else {}
-    options.pop("nthreads", None)
     if mine.role == "scheduler":
         _list_dashboard_page(dashboard_address is not None)
-    is_client = dask_mpi.initialize(
+    return nthreads, layout, mine
+
+
+def _dask_mpi_options(comm, mine, nthreads, interface, dashboard_address, memory_limit, local_directory,
+                      worker_class, exit) -> dict:
+    """The arguments of ``dask_mpi.initialize`` for this rank (a worker rank's resources and name included)."""
+    options = _worker_options(mine, nthreads) if mine.role == "worker" else {}
+    options.pop("nthreads", None)
+    return dict(
         interface=interface,
         nthreads=nthreads,
         local_directory=local_directory,
@@ -372,22 +248,27 @@ def initialize(
         exit=exit,
         protocol=_protocol(),
     )
-    if is_client:
-        import dask
 
-        address = dask.config.get("scheduler_address")
-        try:
-            plugins = _prepare_cluster(address, sum(p.role == "worker" for p in layout), layout=layout,
-                                       interface=interface)
-        except WorkersMissing as err:
-            # The scheduler and worker ranks would wait forever: say why, and end the whole job.
-            print(f"dsched.mpi: error: {err}", file=sys.stderr, flush=True)
-            comm.Abort(2)
-        if verbose:
-            print(f"dsched.mpi cluster ready at {address} (plugins: {', '.join(plugins) or 'none'})", flush=True)
-            if dashboard_address is not None:
-                _print_page_link(address)
-    return is_client
+
+def _join_as_client(comm, layout, interface, dashboard_address, verbose) -> None:
+    """On the client rank of :func:`initialize`: wait for every worker rank and install the plugins.
+
+    Worker ranks missing after the timeout end the whole job (``comm.Abort``).
+    """
+    import dask
+
+    address = dask.config.get("scheduler_address")
+    try:
+        plugins = _prepare_cluster(address, sum(p.role == "worker" for p in layout), layout=layout,
+                                   interface=interface)
+    except WorkersMissing as err:
+        # The scheduler and worker ranks would wait forever: say why, and end the whole job.
+        print(f"dsched.mpi: error: {err}", file=sys.stderr, flush=True)
+        comm.Abort(2)
+    if verbose:
+        print(f"dsched.mpi cluster ready at {address} (plugins: {', '.join(plugins) or 'none'})", flush=True)
+        if dashboard_address is not None:
+            _print_page_link(address)
 
 
 class WorkersMissing(RuntimeError):
@@ -425,7 +306,7 @@ def _missing_workers_message(address, n_workers, joined, timeout, layout, interf
 def _print_page_link(address=None, scheduler=None):
     """Print the link to the dsched dashboard page (the scheduler's, or the one at ``address``)."""
     try:
-        from dsched.observe.dashboard.plugin import dashboard_link, scheduler_page_link
+        from dsched.observe.dashboard import dashboard_link, scheduler_page_link
     except ImportError:  # a checkout without dsched.dashboard
         return
     if scheduler is not None:
@@ -443,8 +324,6 @@ def _set_log_level(level):
     """Dask's logs on this rank at ``level``; above INFO without a failed task's "Compute Failed" (see dsched.logs)."""
     if level is None:
         return
-    from dsched.cluster.logs import apply_log_level
-
     apply_log_level(str(level))
 
 
@@ -483,13 +362,8 @@ def use_tls(ca_file, cert, key=None) -> dict:
 
 
 def _check_nthreads(nthreads) -> int:
-    if isinstance(nthreads, bool) or not isinstance(nthreads, int) or nthreads < 1:
-        raise ValueError(f"nthreads: expected an integer >= 1, got {nthreads!r}")
+    check_positive_int(nthreads, "nthreads", integers=int, below=None)
     return nthreads
-
-
-def _default_devices() -> list[Device]:
-    return [Device("cpu")] + visible_gpus()
 
 
 # --- serve(): a cluster with no client in it, joined through a scheduler file ---

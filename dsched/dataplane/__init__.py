@@ -4,6 +4,7 @@
 module              holds
 ==================  ==========================================================
 ``loaders``         work generators: cut a batch into chunks
+``segments``        shared-memory segments: made, mapped, page-locked, swept
 ``store``           shared memory: a batch placed once, chunks carry references
 ``outputs``         joined outputs written in place, row by row
 ``pinned``          page-locked host memory and a CUDA stream per chunk

@@ -28,21 +28,21 @@ or overwrite a run's segments.
 
 from __future__ import annotations
 
-import mmap
 import os
 import secrets
 import threading
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
-from dsched.names import SEGMENT_PREFIX
+from dsched.dataplane.loaders import ArrayLoader, MappingLoader, Ranges
+from dsched.dataplane.segments import (_PREFIX, SHM_DIR, _map_range, _populate, _Segment, _shared_location,
+                                       mapped_segment, pinned_segment, shared_copy, shared_empty,
+                                       sweep_stale_segments)
+# Re-exported: the chunk runner (dsched.worker.chunk) and older code import it from here.
+from dsched.devices import backends
 
 __all__ = ["ArrayRef", "RunStore", "classify_workers", "shared_empty", "shared_copy", "find_shared", "SHM_DIR"]
-
-SHM_DIR = "/dev/shm"
-_PREFIX = SEGMENT_PREFIX
 
 # Arrays of this process that in-process workers read directly, by token.
 _local_arrays: dict[str, np.ndarray] = {}
@@ -116,142 +116,6 @@ class ArrayRef:
         return self.whole()[(slice(None),) * axis + (slice(start, stop),)]
 
 
-_mapped: dict = {}  # (token, writable) -> mmap of a whole segment, kept for this process's later chunks
-_pinned: dict = {}  # (token, writable) -> (bytes view, pointer) of mappings this process page-locked for a GPU
-_mapped_lock = threading.Lock()
-_MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels refuse it and pages are faulted one by one
-
-
-def mapped_segment(token: str, writable: bool, own: bool = True) -> np.ndarray:
-    """This process's mapping of a whole segment, as bytes; made once per segment and process.
-
-    A mapping is kept rather than made per chunk: a page is faulted into this
-    process once, however many chunks (and calls) touch it, which is what lets
-    a worker reading a :func:`shared_empty` array call after call run as fast as
-    if the array were its own. The segment itself lives in this process's own
-    mapping when it made it (``own=False``: a mapping of its own even then).
-    Mappings of segments that have since been unlinked (runs that ended) are
-    dropped the next time a chunk maps a segment.
-    """
-    segment = _own_segments.get(token) if own else None
-    if segment is not None:
-        return np.frombuffer(segment, np.uint8)
-    with _mapped_lock:
-        buffer = _mapped.get((token, writable))
-        if buffer is None:
-            _forget_vanished_segments()
-            fd = os.open(os.path.join(SHM_DIR, token), os.O_RDWR if writable else os.O_RDONLY)
-            try:
-                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-                buffer = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=prot)
-            finally:
-                os.close(fd)
-            _mapped[(token, writable)] = buffer
-    return np.frombuffer(buffer, np.uint8)
-
-
-def pinned_segment(token: str, writable: bool) -> np.ndarray:
-    """This process's page-locked mapping of a whole segment, as bytes; registered once per segment.
-
-    Page-locked (``cudaHostRegister``) host memory is what lets a GPU copy a
-    chunk by DMA while it computes another. Registration is costly, so it is
-    done once per segment and process; segments that have since been unlinked
-    are unregistered when their mapping is dropped.
-    """
-    # A mapping of its own (never the segment's maker's), so that it is unregistered when it is dropped.
-    view = mapped_segment(token, writable, own=False)
-    with _mapped_lock:
-        if (token, writable) not in _pinned:
-            import cupy
-
-            # cudaHostRegisterPortable (1), plus cudaHostRegisterReadOnly (8) for inputs.
-            cupy.cuda.runtime.hostRegister(view.ctypes.data, view.nbytes, 1 if writable else 1 | 8)
-            _pinned[(token, writable)] = (view, view.ctypes.data)
-        return _pinned[(token, writable)][0]
-
-
-def _forget_vanished_segments():
-    """Drop (and unregister) this process's mappings of segments no longer in ``/dev/shm``: their runs ended."""
-    for key in [k for k in _mapped if not os.path.exists(os.path.join(SHM_DIR, k[0]))]:
-        buffer = _mapped.pop(key)
-        pinned = _pinned.pop(key, None)
-        if pinned is not None:
-            import cupy
-
-            cupy.cuda.runtime.hostUnregister(pinned[1])
-        try:
-            buffer.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes when it does
-            pass
-
-
-def forget_vanished_segments():
-    """Unmap this process's mappings of segments whose runs ended (called as a chunk starts)."""
-    if _mapped:
-        with _mapped_lock:
-            _forget_vanished_segments()
-
-
-def _populate(whole, first, length):
-    """Fault in the pages of rows about to be written with one call rather than a fault per page."""
-    page = mmap.PAGESIZE
-    start = first - first % page
-    stop = min(-(-(first + length) // page) * page, whole.nbytes)
-    buffer = whole.base if isinstance(whole.base, mmap.mmap) else None
-    if buffer is not None and stop > start:
-        try:
-            buffer.madvise(_MADV_POPULATE_WRITE, start, stop - start)
-        except (OSError, ValueError):
-            pass
-
-
-def _map_range(token: str, offset: int, length: int):
-    """A private copy-on-write mapping of ``length`` bytes of segment ``token`` from ``offset``, and the offset of
-    the data in it (torch inputs, whose tensors are writable)."""
-    fd = os.open(os.path.join(SHM_DIR, token), os.O_RDONLY)
-    try:
-        aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
-        buffer = mmap.mmap(fd, max(length + offset - aligned, 1), flags=mmap.MAP_PRIVATE,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=aligned)
-    finally:
-        os.close(fd)
-    return buffer, offset - aligned
-
-
-# Segments this process made, by token (weakly: a segment goes when its last view does).
-_own_segments: "weakref.WeakValueDictionary[str, mmap.mmap]" = weakref.WeakValueDictionary()
-
-
-class _Segment:
-    """One shared-memory file of this process: created exclusively, mapped, unlinked at close."""
-
-    def __init__(self, nbytes: int):
-        self.token = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
-        self.path = os.path.join(SHM_DIR, self.token)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            _track(self.token)
-            os.ftruncate(fd, max(nbytes, 1))
-            self.buffer = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
-            _own_segments[self.token] = self.buffer
-        except BaseException:
-            os.close(fd)
-            self.unlink()
-            raise
-        os.close(fd)
-
-    def unlink(self):
-        _unlink(self.token, self.path)
-
-
-def _unlink(token, path):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    _untrack(token)
-
-
 class Placement:
     """An array being placed in a store: its reference, and its rows copied as chunks are handed out.
 
@@ -270,20 +134,6 @@ class Placement:
     def copy_all(self):
         if self.view is not None:
             np.copyto(self.view, self.source)
-
-
-def _track(token):
-    # The resource tracker is a separate process that unlinks what this one leaves behind
-    # if it dies without unlinking (SIGKILL): the same mechanism shared_memory uses.
-    from multiprocessing import resource_tracker
-
-    resource_tracker.register("/" + token, "shared_memory")
-
-
-def _untrack(token):
-    from multiprocessing import resource_tracker
-
-    resource_tracker.unregister("/" + token, "shared_memory")
 
 
 class RunStore:
@@ -395,99 +245,17 @@ class RunStore:
                 _local_arrays.pop(token, None)
 
 
-def sweep_stale_segments() -> list:
-    """Unlink this user's segments whose creating process is gone; the names removed.
-
-    The resource tracker unlinks a killed client's segments, unless it was
-    killed too (a whole process group killed at once): then the next run on the
-    host removes them. Dask config ``dsched.sweep-stale-segments: false`` turns
-    this off (for containers that share ``/dev/shm`` but not process ids).
-    """
-    from dask import config
-
-    if not config.get("dsched.sweep-stale-segments", True):
-        return []
-    removed = []
-    for name in os.listdir(SHM_DIR):
-        pid = name[len(_PREFIX):].partition("-")[0]
-        if not name.startswith(_PREFIX) or not pid.isdigit():
-            continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
-            os.kill(int(pid), 0)
-        except ProcessLookupError:  # its creator is gone
-            try:
-                os.unlink(path)
-                removed.append(name)
-            except FileNotFoundError:
-                pass
-        except (PermissionError, FileNotFoundError):
-            pass
-    return removed
-
-
 # --- arrays that live in shared memory from the start ----------------------------
-
-_user_segments: dict = {}  # token -> (address, size) of this process's shared_empty arrays still alive
-_user_lock = threading.Lock()
-
-
-def shared_empty(shape, dtype=float) -> np.ndarray:
-    """A new NumPy array in shared memory, for inputs and outputs used again and again.
-
-    :func:`dsched.dispatch` passes it (or a contiguous slice of it) to worker
-    processes on this host by reference, with no copy; given as ``out=``, the
-    workers write their rows straight into it. Its pages stay mapped between
-    calls, so repeated calls pay no page faults. The segment is unlinked when
-    the array (and every view of it) is gone, or by the resource tracker if
-    the process dies.
-
-    Examples
-    --------
-    >>> strain = shared_empty((1000, 6))
-    >>> strain[:] = 0.0
-    """
-    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
-    dtype = np.dtype(dtype)
-    if dtype.hasobject:
-        raise ValueError(f"dtype: arrays of Python objects cannot be shared, got {dtype}")
-    count = int(np.prod(shape, dtype=np.int64))
-    segment = _Segment(count * dtype.itemsize)
-    array = np.frombuffer(segment.buffer, dtype, count=count).reshape(shape)
-    with _user_lock:
-        _user_segments[segment.token] = (array.__array_interface__["data"][0], max(count * dtype.itemsize, 1))
-    buffer, token, path = segment.buffer, segment.token, segment.path
-    del segment  # the finalizer must not hold what holds the mapping, or the mapping would never be collected
-    weakref.finalize(buffer, _release_user_segment, token, path)
-    return array
-
-
-def shared_copy(array) -> np.ndarray:
-    """``array`` copied into a new :func:`shared_empty` array."""
-    array = np.asarray(array)
-    shared = shared_empty(array.shape, array.dtype)
-    np.copyto(shared, array)
-    return shared
-
-
-def _release_user_segment(token, path):
-    with _user_lock:
-        _user_segments.pop(token, None)
-    _unlink(token, path)
-
 
 def find_shared(array):
     """An :class:`ArrayRef` to ``array`` where it lies, if it is C-contiguous memory of a :func:`shared_empty` array."""
     if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.dtype.hasobject:
         return None
-    start = array.__array_interface__["data"][0]
-    with _user_lock:
-        for token, (address, size) in _user_segments.items():
-            if address <= start and start + array.nbytes <= address + size:
-                return ArrayRef(token, tuple(array.shape), array.dtype.str, os.getpid(), True, start - address)
-    return None
+    found = _shared_location(array)
+    if found is None:
+        return None
+    token, offset = found
+    return ArrayRef(token, tuple(array.shape), array.dtype.str, os.getpid(), True, offset)
 
 
 # --- which workers can read what ---------------------------------------------
@@ -547,8 +315,6 @@ class SliceRef:
     def resolve(self, pinned=False):
         if self.template is None:
             return self.ref.take(self.axis, self.start, self.stop, pinned)
-        from dsched.devices import backends
-
         rows = self.ref.rows(self.start, self.stop, private=True) if self.axis == 0 and self.ref.shared else \
             np.array(self.ref.take(self.axis, self.start, self.stop))
         return backends.from_host(rows, self.template)
@@ -588,8 +354,6 @@ def _host_and_template(array, axis):
     """A NumPy view of a shareable array, and (for torch) the template its rows are rebuilt from."""
     if not _torch_cpu(array):
         return array, None
-    from dsched.devices import backends
-
     return backends.host_view(array), backends.template(array, axis)
 
 
@@ -599,8 +363,6 @@ def share_generator(generator, store: RunStore):
     Array and mapping loaders over NumPy arrays are shared; any other generator
     (slices, CuPy arrays, user generators) is returned unchanged.
     """
-    from dsched.dataplane.loaders import ArrayLoader, MappingLoader, Ranges
-
     if isinstance(generator, Ranges):  # a re-run of what a run left undone: share its source
         shared = share_generator(generator.source, store)
         return generator if shared is generator.source else Ranges(shared, generator.ranges)

@@ -25,7 +25,7 @@ from dsched.errors import ChunkTimeoutError
 from dsched.names import is_feed_key
 from dsched.observe.report import ChunkRecord
 from dsched.worker.chunk import InFlight, PackError
-from dsched.worker.feed import FeedOutcome, Feeds, FeedTicket
+from dsched.dispatch.feeds import FeedOutcome, Feeds, FeedTicket
 
 __all__ = ["AsyncRun", "TICK_SECONDS"]
 

@@ -206,32 +206,31 @@ def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tang
     """
     if xp is None:
         xp = get_array_module(strain, plastic_strain, alpha)
-    strain = xp.asarray(strain)
-    plastic_strain = xp.asarray(plastic_strain)
-    alpha = xp.asarray(alpha)
-    _check_inputs(strain, plastic_strain, alpha)
-    # Dtypes are NumPy dtypes for CuPy arrays too, so NumPy decides promotion.
-    dtype = numpy.result_type(strain.dtype, plastic_strain.dtype, alpha.dtype)
-    if not numpy.issubdtype(dtype, numpy.floating):
-        dtype = numpy.dtype(numpy.float64)
-    strain = strain.astype(dtype, copy=False)
-    plastic_strain = plastic_strain.astype(dtype, copy=False)
-    alpha = alpha.astype(dtype, copy=False)
+    strain, plastic_strain, alpha, dtype = _promoted(xp, strain, plastic_strain, alpha)
+    # Results computed straight into out= where that cannot overwrite an input still to be read: the
+    # stress from the elastic strain on, the state by its final additions (each reads only the same
+    # element of its own input, so out may be that input: an update in place).
+    into = {} if out is None else _direct_outs(xp, out, strain, plastic_strain, alpha, dtype, tangent)
+    result, plastic, q_trial, increment, normal = _radial_return(xp, strain, plastic_strain, alpha, params, dtype,
+                                                                 into)
+    if tangent:
+        result["tangent"] = _consistent_tangent(xp, params, dtype, plastic, q_trial, increment, normal,
+                                                out=into.get("tangent"))
+    if out is not None:  # what could not be computed in place is copied in
+        for name in result:
+            if result[name] is not out[name]:
+                xp.copyto(out[name], result[name])
+                result[name] = out[name]
+    return result
 
+
+def _radial_return(xp, strain, plastic_strain, alpha, params, dtype, into):
+    """The stress and the new state; also what the tangent needs (yielding points, trial q, increment, normal)."""
     bulk = params.bulk_modulus
     shear = params.shear_modulus
     hardening = float(params.hardening_modulus)
     two_g = 2.0 * shear
     three_g = 3.0 * shear
-
-    # Results computed straight into out= where that cannot overwrite an input still to be read: the
-    # stress from the elastic strain on, the state by its final additions (each reads only the same
-    # element of its own input, so out may be that input: an update in place).
-    into = {} if out is None else {
-        "stress": _direct_out(xp, out["stress"], strain.shape, dtype, strain, plastic_strain, alpha),
-        "plastic_strain": _direct_out(xp, out["plastic_strain"], strain.shape, dtype, strain, alpha),
-        "alpha": _direct_out(xp, out["alpha"], alpha.shape, dtype, strain, plastic_strain),
-        "tangent": _direct_out(xp, out["tangent"], strain.shape[:1] + (6, 6), dtype) if tangent else None}
 
     # sigma_tr = C (eps - eps_p) without forming C: K tr(e) 1 + 2G dev(e).
     elastic_strain = xp.subtract(strain, plastic_strain, out=into.get("stress"))
@@ -263,21 +262,44 @@ def j2_update(strain, plastic_strain, alpha, params=_DEFAULT_PARAMETERS, *, tang
     stress[:, :3] += (bulk * volumetric)[:, None]
     result = {"stress": stress, "plastic_strain": new_plastic_strain,
               "alpha": xp.add(alpha, increment, out=into.get("alpha"))}
-    del step, safe_norm, f_trial, norm_s, volumetric
-    if tangent:
-        safe_q = xp.where(plastic, q_trial, 1.0).astype(dtype, copy=False)
-        theta = 1.0 - three_g * increment / safe_q
-        theta_bar = three_g / (three_g + hardening) - (1.0 - theta)
-        result["tangent"] = _assemble_tangent(
-            xp, bulk, (two_g * theta).astype(dtype, copy=False), (-two_g * theta_bar)[:, None] * normal, normal,
-            out=into.get("tangent"),
-        )
-    if out is not None:  # what could not be computed in place is copied in
-        for name in result:
-            if result[name] is not out[name]:
-                xp.copyto(out[name], result[name])
-                result[name] = out[name]
-    return result
+    return result, plastic, q_trial, increment, normal
+
+
+def _consistent_tangent(xp, params, dtype, plastic, q_trial, increment, normal, out=None):
+    """The algorithmic tangent d stress / d strain (Mandel), assembled in ``out`` where given."""
+    three_g = 3.0 * params.shear_modulus
+    two_g = 2.0 * params.shear_modulus
+    hardening = float(params.hardening_modulus)
+    safe_q = xp.where(plastic, q_trial, 1.0).astype(dtype, copy=False)
+    theta = 1.0 - three_g * increment / safe_q
+    theta_bar = three_g / (three_g + hardening) - (1.0 - theta)
+    return _assemble_tangent(
+        xp, params.bulk_modulus, (two_g * theta).astype(dtype, copy=False), (-two_g * theta_bar)[:, None] * normal,
+        normal, out=out,
+    )
+
+
+def _promoted(xp, strain, plastic_strain, alpha):
+    """The inputs as arrays of ``xp``, checked and cast to their common floating dtype, and that dtype."""
+    strain = xp.asarray(strain)
+    plastic_strain = xp.asarray(plastic_strain)
+    alpha = xp.asarray(alpha)
+    _check_inputs(strain, plastic_strain, alpha)
+    # Dtypes are NumPy dtypes for CuPy arrays too, so NumPy decides promotion.
+    dtype = numpy.result_type(strain.dtype, plastic_strain.dtype, alpha.dtype)
+    if not numpy.issubdtype(dtype, numpy.floating):
+        dtype = numpy.dtype(numpy.float64)
+    return (strain.astype(dtype, copy=False), plastic_strain.astype(dtype, copy=False),
+            alpha.astype(dtype, copy=False), dtype)
+
+
+def _direct_outs(xp, out, strain, plastic_strain, alpha, dtype, tangent):
+    """Per result, the ``out`` array it may be computed straight into (``None``: computed apart, copied in)."""
+    return {
+        "stress": _direct_out(xp, out["stress"], strain.shape, dtype, strain, plastic_strain, alpha),
+        "plastic_strain": _direct_out(xp, out["plastic_strain"], strain.shape, dtype, strain, alpha),
+        "alpha": _direct_out(xp, out["alpha"], alpha.shape, dtype, strain, plastic_strain),
+        "tangent": _direct_out(xp, out["tangent"], strain.shape[:1] + (6, 6), dtype) if tangent else None}
 
 
 def _direct_out(xp, target, shape, dtype, *inputs):

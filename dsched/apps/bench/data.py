@@ -44,6 +44,12 @@ import tempfile
 import time
 
 import numpy as np
+from distributed import Client
+
+import dsched
+from dsched.apps.job import run_graph
+from dsched.apps.jobfile import AUTO_BATCH_SIZE, load_graph
+from dsched.models import j2_chunk, j2_update, loading_strain
 
 __all__ = ["run_data_benchmarks", "format_data_table", "j2_inputs"]
 
@@ -53,14 +59,10 @@ BYTES_IN, BYTES_OUT = 13 * 8, (6 + 6 + 1 + 36) * 8  # per point: strain, plastic
 
 def j2_inputs(n):
     """The batch every row computes: ``(strain, plastic_strain, alpha)`` for points ``0..n-1``."""
-    from dsched.models import loading_strain
-
     return loading_strain(np.arange(n)), np.zeros((n, 6)), np.zeros(n)
 
 
 def _j2(strain, plastic_strain, alpha, out=None):
-    from dsched.models import j2_update
-
     return j2_update(strain, plastic_strain, alpha, out=out)
 
 
@@ -78,8 +80,6 @@ def _thread_pool(inputs, chunk):
 
 
 def _job_thread_pool(n, chunk):
-    from dsched.models import j2_chunk
-
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         parts = list(pool.map(lambda s: j2_chunk(slice(s, min(s + chunk, n))), range(0, n, chunk)))
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -98,8 +98,6 @@ def _task_sizes(dask_scheduler=None):
 
 
 def _processes_dispatch(client, inputs, scheduler, sizes=None, out=None):
-    import dsched
-
     def record(_):
         if sizes is not None:
             sizes.extend(client.run_on_scheduler(_task_sizes))
@@ -120,8 +118,6 @@ def _without_feeds(fn):
 
 def _shared_outputs(points):
     """``out=`` arrays for J2's results in shared memory (stress, plastic strain, alpha, tangent)."""
-    import dsched
-
     return {"stress": dsched.shared_empty((points, 6)), "plastic_strain": dsched.shared_empty((points, 6)),
             "alpha": dsched.shared_empty(points), "tangent": dsched.shared_empty((points, 6, 6))}
 
@@ -134,8 +130,6 @@ class _J2Chunk:
 
 
 def _hybrid_scheduler(chunk):
-    import dsched
-
     return dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=chunk, capacities=CAPACITY_CHUNKS * chunk)
 
 
@@ -193,56 +187,11 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
     ``output_points`` (default 20,000,000; 2,000,000 quick) that of ``dsched run --output``.
     Raises if dsched's results differ from NumPy's.
     """
-    import dsched
-    from distributed import Client
-
-    from dsched.apps.jobfile import AUTO_BATCH_SIZE
-    from dsched.apps.job import run_graph
-    from dsched.apps.jobfile import load_graph
-
     say = progress or (lambda line: None)
     points = points or (200_000 if quick else 1_000_000)
     repeats = repeats or (1 if quick else 3)
     chunk = AUTO_BATCH_SIZE["cpu"]
-    inputs = j2_inputs(points)
-    graph = load_graph(None)
-    graph.batch_size = points
-    times = {name: [] for name in ("numpy", "threads", "dispatch, processes", "dispatch, processes, shared",
-                                   "dispatch, processes, shared, tasks", "job numpy", "job threads",
-                                   "dsched run, in-process")}
-    sizes = []
-    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
-                                   dashboard_address=None) as procs, Client(procs) as procs_client, \
-            dsched.LocalHybridCluster(["cpu"], dashboard_address=None) as inproc, Client(inproc) as inproc_client:
-        from dsched.models import j2_chunk
-
-        _processes_dispatch(procs_client, j2_inputs(2 * chunk), _hybrid_scheduler(chunk))  # warm up
-        run_graph(graph, client=inproc_client, progress=False)
-        shared_inputs = tuple(dsched.shared_copy(a) for a in inputs)
-        shared_out = _shared_outputs(points)
-        _processes_dispatch(procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)  # pages faulted
-        rows = [
-            ("numpy", lambda: _j2(*inputs)),
-            ("threads", lambda: _thread_pool(inputs, chunk)),
-            ("dispatch, processes", lambda: _processes_dispatch(procs_client, inputs, _hybrid_scheduler(chunk))),
-            ("dispatch, processes, shared", lambda: _processes_dispatch(
-                procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)),
-            ("dispatch, processes, shared, tasks", lambda: _without_feeds(_processes_dispatch)(
-                procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)),
-            ("job numpy", lambda: j2_chunk(slice(0, points))),
-            ("job threads", lambda: _job_thread_pool(points, chunk)),
-            ("dsched run, in-process", lambda: run_graph(graph, client=inproc_client, progress=False)),
-        ]
-        for _ in range(repeats):
-            for name, fn in rows:
-                seconds, _ = _timed(fn)
-                times[name].append(seconds)
-                say(f"data {name}: {points / seconds:,.0f} items/s")
-        checked = _processes_dispatch(procs_client, inputs, _hybrid_scheduler(chunk), sizes)
-        reference = _j2(*inputs)
-        for name, values in reference.items():
-            if not np.array_equal(checked[name], values) or not np.array_equal(shared_out[name], values):
-                raise AssertionError(f"dispatch's {name} differs from one NumPy call's")
+    times, sizes = _time_rows(points, repeats, chunk, say)
     rates = {name: points / statistics.median(t) for name, t in times.items()}
     say("data: measuring the client's peak RSS in a fresh process")
     rss = _measure_rss(points, chunk)
@@ -257,7 +206,69 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
         "output_run": output_run,
         "emulation": "the cuda:0 worker is emulated (NumPy on the CPU): two worker processes, no GPU",
     }
-    results["ratios"] = {
+    results["ratios"] = _ratios(rates)
+    results["targets"] = _targets(results, big)
+    return results
+
+
+def _time_rows(points, repeats, chunk, say) -> tuple:
+    """Every row timed ``repeats`` times, interleaved: ``({row: [seconds]}, bytes per chunk task)``.
+
+    The rows run on two clusters started once: two single-thread worker
+    processes (cpu and an emulated cuda:0), and an in-process one for the
+    job. Raises if the dispatch's results (new arrays, or the shared ``out=``
+    ones) differ from one NumPy call's.
+    """
+    inputs = j2_inputs(points)
+    graph = load_graph(None)
+    graph.batch_size = points
+    sizes = []
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                                   dashboard_address=None) as procs, Client(procs) as procs_client, \
+            dsched.LocalHybridCluster(["cpu"], dashboard_address=None) as inproc, Client(inproc) as inproc_client:
+        rows, shared_out = _warm_rows(procs_client, inproc_client, graph, inputs, points, chunk)
+        times = {name: [] for name, _ in rows}
+        for _ in range(repeats):
+            for name, fn in rows:
+                seconds, _ = _timed(fn)
+                times[name].append(seconds)
+                say(f"data {name}: {points / seconds:,.0f} items/s")
+        checked = _processes_dispatch(procs_client, inputs, _hybrid_scheduler(chunk), sizes)
+        reference = _j2(*inputs)
+        for name, values in reference.items():
+            if not np.array_equal(checked[name], values) or not np.array_equal(shared_out[name], values):
+                raise AssertionError(f"dispatch's {name} differs from one NumPy call's")
+    return times, sizes
+
+
+def _warm_rows(procs_client, inproc_client, graph, inputs, points, chunk) -> tuple:
+    """The timed rows ``[(name, run)]``, warmed up (imports, connections, shared pages faulted in once).
+
+    Also returns the shared ``out=`` arrays the shared rows write into.
+    """
+    _processes_dispatch(procs_client, j2_inputs(2 * chunk), _hybrid_scheduler(chunk))  # warm up
+    run_graph(graph, client=inproc_client, progress=False)
+    shared_inputs = tuple(dsched.shared_copy(a) for a in inputs)
+    shared_out = _shared_outputs(points)
+    _processes_dispatch(procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)  # pages faulted
+    rows = [
+        ("numpy", lambda: _j2(*inputs)),
+        ("threads", lambda: _thread_pool(inputs, chunk)),
+        ("dispatch, processes", lambda: _processes_dispatch(procs_client, inputs, _hybrid_scheduler(chunk))),
+        ("dispatch, processes, shared", lambda: _processes_dispatch(
+            procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)),
+        ("dispatch, processes, shared, tasks", lambda: _without_feeds(_processes_dispatch)(
+            procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)),
+        ("job numpy", lambda: j2_chunk(slice(0, points))),
+        ("job threads", lambda: _job_thread_pool(points, chunk)),
+        ("dsched run, in-process", lambda: run_graph(graph, client=inproc_client, progress=False)),
+    ]
+    return rows, shared_out
+
+
+def _ratios(rates) -> dict:
+    """The throughput ratios the targets are set on (from the rows' items/s)."""
+    return {
         "dispatch, processes / numpy": rates["dispatch, processes"] / rates["numpy"],
         "dispatch, processes, shared / numpy": rates["dispatch, processes, shared"] / rates["numpy"],
         "feeds / tasks (dispatch, processes, shared)":
@@ -265,16 +276,19 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
         "dsched run in-process / best of job numpy, job threads":
             rates["dsched run, in-process"] / max(rates["job numpy"], rates["job threads"]),
     }
-    results["targets"] = {
+
+
+def _targets(results, big) -> dict:
+    """The data plane's targets, met or not (``big``: the points of the ``dsched run --output`` row)."""
+    return {
         "dispatch on 2 worker processes >= 1.5 x numpy (inputs and outputs in shared memory)":
             results["ratios"]["dispatch, processes, shared / numpy"] >= 1.5,
         "in-process dsched run >= 0.95 x the better peer":
             results["ratios"]["dsched run in-process / best of job numpy, job threads"] >= 0.95,
         "bytes through the scheduler per chunk <= 1 KiB": (results["task_bytes_max"] or 0) <= 1024,
         "client peak RSS <= 1.3 x inputs + outputs": results["client_rss"]["ratio"] <= 1.3,
-        f"dsched run --output of {big:,} points under 1 GiB client RSS": output_run["peak_rss"] < 2**30,
+        f"dsched run --output of {big:,} points under 1 GiB client RSS": results["output_run"]["peak_rss"] < 2**30,
     }
-    return results
 
 
 def format_data_table(results) -> str:

@@ -54,6 +54,7 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -63,7 +64,16 @@ import statistics
 import threading
 import time
 
-from dsched.devices.device import Device
+from dsched.cluster.local import LocalHybridCluster
+from dsched.dataplane.loaders import SliceGenerator
+from dsched.devices.context import worker_device
+from dsched.devices.device import Device, device_of_resources, device_resource
+from dsched.devices.ownership import cluster_info, emulated_devices
+from dsched.dispatch.dispatcher import WorkDispatcher
+from dsched.dispatch.feeds import release_parked
+from dsched.schedulers import SimpleScheduler, StaticHybridScheduler
+from dsched.worker.chunk import ChunkProgram, run_chunk
+from dsched.checks import check_positive_int
 
 __all__ = ["EmulatedDevice", "DEFAULT_DEVICES", "emulated_chunk", "ideal_items_per_s", "run_benchmarks",
            "format_table"]
@@ -128,8 +138,6 @@ def emulated_chunk(n, device, speeds):
     """Emulate ``n`` items on ``device`` (``speeds``: ``{device: (t0, rate)}``): sleep while holding the device."""
     from distributed import get_worker
 
-    from dsched.devices.context import worker_device
-
     worker = get_worker()
     here = worker_device(worker)
     device = str(here if device is None else Device(device))
@@ -168,8 +176,6 @@ def ideal_items_per_s(devices, batch_sizes) -> float:
 # --- the three ways to spread a batch ------------------------------------------
 
 def _run_dsched(client, devices, total, batch_sizes, speeds):
-    from dsched.schedulers import StaticHybridScheduler
-
     scheduler = StaticHybridScheduler([d.device for d in devices], batch_sizes, [2 * b for b in batch_sizes],
                                       [d.rate for d in devices])
     return timed_dispatch(client, scheduler, _emulated_do_work(speeds), total)
@@ -177,9 +183,6 @@ def _run_dsched(client, devices, total, batch_sizes, speeds):
 
 def timed_dispatch(client, scheduler, do_work, total):
     """One async run of ``total`` items of ``do_work`` (counting its items): (wall seconds, {device: items})."""
-    from dsched.dispatch.dispatcher import WorkDispatcher
-    from dsched.dataplane.loaders import SliceGenerator
-
     dispatcher = WorkDispatcher(scheduler, do_work, reduce=sum, client=client)
     start = time.perf_counter()
     done = dispatcher.run(SliceGenerator(0, total))
@@ -192,9 +195,6 @@ def timed_dispatch(client, scheduler, do_work, total):
 
 
 def _device_workers(client):
-    from dsched.devices.device import device_of_resources
-    from dsched.devices.ownership import cluster_info
-
     return {str(device_of_resources(info["resources"])): address
             for address, info in cluster_info(client)["workers"].items()
             if device_of_resources(info.get("resources")) is not None}
@@ -262,10 +262,6 @@ def _run_threads(client, devices, total, batch_sizes, speeds):
 # --- overhead per chunk ---------------------------------------------------------
 
 def _sync_overhead(chunks):
-    from dsched.dispatch.dispatcher import WorkDispatcher
-    from dsched.schedulers import SimpleScheduler
-    from dsched.dataplane.loaders import SliceGenerator
-
     dispatcher = WorkDispatcher(SimpleScheduler("cpu", 1), _noop, mode="sync")
     start = time.perf_counter()
     dispatcher.run(SliceGenerator(0, chunks))
@@ -273,10 +269,6 @@ def _sync_overhead(chunks):
 
 
 def _async_overhead(client, devices, chunks, capacity):
-    from dsched.dispatch.dispatcher import WorkDispatcher
-    from dsched.schedulers import StaticHybridScheduler
-    from dsched.dataplane.loaders import SliceGenerator
-
     scheduler = StaticHybridScheduler([d.device for d in devices], 1, capacity)
     dispatcher = WorkDispatcher(scheduler, _noop, client=client)
     start = time.perf_counter()
@@ -308,9 +300,6 @@ def _chunk_task_overhead(client, devices, chunks):
     """
     import uuid
 
-    from dsched.worker.chunk import ChunkProgram, run_chunk
-    from dsched.devices.device import device_resource
-
     program = ChunkProgram(uuid.uuid4().hex, _noop)
     start = time.perf_counter()
     futures = []
@@ -332,8 +321,6 @@ def _settle(client, timeout=30.0):
     """Wait until the scheduler has forgotten the last run's tasks, so no timing pays for another's cleanup
     (the feeds a run parked for the next are let go first: the next row may not be dsched's)."""
     import gc
-
-    from dsched.worker.feed import release_parked
 
     release_parked(client)
     gc.collect()
@@ -360,12 +347,6 @@ def _check_devices(devices):
     if len({d.device for d in devices}) != len(devices):
         raise ValueError(f"devices: duplicate device in {[d.device for d in devices]}")
     return devices
-
-
-def _positive_int(value, field):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{field}: expected an integer >= 1, got {value!r}")
-    return value
 
 
 def run_benchmarks(json_path=None, quick=False, *, devices=DEFAULT_DEVICES, total=None, chunk_seconds=None,
@@ -396,132 +377,164 @@ def run_benchmarks(json_path=None, quick=False, *, devices=DEFAULT_DEVICES, tota
         Called with a line of text as each measurement finishes.
     """
     devices = _check_devices(devices)
-    total = _positive_int(total if total is not None else (1_000_000 if quick else 4_000_000), "total")
-    chunk_seconds = chunk_seconds if chunk_seconds is not None else (0.02 if quick else 0.05)
-    if isinstance(chunk_seconds, bool) or not isinstance(chunk_seconds, (int, float)) or not chunk_seconds > 0:
-        raise ValueError(f"chunk_seconds: expected a positive number of seconds, got {chunk_seconds!r}")
-    map_chunks = _positive_int(map_chunks, "map_chunks")
-    overhead_chunks = _positive_int(overhead_chunks if overhead_chunks is not None else (500 if quick else 2000),
-                                    "overhead_chunks")
-    repeats = _positive_int(repeats if repeats is not None else (2 if quick else 5), "repeats")
-    if json_path is not None:
-        parent = os.path.dirname(os.path.abspath(os.fspath(json_path)))
-        if not os.path.isdir(parent):
-            raise ValueError(f"json_path: the folder {parent} does not exist")
+    total, chunk_seconds, map_chunks, overhead_chunks, repeats = _check_sizes(
+        quick, total, chunk_seconds, map_chunks, overhead_chunks, repeats, json_path)
     say = progress or (lambda line: None)
-
-    import contextlib
-
-    from distributed import Client
-
-    from dsched.cluster.local import LocalHybridCluster
-    from dsched.devices.ownership import emulated_devices
-
     speeds = {d.device: (d.t0, d.rate) for d in devices}
     batch_sizes = [max(1, round(d.rate * chunk_seconds)) for d in devices]
     map_chunk = max(1, math.ceil(total / map_chunks))
     results = {
         "command": None,  # filled by the CLI
-        "config": {
-            "devices": [dataclasses.asdict(d) for d in devices],
-            "total_items": total,
-            "dsched_batch_sizes": dict(zip((d.device for d in devices), batch_sizes)),
-            "dsched_capacities": {d.device: 2 * b for d, b in zip(devices, batch_sizes)},
-            "client_map_chunk": map_chunk,
-            "overhead_chunks": overhead_chunks,
-            "repeats": repeats,
-            "quick": quick,
-            "processes": processes,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "emulation": "every device sleeps t0 + n/rate per chunk holding its lock: scheduling is measured, "
-                         "not any device",
-        },
+        "config": _config(devices, total, batch_sizes, map_chunk, overhead_chunks, repeats, quick, processes),
     }
     with contextlib.ExitStack() as stack:
-        if client is None:
-            cluster = stack.enter_context(LocalHybridCluster(
-                [d.device for d in devices], emulate=True, processes=processes, dashboard_address=None))
-            client = stack.enter_context(Client(cluster))
-        emulated = emulated_devices(client)
-        missing = [d.device for d in devices if str(Device(d.device)) not in emulated]
-        if missing:
-            raise ValueError(f"client: no worker owns {', '.join(missing)}")
-        results["config"]["emulated"] = {d.device: emulated.get(d.device, False) for d in devices}
+        client = _device_client(stack, client, devices, processes)
+        results["config"]["emulated"] = _check_emulated(client, devices)
         # Warm up: imports and connections before anything is timed.
         _run_dsched(client, devices, sum(batch_sizes), batch_sizes, {k: (0.0, 1e12) for k in speeds})
-
-        sum_rates = sum(d.rate for d in devices)
-        hybrid = {}
-        ways = [
-            ("dsched", "StaticHybridScheduler, batch ∝ speed, capacity 2 batches (async)",
-             lambda: _run_dsched(client, devices, total, batch_sizes, speeds), batch_sizes),
-            ("client.map", f"plain Dask, {map_chunks} uniform chunks, restricted to the device workers",
-             lambda: _run_client_map(client, devices, total, map_chunk, speeds), [map_chunk] * len(devices)),
-            ("threads", "thread per device, submit(...).result() per chunk (NEML2-like)",
-             lambda: _run_threads(client, devices, total, batch_sizes, speeds), batch_sizes),
-        ]
-        # Repeats interleave the ways (A B C A B C ...), so a busy moment of the machine hits all of them alike.
-        walls = {name: [] for name, *_ in ways}
-        splits = {name: [] for name, *_ in ways}
-        for _ in range(repeats):
-            for name, _description, run, _sizes in ways:
-                _settle(client)
-                wall, split = run()
-                walls[name].append(wall)
-                splits[name].append(split)
-        for name, description, _run, sizes in ways:
-            wall = statistics.median(walls[name])
-            ideal = ideal_items_per_s(devices, sizes)
-            achieved = total / wall
-            nearest = min(range(repeats), key=lambda i: abs(walls[name][i] - wall))
-            hybrid[name] = {
-                "description": description,
-                "wall_s": wall,
-                "wall_s_all": walls[name],
-                "items_per_s": achieved,
-                "ideal_items_per_s": ideal,
-                "efficiency": achieved / ideal,
-                "efficiency_vs_sum_of_rates": achieved / sum_rates,
-                "items_per_device": splits[name][nearest],
-            }
-            say(f"hybrid {name}: {achieved:,.0f} items/s, efficiency {achieved / ideal:.3f}")
-        results["hybrid"] = hybrid
-
-        overhead = {}
-        sync_chunks = max(overhead_chunks, 5000)
-        sync = [_sync_overhead(sync_chunks) for _ in range(repeats)]
-        overhead["sync"] = {"description": "dsched sync mode, no-op chunks, one device", "chunks": sync_chunks,
-                            "s_per_chunk": statistics.median(sync), "all": sync}
-        say(f"overhead sync: {statistics.median(sync) * 1e6:.1f} us/chunk")
-        share = math.ceil(overhead_chunks / len(devices))  # every device gets a third: as spread as the reference
-        variants = [
-            ("client.map + gather", "plain client.map of no-op tasks on the device workers, results gathered",
-             lambda: _client_map_overhead(client, devices, overhead_chunks, gather=True)),
-            ("client.map + wait", "the same, waiting for completion without fetching results",
-             lambda: _client_map_overhead(client, devices, overhead_chunks, gather=False)),
-            ("chunk tasks, no dispatcher", "dsched's chunk tasks (program, device, slice) by client.map + gather",
-             lambda: _chunk_task_overhead(client, devices, overhead_chunks)),
-            ("async, all in flight", f"dsched async, one-item no-op chunks, capacity {share} per device",
-             lambda: _async_overhead(client, devices, overhead_chunks, share)),
-            ("async, 2 chunks/device", "dsched async, one-item no-op chunks, capacity 2 per device",
-             lambda: _async_overhead(client, devices, overhead_chunks, 2)),
-        ]
-        values = {name: [] for name, *_ in variants}
-        for _ in range(repeats):
-            for name, _description, measure in variants:
-                _settle(client)
-                values[name].append(measure())
-        for name, description, _measure in variants:
-            overhead[name] = {"description": description, "s_per_chunk": statistics.median(values[name]),
-                              "chunks": overhead_chunks, "all": values[name]}
-            say(f"overhead {name}: {overhead[name]['s_per_chunk'] * 1e6:.0f} us/chunk")
-        results["overhead"] = overhead
+        results["hybrid"] = _hybrid_efficiency(client, devices, total, batch_sizes, map_chunks, map_chunk, speeds,
+                                               repeats, say)
+        results["overhead"] = _dispatch_overhead(client, devices, overhead_chunks, repeats, say)
 
     results["targets"] = _targets(results)
     if json_path is not None:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=2)
     return results
+
+
+def _check_sizes(quick, total, chunk_seconds, map_chunks, overhead_chunks, repeats, json_path) -> tuple:
+    """``(total, chunk_seconds, map_chunks, overhead_chunks, repeats)`` checked, the defaults of ``quick`` filled in.
+
+    Also checks that ``json_path``'s folder exists, so that a long run does
+    not end in a failed write.
+    """
+    def positive(value, field, default):
+        return check_positive_int(default if value is None else value, field, integers=int, below=None)
+
+    total = positive(total, "total", 1_000_000 if quick else 4_000_000)
+    chunk_seconds = chunk_seconds if chunk_seconds is not None else (0.02 if quick else 0.05)
+    if isinstance(chunk_seconds, bool) or not isinstance(chunk_seconds, (int, float)) or not chunk_seconds > 0:
+        raise ValueError(f"chunk_seconds: expected a positive number of seconds, got {chunk_seconds!r}")
+    map_chunks = positive(map_chunks, "map_chunks", None)
+    overhead_chunks = positive(overhead_chunks, "overhead_chunks", 500 if quick else 2000)
+    repeats = positive(repeats, "repeats", 2 if quick else 5)
+    if json_path is not None:
+        parent = os.path.dirname(os.path.abspath(os.fspath(json_path)))
+        if not os.path.isdir(parent):
+            raise ValueError(f"json_path: the folder {parent} does not exist")
+    return total, chunk_seconds, map_chunks, overhead_chunks, repeats
+
+
+def _config(devices, total, batch_sizes, map_chunk, overhead_chunks, repeats, quick, processes) -> dict:
+    """The run's configuration, as the results record it (the devices' emulation is added once they are found)."""
+    return {
+        "devices": [dataclasses.asdict(d) for d in devices],
+        "total_items": total,
+        "dsched_batch_sizes": dict(zip((d.device for d in devices), batch_sizes)),
+        "dsched_capacities": {d.device: 2 * b for d, b in zip(devices, batch_sizes)},
+        "client_map_chunk": map_chunk,
+        "overhead_chunks": overhead_chunks,
+        "repeats": repeats,
+        "quick": quick,
+        "processes": processes,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "emulation": "every device sleeps t0 + n/rate per chunk holding its lock: scheduling is measured, "
+                     "not any device",
+    }
+
+
+def _device_client(stack, client, devices, processes):
+    """``client``, or the client of a new :class:`LocalHybridCluster` of ``devices`` (emulated), closed by ``stack``."""
+    from distributed import Client
+
+    if client is None:
+        cluster = stack.enter_context(LocalHybridCluster(
+            [d.device for d in devices], emulate=True, processes=processes, dashboard_address=None))
+        client = stack.enter_context(Client(cluster))
+    return client
+
+
+def _check_emulated(client, devices) -> dict:
+    """``{device: whether its worker is emulated}``; a ValueError if no worker of ``client`` owns a device."""
+    emulated = emulated_devices(client)
+    missing = [d.device for d in devices if str(Device(d.device)) not in emulated]
+    if missing:
+        raise ValueError(f"client: no worker owns {', '.join(missing)}")
+    return {d.device: emulated.get(d.device, False) for d in devices}
+
+
+def _hybrid_efficiency(client, devices, total, batch_sizes, map_chunks, map_chunk, speeds, repeats, say) -> dict:
+    """The hybrid runs, three ways (dsched, ``client.map``, threads): each way's median wall and efficiency."""
+    sum_rates = sum(d.rate for d in devices)
+    hybrid = {}
+    ways = [
+        ("dsched", "StaticHybridScheduler, batch ∝ speed, capacity 2 batches (async)",
+         lambda: _run_dsched(client, devices, total, batch_sizes, speeds), batch_sizes),
+        ("client.map", f"plain Dask, {map_chunks} uniform chunks, restricted to the device workers",
+         lambda: _run_client_map(client, devices, total, map_chunk, speeds), [map_chunk] * len(devices)),
+        ("threads", "thread per device, submit(...).result() per chunk (NEML2-like)",
+         lambda: _run_threads(client, devices, total, batch_sizes, speeds), batch_sizes),
+    ]
+    # Repeats interleave the ways (A B C A B C ...), so a busy moment of the machine hits all of them alike.
+    walls = {name: [] for name, *_ in ways}
+    splits = {name: [] for name, *_ in ways}
+    for _ in range(repeats):
+        for name, _description, run, _sizes in ways:
+            _settle(client)
+            wall, split = run()
+            walls[name].append(wall)
+            splits[name].append(split)
+    for name, description, _run, sizes in ways:
+        wall = statistics.median(walls[name])
+        ideal = ideal_items_per_s(devices, sizes)
+        achieved = total / wall
+        nearest = min(range(repeats), key=lambda i: abs(walls[name][i] - wall))
+        hybrid[name] = {
+            "description": description,
+            "wall_s": wall,
+            "wall_s_all": walls[name],
+            "items_per_s": achieved,
+            "ideal_items_per_s": ideal,
+            "efficiency": achieved / ideal,
+            "efficiency_vs_sum_of_rates": achieved / sum_rates,
+            "items_per_device": splits[name][nearest],
+        }
+        say(f"hybrid {name}: {achieved:,.0f} items/s, efficiency {achieved / ideal:.3f}")
+    return hybrid
+
+
+def _dispatch_overhead(client, devices, overhead_chunks, repeats, say) -> dict:
+    """The overhead per chunk: dsched's sync and async modes against plain ``client.map``, the medians."""
+    overhead = {}
+    sync_chunks = max(overhead_chunks, 5000)
+    sync = [_sync_overhead(sync_chunks) for _ in range(repeats)]
+    overhead["sync"] = {"description": "dsched sync mode, no-op chunks, one device", "chunks": sync_chunks,
+                        "s_per_chunk": statistics.median(sync), "all": sync}
+    say(f"overhead sync: {statistics.median(sync) * 1e6:.1f} us/chunk")
+    share = math.ceil(overhead_chunks / len(devices))  # every device gets a third: as spread as the reference
+    variants = [
+        ("client.map + gather", "plain client.map of no-op tasks on the device workers, results gathered",
+         lambda: _client_map_overhead(client, devices, overhead_chunks, gather=True)),
+        ("client.map + wait", "the same, waiting for completion without fetching results",
+         lambda: _client_map_overhead(client, devices, overhead_chunks, gather=False)),
+        ("chunk tasks, no dispatcher", "dsched's chunk tasks (program, device, slice) by client.map + gather",
+         lambda: _chunk_task_overhead(client, devices, overhead_chunks)),
+        ("async, all in flight", f"dsched async, one-item no-op chunks, capacity {share} per device",
+         lambda: _async_overhead(client, devices, overhead_chunks, share)),
+        ("async, 2 chunks/device", "dsched async, one-item no-op chunks, capacity 2 per device",
+         lambda: _async_overhead(client, devices, overhead_chunks, 2)),
+    ]
+    values = {name: [] for name, *_ in variants}
+    for _ in range(repeats):
+        for name, _description, measure in variants:
+            _settle(client)
+            values[name].append(measure())
+    for name, description, _measure in variants:
+        overhead[name] = {"description": description, "s_per_chunk": statistics.median(values[name]),
+                          "chunks": overhead_chunks, "all": values[name]}
+        say(f"overhead {name}: {overhead[name]['s_per_chunk'] * 1e6:.0f} us/chunk")
+    return overhead
 
 
 def _targets(results) -> dict:

@@ -5,13 +5,21 @@ Every plot has one row (or line) per device and host, labelled
 (a worker that claims a CUDA device and computes with NumPy: placement
 tests, never a GPU measurement). Models carry names (``dsched-load``,
 ``dsched-timeline``, ...) so a browser test can read their data.
+
+:func:`register_page` lists the page and each plot alone in Dask's dashboard
+(its "More" menu): Dask builds the dashboard's pages when the scheduler
+starts, so it must run in the scheduler's process before then. Bokeh is
+imported only when a page is drawn or listed.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["dsched_doc", "plot_doc", "format_count", "format_seconds"]
+from dsched.observe.dashboard.plugin import install
+from dsched.observe.dashboard.routes import COLUMNS, PAGE_ROUTE, PLOT_ROUTES
+
+__all__ = ["dsched_doc", "plot_doc", "register_page", "format_count", "format_seconds"]
 
 UPDATE_MS = 500
 EMULATED_HATCH = "/"
@@ -240,8 +248,6 @@ class DschedPlots:
             })
 
     def _update_tables(self, snapshot):
-        from dsched.observe.dashboard.plugin import COLUMNS
-
         rows = snapshot["devices"]
         changed = {"devices": _set(self.sources["devices"], {f: [_cell(f, r[f]) for r in rows] for f, _ in COLUMNS})}
         hosts = snapshot["hosts"]
@@ -380,8 +386,6 @@ def dsched_doc(scheduler, extra, doc):
     from bokeh.layouts import column
     from bokeh.models import Div, TabPanel, Tabs
 
-    from dsched.observe.dashboard.plugin import install
-
     plots = DschedPlots(install(scheduler))
     tables = plots.build_tables()
     current = column(plots.run_select, plots.build_progress(), plots.build_load(), plots.build_throughput(), plots.build_timeline(),
@@ -402,8 +406,6 @@ def plot_doc(part: str):
         raise ValueError(f"part: expected one of {', '.join(builders)}, got {part!r}")
 
     def doc_function(scheduler, extra, doc):
-        from dsched.observe.dashboard.plugin import install
-
         plots = DschedPlots(install(scheduler))
         figure = getattr(plots, builders[part])()
         figure.sizing_mode = "stretch_both"
@@ -411,3 +413,12 @@ def plot_doc(part: str):
 
     doc_function.__name__ = f"dsched_{part}_doc"
     return doc_function
+
+
+def register_page() -> None:
+    """List the page and its plots in the dashboard; must run before the scheduler starts."""
+    from distributed.dashboard import scheduler as dashboard_scheduler
+
+    dashboard_scheduler.applications.setdefault(PAGE_ROUTE, dsched_doc)
+    for part, route in PLOT_ROUTES.items():
+        dashboard_scheduler.applications.setdefault(route, plot_doc(part))

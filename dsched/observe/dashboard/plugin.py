@@ -1,4 +1,4 @@
-"""The dsched page of the Dask dashboard: devices per host, live plots, and the runs.
+"""The scheduler side of the dsched page: a plugin that counts dsched's chunks per device and host, and per run.
 
 A scheduler plugin watches the chunks that request a device resource
 (``dsched-cpu``, ``dsched-cuda:0``, ...) and keeps one row per device and host
@@ -11,46 +11,19 @@ chunks into runs (one dispatcher run each, told apart by their task keys), so
 the page shows the current run, its progress, items/s and ETA, with earlier
 runs one tab away.
 
-Served at
----------
-- ``/individual-dsched``: the page (heading, progress, load against capacity,
-  items/s over time, a timeline of chunks per device, tables of devices,
-  hosts and runs), listed in the dashboard's "More" menu;
-- ``/individual-dsched-progress``, ``-load``, ``-throughput``, ``-timeline``:
-  each plot alone, for the "More" menu and JupyterLab's dask extension;
-- ``/dsched/status.json``: the same data as JSON; ``/dsched/status``: a plain
-  HTML table polling it, for schedulers started without the Bokeh pages.
-
-How to get it
--------------
-- :class:`~dsched.LocalHybridCluster` installs it whenever it has a dashboard.
-- Clusters started from the command line: ``dask scheduler --preload dsched.dashboard``
-  (or a preload module that imports this module and calls :func:`install`
-  from its ``dask_setup``).
-- dask-mpi: :mod:`dsched.mpi` does it; with plain ``dask_mpi.initialize()``,
-  import this module at the top of the script (so rank 0 lists the pages
-  before its scheduler starts) and call :func:`register` on the client rank.
-- A running scheduler: ``register(client)`` adds the JSON route and the plain
-  page; the Bokeh pages need this module imported (or :func:`register_page`
-  called) in the scheduler's process before the scheduler starts, which is
-  when Dask builds its dashboard.
-
-A run's total is not visible to the scheduler (a dispatcher sends chunks as
-room frees up), so its progress in percent and its ETA need the client to say
-it: ``with dsched.dashboard.track_run(client, total): ...`` (``dsched run``
-does). Without it the page shows the items done and the rate.
-
 Items per second and the busy fraction count chunks that finished within the
 last ``window`` seconds (10 by default): a chunk still running shows in the
 load, not yet in the speed.
+
+:func:`install` (from a scheduler's process, or a preload's ``dask_setup``) and
+:func:`register` (from a client) add the plugin; it serves its data at the
+routes of :mod:`dsched.observe.dashboard.routes`.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
-import json
 import math
 import re
 import threading
@@ -58,55 +31,17 @@ import time
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from dsched.worker.chunk import ITEMS_ANNOTATION  # a chunk task's item count, where it differs from its request
-from dsched.devices.device import (EMULATED_RESOURCE, RESOURCE_PREFIX, UNLIMITED_CAPACITY, Device, device_of_resources)
-from dsched.worker.feed import CHUNK_EVENT_TOPIC, DASHBOARD_PLUGIN, is_feed_key
+from dsched.devices.device import UNLIMITED_CAPACITY, Device, device_of_resources
+from dsched.names import (CHUNK_EVENT_TOPIC, DASHBOARD_PLUGIN, EMULATED_RESOURCE, ITEMS_ANNOTATION, RESOURCE_PREFIX,
+                          is_feed_key)
+from dsched.observe.dashboard.routes import add_routes
 from dsched.observe.report import worker_host
+from dsched.checks import check_positive_int
 
-__all__ = [
-    "DashboardPlugin",
-    "install",
-    "register",
-    "register_page",
-    "track_run",
-    "dashboard_link",
-    "scheduler_page_link",
-    "dask_setup",
-    "PLUGIN_NAME",
-    "JSON_ROUTE",
-    "PAGE_ROUTE",
-    "HTML_ROUTE",
-    "PLOT_ROUTES",
-    "ITEMS_ANNOTATION",
-    "COLUMNS",
-]
+
+__all__ = ["DashboardPlugin", "install", "register", "dask_setup", "PLUGIN_NAME"]
 
 PLUGIN_NAME = DASHBOARD_PLUGIN
-JSON_ROUTE = "/dsched/status.json"
-PAGE_ROUTE = "/individual-dsched"
-HTML_ROUTE = "/dsched/status"  # a plain page polling the JSON, for schedulers started without the Bokeh page
-# Each plot alone (Dask lists every /individual-* route in its "More" menu and in individual-plots.json).
-PLOT_ROUTES = {
-    "progress": PAGE_ROUTE + "-progress",
-    "load": PAGE_ROUTE + "-load",
-    "throughput": PAGE_ROUTE + "-throughput",
-    "timeline": PAGE_ROUTE + "-timeline",
-}
-
-# The device table's columns: (JSON field, title).
-COLUMNS = [
-    ("device", "device"),
-    ("host", "host"),
-    ("worker", "worker"),
-    ("load", "load (items)"),
-    ("capacity", "capacity (items)"),
-    ("chunks_in_flight", "chunks in flight"),
-    ("chunks_done", "chunks done"),
-    ("items_done", "items done"),
-    ("items_per_s", "items/s"),
-    ("busy_fraction", "busy fraction"),
-    ("emulated", "emulated"),
-]
 
 HISTORY = 50  # earlier runs kept
 RUN_CHUNKS = 5000  # chunks of a run kept for its timeline and items/s plot (the latest)
@@ -121,8 +56,6 @@ def _device_of_restrictions(restrictions):
         if name.startswith(RESOURCE_PREFIX) and name != EMULATED_RESOURCE:
             return Device(name[len(RESOURCE_PREFIX):]), amount
     return None
-
-
 
 
 def _items(ts, requested):
@@ -269,7 +202,7 @@ class DashboardPlugin(SchedulerPlugin):
 
     async def start(self, scheduler):
         self.scheduler = scheduler
-        add_routes(scheduler)
+        add_routes(scheduler, install)
 
     # --- events ---------------------------------------------------------------
 
@@ -350,8 +283,8 @@ class DashboardPlugin(SchedulerPlugin):
 
     def begin_run(self, client, name=None, total=None):
         """The next run of ``client`` (a client id) is called ``name`` and has ``total`` items."""
-        if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
-            raise ValueError(f"total: expected a positive number of items, got {total!r}")
+        if total is not None:
+            check_positive_int(total, "total", integers=int, expected="a positive number of items", below=None)
         with self._lock:
             self._announced[client] = (name, total, time.time())
 
@@ -507,148 +440,7 @@ def _throughput_series(chunks, origin, end, bins) -> dict:
     return {label: (times, [c / width for c in counts]) for label, counts in sorted(per_label.items())}
 
 
-# --- the client side: telling the page a run's total --------------------------
-
-def _begin_run(client_id, name, total, dask_scheduler=None):
-    plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
-    if plugin is None:
-        return False
-    plugin.begin_run(client_id, name, total)
-    return True
-
-
-def _end_run(client_id, dask_scheduler=None):
-    plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
-    if plugin is not None:
-        plugin.end_run(client_id)
-
-
-@contextlib.contextmanager
-def track_run(client, total: int, name: str | None = None):
-    """Tell the dsched page that the next run of ``client`` has ``total`` items, for its progress and ETA.
-
-    Wrap one dispatcher run (``dispatch()``, ``WorkDispatcher.run``, ``run_graph``).
-    Does nothing where the scheduler has no dsched dashboard plugin.
-
-    >>> with track_run(client, total=1_000_000, name="j2"):   # doctest: +SKIP
-    ...     dsched.dispatch(model, x, scheduler=scheduler, client=client)
-    """
-    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-        raise ValueError(f"total: expected a positive number of items, got {total!r}")
-    client.run_on_scheduler(_begin_run, client.id, name, total)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(Exception):  # a closed cluster has nothing left to tell
-            client.run_on_scheduler(_end_run, client.id)
-
-
-def scheduler_page_link(dask_scheduler=None) -> str | None:
-    """The address of the dsched page of a scheduler (in its process), or ``None`` without a dashboard.
-
-    Built from where the scheduler's HTTP server really listens (a loopback
-    dashboard gives a loopback link); a server on every interface gets the
-    host of the scheduler's address.
-    """
-    port = dask_scheduler.identity().get("services", {}).get("dashboard")
-    server = getattr(dask_scheduler, "http_server", None)
-    if port is None or server is None:
-        return None
-    hosts = [sock.getsockname()[0] for sock in getattr(server, "_sockets", {}).values()
-             if sock.getsockname()[1] == port]
-    host = next((h for h in sorted(hosts) if h not in ("0.0.0.0", "::")), None)
-    if host is None:
-        address = str(dask_scheduler.address)
-        host = "127.0.0.1" if address.startswith("inproc://") or "://" not in address else worker_host(address)
-    host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{port}{PAGE_ROUTE}"
-
-
-def dashboard_link(client) -> str | None:
-    """The address of the dsched page on ``client``'s scheduler, or ``None`` without a dashboard."""
-    return client.run_on_scheduler(scheduler_page_link)
-
-
-# --- HTTP: the JSON route and the plain page ---------------------------------
-
-def _json_handler():
-    from distributed.http.utils import RequestHandler
-
-    class StatusJSON(RequestHandler):
-        def get(self):
-            plugin = install(self.server)
-            self.set_header("Content-Type", "application/json")
-            self.set_header("Cache-Control", "no-store")
-            self.write(json.dumps(plugin.snapshot()))
-
-    return StatusJSON
-
-
-_HTML_PAGE = """<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>dsched devices</title>
-<style>body{font-family:sans-serif;margin:1em}table{border-collapse:collapse}
-td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}td:first-child,th{text-align:left}</style></head>
-<body><h2>dsched devices</h2><p id="run"></p><p id="note"></p>
-<table id="devices"><thead><tr>%(head)s</tr></thead><tbody></tbody></table>
-<script>
-const fields = %(fields)s;
-const fmt = (v, d) => v.toLocaleString("en", {maximumFractionDigits: d});
-function cell(f, v) {
-  if (v === null || v === undefined) return "-";
-  if (f === "busy_fraction") return v.toFixed(2);
-  if (f === "emulated") return v ? "yes" : "no";
-  if (typeof v === "number") return fmt(v, 0);
-  return String(v);
-}
-async function refresh() {
-  try {
-    const data = await (await fetch("%(json)s", {cache: "no-store"})).json();
-    const body = document.querySelector("#devices tbody");
-    body.replaceChildren(...data.devices.map(row => {
-      const tr = document.createElement("tr");
-      tr.className = "device";
-      for (const f of fields) { const td = document.createElement("td"); td.textContent = cell(f, row[f]); tr.appendChild(td); }
-      return tr;
-    }));
-    const run = data.run;
-    document.getElementById("run").textContent = run ? ("run " + run.number + " (" + run.name + "): " +
-      fmt(run.items_done, 0) + (run.total ? " of " + fmt(run.total, 0) + " items, " + fmt(100 * run.fraction, 1) + " %%"
-      : " items") + ", " + fmt(run.items_per_s, 0) + " items/s") : "no run yet";
-    document.getElementById("note").textContent =
-      "items/s and busy fraction over the last " + data.window_s + " s";
-  } catch (e) { document.getElementById("note").textContent = "no data: " + e; }
-}
-refresh(); setInterval(refresh, 1000);
-</script></body></html>
-"""
-
-
-def _html_handler():
-    from distributed.http.utils import RequestHandler
-
-    class StatusPage(RequestHandler):
-        def get(self):
-            install(self.server)
-            head = "".join(f"<th>{title}</th>" for _, title in COLUMNS)
-            fields = json.dumps([field for field, _ in COLUMNS])
-            self.write(_HTML_PAGE % {"head": head, "fields": fields, "json": JSON_ROUTE})
-
-    return StatusPage
-
-
-def add_routes(scheduler) -> bool:
-    """Serve :data:`JSON_ROUTE` and :data:`HTML_ROUTE` from ``scheduler``'s HTTP server; False if it has none."""
-    app = getattr(scheduler, "http_application", None)
-    if app is None:
-        return False
-    if not getattr(app, "_dsched_routes", False):
-        app.add_handlers(r".*", [
-            (JSON_ROUTE, _json_handler(), {"dask_server": scheduler}),
-            (HTML_ROUTE, _html_handler(), {"dask_server": scheduler}),
-        ])
-        app._dsched_routes = True
-    return True
-
+# --- adding it to a scheduler ----------------------------------------------------
 
 def install(scheduler, window: float = 10.0) -> DashboardPlugin:
     """Add the plugin and the JSON route to a scheduler (in its process); idempotent.
@@ -660,7 +452,7 @@ def install(scheduler, window: float = 10.0) -> DashboardPlugin:
         plugin = DashboardPlugin(window)
         scheduler.add_plugin(plugin, name=PLUGIN_NAME, idempotent=True)
     plugin.scheduler = scheduler  # add_plugin on a running scheduler does not call start()
-    add_routes(scheduler)
+    add_routes(scheduler, install)
     return plugin
 
 
@@ -673,19 +465,3 @@ def register(client, window: float = 10.0) -> None:
     """Install the plugin and the JSON route on the running scheduler of ``client``."""
     client.register_plugin(DashboardPlugin(window), name=PLUGIN_NAME)
 
-
-def register_page() -> None:
-    """List the page and its plots in the dashboard; must run before the scheduler starts."""
-    from distributed.dashboard import scheduler as dashboard_scheduler
-
-    from dsched.observe.dashboard import plots as dashboard_plots
-
-    dashboard_scheduler.applications.setdefault(PAGE_ROUTE, dashboard_plots.dsched_doc)
-    for part, route in PLOT_ROUTES.items():
-        dashboard_scheduler.applications.setdefault(route, dashboard_plots.plot_doc(part))
-
-
-try:  # importing this module (a preload does) lists the pages
-    register_page()
-except ImportError:  # no Bokeh: the JSON route still works
-    pass
