@@ -26,8 +26,14 @@ from dsched.errors import AggregateError, ChunkTimeoutError, DispatchError, Reco
 from dsched.observe.hooks import RunObserver
 from dsched.observe.report import ChunkRecord, RunReport
 from dsched.resident.batch import Batch
-from dsched.schedulers import (DeviceStatus, PerformanceModelScheduler, SimpleMPIScheduler, SimpleScheduler,
-                               StaticHybridScheduler, WorkScheduler)
+from dsched.schedulers import (
+    DeviceStatus,
+    PerformanceModelScheduler,
+    SimpleMPIScheduler,
+    SimpleScheduler,
+    StaticHybridScheduler,
+    WorkScheduler,
+)
 
 __version__ = "0.1.0"
 

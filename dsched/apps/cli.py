@@ -8,6 +8,22 @@ import os
 import sys
 import time
 
+from dsched.apps.bench.batch import format_load_steps, run_batch_benchmarks
+from dsched.apps.bench.data import format_data_table, run_data_benchmarks
+from dsched.apps.bench.neml2 import VISCOPLASTIC_INPUT, format_result, measure
+from dsched.apps.bench.policy import format_policy_table, run_policy_benchmarks
+from dsched.apps.bench.scheduling import format_table, run_benchmarks
+from dsched.apps.job import format_report, graph_cluster, run_graph
+from dsched.apps.jobfile import GraphError, load_graph
+from dsched.apps.tune import format_tuning, run_tuning
+from dsched.cluster.logs import apply_log_level
+from dsched.dataplane.outputs import check_out_path
+from dsched.devices.cuda import visible_gpus
+from dsched.devices.device import parse_devices
+from dsched.devices.ownership import emulated_devices
+from dsched.errors import DispatchError
+from dsched.observe import dashboard
+
 __all__ = ["main"]
 
 DEFAULT_DASHBOARD = "127.0.0.1:8787"  # `dsched run --dashboard`: loopback unless an address is given
@@ -55,15 +71,10 @@ def _add_run(subparsers):
 def _run(args) -> int:
     import contextlib
 
-    from dsched.apps.jobfile import load_graph
-    from dsched.apps.job import format_report, graph_cluster, run_graph
-
     graph = load_graph(args.graph)  # GraphError → status 2 in main, before any cluster starts
     if args.emulate:
         graph.options["emulate"] = True
     if args.output:
-        from dsched.dataplane.outputs import check_out_path
-
         try:
             check_out_path(args.output, args.overwrite, "--output")
         except ValueError as err:
@@ -115,8 +126,6 @@ def _dashboard_option(value, graph) -> str | None:
 
 def _show_dashboard(stack, client, graph):
     """Print the link to the dsched page, and tell the page the run's total (for its progress and ETA)."""
-    from dsched.observe import dashboard  # the package's names: what a user (or a test) patches
-
     link = dashboard.dashboard_link(client)
     if link is None:
         print("dashboard: the cluster serves no dashboard", flush=True)
@@ -129,8 +138,6 @@ def _show_dashboard(stack, client, graph):
 def _set_verbosity(verbose: int) -> None:
     """Dask's logs: WARNING and above by default, INFO with -v, DEBUG with -vv (here and in worker processes)."""
     import dask
-
-    from dsched.cluster.logs import apply_log_level
 
     level = ("warning", "info", "debug")[min(verbose, 2)]
     dask.config.set({"dsched.log-level": level})
@@ -198,9 +205,6 @@ def _check_address(field, address) -> None:
 
 def _check_cluster_devices(client, graph, field) -> None:
     """The graph's devices must each have a dsched worker on the cluster (else the run would wait for one)."""
-    from dsched.devices.ownership import emulated_devices
-    from dsched.apps.jobfile import GraphError
-
     owned = emulated_devices(client)
     if not owned:
         raise UsageError(
@@ -253,9 +257,6 @@ def _add_tune(subparsers):
 
 
 def _tune(args) -> int:
-    from dsched.apps.jobfile import load_graph
-    from dsched.apps.tune import format_tuning, run_tuning
-
     graph = load_graph(args.graph)
     devices = args.devices.split(",") if args.devices else None
     if args.emulate:
@@ -270,8 +271,6 @@ def _tune(args) -> int:
             raise UsageError(f"--mode: sync times chunks here, not on the cluster of {field}; use --mode async")
         client = _connect(args.scheduler_address, args.scheduler_file, args.connect_timeout)
         if devices is None:
-            from dsched.devices.ownership import emulated_devices
-
             try:
                 _check_cluster_devices(client, graph, field)
             except ValueError:
@@ -302,9 +301,6 @@ def _tune(args) -> int:
 
 def _check_listed_devices_present(names) -> None:
     """``--devices``: a GPU this machine lacks, without --emulate, is a UsageError naming it."""
-    from dsched.devices.device import parse_devices
-    from dsched.devices.cuda import visible_gpus
-
     try:
         devices = parse_devices(names, field="--devices")
     except ValueError as err:
@@ -366,37 +362,27 @@ def _bench(args) -> int:
 
 
 def _bench_scheduling(args, say):
-    from dsched.apps.bench.scheduling import format_table, run_benchmarks
-
     results = run_benchmarks(None, quick=args.quick, processes=args.processes, progress=say)
     return results, format_table(results)
 
 
 def _bench_data(args, say):
-    from dsched.apps.bench.data import format_data_table, run_data_benchmarks
-
     results = run_data_benchmarks(quick=args.quick, progress=say)
     return results, format_data_table(results)
 
 
 def _bench_policy(args, say):
-    from dsched.apps.bench.policy import format_policy_table, run_policy_benchmarks
-
     results = run_policy_benchmarks(None, quick=args.quick, processes=args.processes, progress=say)
     return results, format_policy_table(results)
 
 
 def _bench_batch(args, say):
-    from dsched.apps.bench.batch import format_load_steps, run_batch_benchmarks
-
     results = run_batch_benchmarks(quick=args.quick, progress=say)
     return results, format_load_steps(results)
 
 
 def _bench_neml2(args, say):
     import importlib.util
-
-    from dsched.apps.bench.neml2 import VISCOPLASTIC_INPUT, format_result, measure
 
     if importlib.util.find_spec("neml2") is None or not os.path.exists(VISCOPLASTIC_INPUT):
         reason = "neml2 is not installed (pip install 'dsched[neml2]')" if importlib.util.find_spec(
@@ -427,9 +413,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from dsched.errors import DispatchError
-    from dsched.apps.jobfile import GraphError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "handler"):

@@ -7,12 +7,19 @@ import functools
 import math
 from dataclasses import dataclass
 
+from dsched.apps.jobfile import GraphError
+from dsched.cluster.local import LocalHybridCluster
+from dsched.dataplane.loaders import SliceGenerator
+from dsched.dataplane.outputs import check_out_path
+from dsched.devices.context import emulating
+from dsched.devices.cuda import visible_gpus
 from dsched.devices.device import Device
 from dsched.devices.ownership import emulated_devices
-from dsched.worker.chunk import takes_out
 from dsched.dispatch.dispatcher import WorkDispatcher
+from dsched.models import get_model
 from dsched.observe.report import RunReport
-from dsched.dataplane.loaders import SliceGenerator
+from dsched.observe.trace import check_trace_path
+from dsched.worker.chunk import takes_out
 
 __all__ = ["run_graph", "JobResult", "format_report", "graph_cluster"]
 
@@ -35,13 +42,6 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
     if its outputs cannot fit in memory, or if it needs a GPU this machine lacks
     and does not emulate it.
     """
-    from dsched.devices.context import emulating
-    from dsched.devices.cuda import visible_gpus
-    from dsched.apps.jobfile import GraphError
-    from dsched.models import get_model
-    from dsched.dataplane.outputs import check_out_path
-    from dsched.observe.trace import check_trace_path
-
     model = get_model(graph.model)
     parameters = model.parameters_type(**graph.parameters)
     # A model that takes out= computes into the run's output rows (asked once here, not per chunk).
@@ -99,8 +99,6 @@ def graph_cluster(stack, graph, devices=None, dashboard_address=None):
     ``dashboard_address`` serves the cluster's dashboard there (``dsched run --dashboard``); none by default.
     """
     from distributed import Client
-
-    from dsched.cluster.local import LocalHybridCluster
 
     cluster = stack.enter_context(LocalHybridCluster(
         devices if devices is not None else graph.build_scheduler().devices,

@@ -38,9 +38,13 @@ import tomllib
 from importlib import resources
 from pathlib import Path
 
-from dsched.devices.device import Device, parse_devices
+from dsched.devices.context import running_on
 from dsched.devices.cuda import visible_gpus
+from dsched.devices.device import Device, parse_devices
+from dsched.models import get_model
+from dsched.models.neml2 import graph_parameters
 from dsched.schedulers import PerformanceModelScheduler, SimpleScheduler, StaticHybridScheduler
+from dsched.schedulers.model import saved_costs_cover
 from dsched.schedulers.profiles import profile_settings
 
 __all__ = ["Graph", "GraphError", "load_graph", "DEFAULT_GRAPH"]
@@ -135,9 +139,6 @@ class Graph:
 
     def output_bytes_per_item(self) -> int:
         """Bytes of output per item: the model's declared outputs, else probed on two items on the CPU."""
-        from dsched.devices.context import running_on
-        from dsched.models import get_model
-
         model = get_model(self.model)
         if model.outputs is not None:
             import numpy as np
@@ -157,8 +158,6 @@ class Graph:
         and the joined arrays briefly coexist: twice the outputs. A graph
         whose outputs go to disk (``options.output``) is never refused.
         """
-        from dsched.models import get_model
-
         declared = get_model(self.model).outputs is not None
         per_item = self.output_bytes_per_item()
         needed = (1 if declared else 2) * per_item * self.batch_size
@@ -234,7 +233,6 @@ class Graph:
         """``auto`` on several devices, each with a saved cost model (or tuned profile) for this host and model."""
         if len(devices) < 2 or self.scheduler.get("profile", False) or "batch_sizes" in self.scheduler:
             return False  # explicit sizes keep the static policy they describe
-        from dsched.schedulers.model import saved_costs_cover
 
         return saved_costs_cover(self.model, devices)
 
@@ -322,14 +320,10 @@ def parse_graph(data: dict, source: str = "<graph>") -> Graph:
         if key not in data.get(section, {}):
             raise GraphError(f"{section}.{key}: required in {source}")
 
-    from dsched.models import get_model
-
     model = data["model"]
     parameters = model.get("parameters", {})
     neml2_keys = [key for key in ("input", "model", "inputs", "outputs") if key in model]
     if model["name"] == "neml2":
-        from dsched.models.neml2 import graph_parameters
-
         try:
             parameters = graph_parameters(model, source)
         except ValueError as err:

@@ -44,18 +44,31 @@ import numpy as np
 from distributed import Client
 
 from dsched.checks import check_positive_int
-from dsched.schedulers.costmodel import (SaturationFit, device_identities, device_identity, fit_saturation, save_costs,
-                                         saturation_time)
 from dsched.cluster.local import LocalHybridCluster
+from dsched.dataplane.loaders import SliceGenerator
 from dsched.devices.cuda import visible_gpus
 from dsched.devices.device import Device, parse_devices, placement_device
 from dsched.devices.ownership import emulated_devices
-from dsched.schedulers import SimpleScheduler, profiles
-from dsched.schedulers.profiles import (PROFILE_VERSION, load_profile, profile_dir, profile_path, profile_settings,
-                                        profile_speeds, save_profile)
-from dsched.dataplane.loaders import SliceGenerator
 from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.models import get_model
+from dsched.schedulers import SimpleScheduler, profiles
+from dsched.schedulers.costmodel import (
+    SaturationFit,
+    device_identities,
+    device_identity,
+    fit_saturation,
+    saturation_time,
+    save_costs,
+)
+from dsched.schedulers.profiles import (
+    PROFILE_VERSION,
+    load_profile,
+    profile_dir,
+    profile_path,
+    profile_settings,
+    profile_speeds,
+    save_profile,
+)
 
 __all__ = [
     "TuningWorkload",
@@ -399,8 +412,8 @@ def plot_throughput(result: TuningResult, png_path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5), dpi=100)
     FigureCanvasAgg(fig)

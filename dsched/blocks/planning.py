@@ -33,9 +33,9 @@ import heapq
 import math
 import numbers
 
+from dsched.checks import check_positive_int
 from dsched.devices.device import device_entries, placement_device
 from dsched.schedulers.profiles import profile_speeds
-from dsched.checks import check_positive_int
 
 __all__ = ["plan", "plan_blocks", "default_speeds", "MAX_PLAN_CHUNKS"]
 

@@ -6,12 +6,13 @@ import logging
 
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 
+from dsched.checks import check_positive_int
 from dsched.cluster.logs import apply_log_level, configured_log_level, spawn_config, worker_preload
 from dsched.cluster.placement import DeviceWorkerPlugin, PlacementPlugin
-from dsched.devices.device import EMULATED_RESOURCE, Device, check_capacities, device_resource, parse_devices
 from dsched.devices.cuda import visible_gpus
+from dsched.devices.device import EMULATED_RESOURCE, Device, check_capacities, device_resource, parse_devices
 from dsched.devices.threads import ThreadLimits, thread_share
-from dsched.checks import check_positive_int
+from dsched.observe.dashboard import DashboardPlugin, register_page
 
 __all__ = ["LocalHybridCluster"]
 
@@ -231,7 +232,6 @@ def _scheduler_spec(protocol, host, dashboard_address, scheduler_options) -> dic
     scheduler["options"]["plugins"] = [*scheduler["options"].get("plugins", ()), PlacementPlugin()]
     if dashboard_address is not None:
         # The dsched page of the dashboard: listed before the scheduler builds its dashboard.
-        from dsched.observe.dashboard import DashboardPlugin, register_page
 
         register_page()
         options = scheduler["options"]

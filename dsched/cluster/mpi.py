@@ -39,12 +39,20 @@ import os
 import sys
 import warnings
 
+from dsched.checks import check_positive_int
 from dsched.cluster.logs import apply_log_level
-from dsched.cluster.mpi_layout import (WorkerPlacement, _check_devices, _default_devices, _is_loopback, _plan,
-                                       _worker_options, cluster_layout, format_layout)
+from dsched.cluster.mpi_layout import (
+    WorkerPlacement,
+    _check_devices,
+    _default_devices,
+    _is_loopback,
+    _plan,
+    _worker_options,
+    cluster_layout,
+    format_layout,
+)
 from dsched.devices.device import check_capacities
 from dsched.devices.ownership import cluster_info
-from dsched.checks import check_positive_int
 
 __all__ = ["initialize", "serve", "main", "WorkerPlacement", "WorkersMissing", "cluster_layout", "format_layout",
            "use_tls"]

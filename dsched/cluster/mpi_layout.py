@@ -12,9 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsched.devices.device import (EMULATED_RESOURCE, UNLIMITED_CAPACITY, Device, device_of_resources, device_resource,
-                                   parse_devices)
 from dsched.devices.cuda import visible_gpus
+from dsched.devices.device import (
+    EMULATED_RESOURCE,
+    UNLIMITED_CAPACITY,
+    Device,
+    device_of_resources,
+    device_resource,
+    parse_devices,
+)
 from dsched.devices.ownership import cluster_info
 from dsched.schedulers.mpi import NodePlacement, check_ranks_fit, place_on_nodes
 

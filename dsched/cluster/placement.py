@@ -46,12 +46,25 @@ import weakref
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 from dsched.checks import check_positive_int
-from dsched.names import (DEVICE_ANNOTATION, DEVICE_WORKER_PLUGIN, PLACEMENT_EVENT_TOPIC, PLACEMENT_PLUGIN,
-                          RELAXED_ANNOTATION)
-from dsched.devices.device import (EMULATED_RESOURCE, RESOURCE_PREFIX, UNLIMITED_CAPACITY, Device, device_resource, placement_device)
+from dsched.devices.backends import to_device as to_device_
+from dsched.devices.backends import to_host as to_host_
+from dsched.devices.context import _current_worker, running_on, selected, worker_device, worker_is_emulated
 from dsched.devices.cuda import cuda_local_ordinal, first_visible_gpu, visible_gpus
-from dsched.devices.context import running_on, selected, worker_device, worker_is_emulated
-from dsched.devices.backends import to_device as to_device_, to_host as to_host_
+from dsched.devices.device import (
+    EMULATED_RESOURCE,
+    RESOURCE_PREFIX,
+    UNLIMITED_CAPACITY,
+    Device,
+    device_resource,
+    placement_device,
+)
+from dsched.names import (
+    DEVICE_ANNOTATION,
+    DEVICE_WORKER_PLUGIN,
+    PLACEMENT_EVENT_TOPIC,
+    PLACEMENT_PLUGIN,
+    RELAXED_ANNOTATION,
+)
 
 __all__ = [
     "PlannedBlock",
@@ -175,8 +188,6 @@ def resolve_device(planned: Device) -> Device:
     Outside any worker (a local Dask scheduler): the planned device if it is
     the CPU or a GPU this process sees, else the CPU.
     """
-    from dsched.devices.context import _current_worker
-
     worker = _current_worker()
     if worker is None:
         if planned.type == "cpu" or planned in visible_gpus():

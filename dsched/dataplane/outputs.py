@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsched.errors import DispatchError
-from dsched.dataplane.store import ArrayRef
 from dsched.dataplane.pinned import copy_to_host
+from dsched.dataplane.store import ArrayRef
+from dsched.devices import backends
+from dsched.errors import DispatchError
 
 __all__ = ["OutputLayout", "ChunkResultError", "OutputSlot", "ZarrTarget", "check_out_path", "BY_VALUE", "Leftover",
            "travels_by_value"]
@@ -84,8 +85,6 @@ def travels_by_value(dtype) -> bool:
 def _host_leaf(leaf, axis):
     """``(leaf as an array NumPy can describe, template or None)``: torch and NEML2 results as zero-copy NumPy
     views of their host copy, with an empty one of their type to rebuild the output from."""
-    from dsched.devices import backends
-
     backend = backends.backend_of(leaf, strict=False)
     if backend is None or backend.name in ("numpy", "cupy"):
         return leaf, None
@@ -162,8 +161,6 @@ class OutputLayout:
     def build(self, arrays):
         """The result's structure with ``arrays`` (in leaf order) in place of its arrays, each rebuilt as the
         type the chunks returned (a torch tensor sharing the array's memory, say)."""
-        from dsched.devices import backends
-
         rebuilt = [array if leaf.template is None or not isinstance(array, np.ndarray)
                    else backends.from_host(array, leaf.template) for leaf, array in zip(self.leaves, arrays)]
         return _fill(self.skeleton, iter(rebuilt))

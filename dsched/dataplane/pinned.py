@@ -20,9 +20,9 @@ import importlib.util
 
 import numpy as np
 
-from dsched.devices.device import Device
-from dsched.devices.cuda import cuda_local_ordinal
 from dsched.devices.context import is_emulated_here
+from dsched.devices.cuda import cuda_local_ordinal
+from dsched.devices.device import Device
 
 __all__ = ["is_real_gpu", "chunk_stream", "copy_to_host"]
 

@@ -24,8 +24,18 @@ import os
 
 import numpy as np
 
-from dsched.dataplane.outputs import (BY_VALUE, Leftover, OutputLayout, OutputSlot, ZarrTarget, check_out_path,
-                                      write_rows)
+from dsched.dataplane.outputs import (
+    BY_VALUE,
+    ChunkResultError,
+    Leftover,
+    OutputLayout,
+    OutputSlot,
+    ZarrTarget,
+    _flatten,
+    _path_name,
+    check_out_path,
+    write_rows,
+)
 from dsched.dataplane.store import ArrayRef, RunStore, classify_workers, find_shared, resolve_work, share_generator
 
 __all__ = ["RunData", "check_out", "direct_to_workers", "zarr_chunk_items"]
@@ -48,7 +58,6 @@ def check_out(out, total: int, axis: int, overwrite: bool = False):
         return None
     if isinstance(out, (str, os.PathLike)):
         return check_out_path(out, overwrite)
-    from dsched.dataplane.outputs import _flatten, _path_name
 
     for path, array in _flatten(out):
         if not (hasattr(array, "shape") and hasattr(array, "dtype")):
@@ -237,8 +246,6 @@ class RunData:
 
         by_value = [leaf for leaf in layout.leaves if leaf.by_value]
         if by_value:
-            from dsched.dataplane.outputs import ChunkResultError, _path_name
-
             raise ChunkResultError(f"out: {_path_name(by_value[0].path)} holds {np.dtype(by_value[0].dtype)} items, "
                                    "which a Zarr store written by workers cannot hold; return numbers, or drop out=")
 
@@ -277,8 +284,6 @@ def _fill_value(dtype):
 
 def _user_arrays(out, layout, shapes):
     """The user's ``out`` arrays in leaf order, checked against the layout."""
-    from dsched.dataplane.outputs import ChunkResultError, _flatten, _path_name
-
     flat = _flatten(out)
     if [p for p, _ in flat] != [leaf.path for leaf in layout.leaves]:
         raise ChunkResultError(

@@ -36,9 +36,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsched.dataplane.loaders import ArrayLoader, MappingLoader, Ranges
-from dsched.dataplane.segments import (_PREFIX, SHM_DIR, _map_range, _populate, _Segment, _shared_location,
-                                       mapped_segment, pinned_segment, shared_copy, shared_empty,
-                                       sweep_stale_segments)
+from dsched.dataplane.segments import (
+    _PREFIX,
+    SHM_DIR,
+    _map_range,
+    _populate,
+    _Segment,
+    _shared_location,
+    mapped_segment,
+    pinned_segment,
+    shared_copy,
+    shared_empty,
+    sweep_stale_segments,
+)
+
 # Re-exported: the chunk runner (dsched.worker.chunk) and older code import it from here.
 from dsched.devices import backends
 

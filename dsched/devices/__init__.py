@@ -14,13 +14,35 @@ module              holds
 """
 
 from dsched.devices.backends import array_module, to_device, to_host, torch_device
-from dsched.devices.context import (current_device, emulating, is_emulated_here, running_on, selected, worker_device,
-                                    worker_is_emulated)
-from dsched.devices.cuda import (cuda_local_ordinal, first_visible_gpu, match_visible_entry, parse_visible_devices,
-                                 visible_gpus, visible_physical_indices)
-from dsched.devices.device import (EMULATED_RESOURCE, RESOURCE_PREFIX, UNLIMITED_CAPACITY, Device, check_capacities,
-                                   device_entries, device_of_resources, device_resource, parse_devices,
-                                   placement_device)
+from dsched.devices.context import (
+                                    current_device,
+                                    emulating,
+                                    is_emulated_here,
+                                    running_on,
+                                    selected,
+                                    worker_device,
+                                    worker_is_emulated,
+)
+from dsched.devices.cuda import (
+                                    cuda_local_ordinal,
+                                    first_visible_gpu,
+                                    match_visible_entry,
+                                    parse_visible_devices,
+                                    visible_gpus,
+                                    visible_physical_indices,
+)
+from dsched.devices.device import (
+                                    EMULATED_RESOURCE,
+                                    RESOURCE_PREFIX,
+                                    UNLIMITED_CAPACITY,
+                                    Device,
+                                    check_capacities,
+                                    device_entries,
+                                    device_of_resources,
+                                    device_resource,
+                                    parse_devices,
+                                    placement_device,
+)
 from dsched.devices.ownership import emulated_devices
 
 __all__ = [

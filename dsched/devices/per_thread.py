@@ -24,8 +24,8 @@ from __future__ import annotations
 import threading
 import uuid
 
-from dsched.devices.device import Device
 from dsched.devices.context import current_device
+from dsched.devices.device import Device
 from dsched.devices.threads import limit_this_thread
 
 __all__ = ["PerThread"]

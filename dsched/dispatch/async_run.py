@@ -20,12 +20,12 @@ from dsched.dataplane.rundata import direct_to_workers
 from dsched.devices.device import Device, placement_device
 from dsched.devices.ownership import device_threads
 from dsched.dispatch.completion import DeviceWatch, notify_when_done, wait_for_one
+from dsched.dispatch.feeds import FeedOutcome, Feeds, FeedTicket
 from dsched.dispatch.tasks import TaskSender, distinct
 from dsched.errors import ChunkTimeoutError
 from dsched.names import is_feed_key
 from dsched.observe.report import ChunkRecord
 from dsched.worker.chunk import InFlight, PackError
-from dsched.dispatch.feeds import FeedOutcome, Feeds, FeedTicket
 
 __all__ = ["AsyncRun", "TICK_SECONDS"]
 

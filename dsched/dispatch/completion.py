@@ -6,6 +6,7 @@ import asyncio
 import queue
 import time
 
+from dsched.cluster.placement import PlacementWarning
 from dsched.devices.device import placement_device
 from dsched.devices.ownership import device_capacities
 
@@ -119,8 +120,6 @@ def _fallback(device, owned):
 
 def _warn_relaxed(device, fallback, grace):
     import warnings
-
-    from dsched.cluster.placement import PlacementWarning
 
     warnings.warn(f"no worker has owned {device} for {grace:g} s: its chunks run on {fallback} until one does",
                   PlacementWarning, stacklevel=4)

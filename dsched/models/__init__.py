@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from dsched.models.neml2 import NEML2ConvergenceError, NEML2Model, NEML2Parameters, neml2_chunk
 from dsched.models.j2 import J2Parameters, j2_chunk, j2_outputs, j2_update, loading_strain
+from dsched.models.neml2 import NEML2ConvergenceError, NEML2Model, NEML2Parameters, neml2_chunk
 
 __all__ = [
     "J2Parameters",

@@ -31,10 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from dsched.devices import backends
-from dsched.dispatch.front import dispatch
-from dsched.errors import NEML2ConvergenceError, as_recoverable  # noqa: F401  (as_recoverable: its old home)
 from dsched.devices.per_thread import PerThread
 from dsched.devices.threads import limit_this_thread
+from dsched.dispatch.front import dispatch
+from dsched.errors import NEML2ConvergenceError, as_recoverable  # noqa: F401  (as_recoverable: its old home)
+from dsched.models.j2 import loading_strain
 
 __all__ = ["NEML2Model", "NEML2ConvergenceError", "NEML2Parameters", "neml2_chunk", "graph_parameters",
            "as_recoverable"]
@@ -245,8 +246,6 @@ def neml2_chunk(work, device, params: NEML2Parameters, *, tangent=False):
     Returns a dict of NumPy arrays: the outputs, and with ``tangent`` the
     Jacobian blocks as ``"d(output)/d(input)"``.
     """
-    from dsched.models.j2 import loading_strain
-
     if not isinstance(work, slice) or work.stop is None:
         raise ValueError(f"work must be a slice with a stop, got {work!r}")
     points = np.arange(work.start or 0, work.stop, work.step or 1)

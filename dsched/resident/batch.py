@@ -40,14 +40,28 @@ import threading
 import numpy as np
 
 from dsched.blocks.planning import plan
-from dsched.devices.device import device_resource
-from dsched.resident.engine import Engine
-from dsched.resident.tasks import (Update, _Chunk, _item_layout, _load, _ordered, _partial, _resolve, _Task, _update,
-                                   _UpdateSpec, _Version, _wait_all, _wait_tasks, _write)
-from dsched.dataplane.outputs import ZarrTarget, check_out_path
-from dsched.devices.ownership import check_devices_owned, device_owners
-from dsched.dataplane.store import RunStore, SliceRef, classify_workers
 from dsched.checks import check_positive_int
+from dsched.dataplane.outputs import ZarrTarget, check_out_path
+from dsched.dataplane.store import RunStore, SliceRef, classify_workers
+from dsched.devices.device import device_resource
+from dsched.devices.ownership import check_devices_owned, device_owners
+from dsched.resident.engine import Engine
+from dsched.resident.tasks import (
+    Update,
+    _Chunk,
+    _item_layout,
+    _load,
+    _ordered,
+    _partial,
+    _resolve,
+    _Task,
+    _update,
+    _UpdateSpec,
+    _Version,
+    _wait_all,
+    _wait_tasks,
+    _write,
+)
 
 __all__ = ["Batch", "Update"]
 

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dsched.devices.context import worker_device, worker_is_emulated
+from dsched.devices.cuda import cuda_local_ordinal
 from dsched.devices.device import Device, placement_device
 from dsched.schedulers.profiles import profile_dir, safe_name, this_host, write_json
 
@@ -299,8 +301,6 @@ def _cpu_name() -> str:
 
 def _gpu_name(device: Device) -> str | None:
     """The GPU's model name from CuPy (its runtime's view under CUDA_VISIBLE_DEVICES), else NVML."""
-    from dsched.devices.cuda import cuda_local_ordinal
-
     try:
         ordinal = cuda_local_ordinal(device)
     except Exception:
@@ -343,8 +343,6 @@ def device_identity(device, *, emulated=False) -> DeviceIdentity:
 
 
 def _worker_identity(dask_worker=None):
-    from dsched.devices.context import worker_device, worker_is_emulated
-
     device = worker_device(dask_worker)
     if device is None:
         return None

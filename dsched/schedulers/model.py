@@ -40,9 +40,16 @@ import math
 import threading
 import time
 
-from dsched.schedulers.costmodel import DeviceCalibration, SaturationFit, device_identities, fit_of, load_costs, save_costs
 from dsched.devices.device import Device
 from dsched.schedulers.base import DeviceStatus, WorkScheduler, broadcast, build_status, check_positive_int
+from dsched.schedulers.costmodel import (
+    DeviceCalibration,
+    SaturationFit,
+    device_identities,
+    fit_of,
+    load_costs,
+    save_costs,
+)
 from dsched.schedulers.profiles import load_profile
 
 __all__ = ["PerformanceModelScheduler"]

@@ -7,13 +7,13 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from dsched.dataplane.pinned import chunk_stream, is_real_gpu
+from dsched.dataplane.segments import forget_vanished_segments
+from dsched.dataplane.store import resolve_work
 from dsched.devices.context import running_on, selected
 from dsched.devices.device import Device
 from dsched.names import ITEMS_ANNOTATION
 from dsched.observe.report import ChunkRecord
-from dsched.dataplane.segments import forget_vanished_segments
-from dsched.dataplane.store import resolve_work
-from dsched.dataplane.pinned import chunk_stream, is_real_gpu
 
 __all__ = ["ChunkProgram", "InFlight", "PackError", "run_chunk", "run_pack", "takes_out", "ITEMS_ANNOTATION"]
 

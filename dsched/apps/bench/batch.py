@@ -33,20 +33,19 @@ import time
 
 import numpy as np
 
+import dsched
+from dsched.models import j2_update, loading_strain
+
 __all__ = ["j2_load_step", "final_strain", "measure_load_steps", "format_load_steps", "run_batch_benchmarks"]
 
 
 def final_strain(n):
     """Each point's strain at the last step, ``(n, 6)``."""
-    from dsched.models import loading_strain
-
     return loading_strain(np.arange(n))
 
 
 def j2_load_step(final_strain, plastic_strain, alpha, *, factor, tangent=False):
     """One load step on a chunk: the J2 update at ``factor`` times the final strain; the new state and the stress."""
-    from dsched.models import j2_update
-
     out = j2_update(final_strain * factor, plastic_strain, alpha, tangent=tangent)
     result = {"plastic_strain": out["plastic_strain"], "alpha": out["alpha"], "stress": out["stress"]}
     if tangent:
@@ -62,8 +61,6 @@ def j2_load_step_in_place(final_strain, plastic_strain, alpha, stress, tangent=N
     steps (the functional :func:`j2_load_step` allocates a new version per step,
     and the old one lives until Dask frees it).
     """
-    from dsched.models import j2_update
-
     out = {"stress": stress, "plastic_strain": plastic_strain, "alpha": alpha}
     if tangent is not None:
         out["tangent"] = tangent
@@ -102,8 +99,6 @@ class _Dispatched:
 
 def run_dispatch(client, scheduler, strain, steps, tangent=False):
     """Every step re-dispatched: inputs out and outputs back, a barrier between steps."""
-    import dsched
-
     plastic, alpha = np.zeros_like(strain), np.zeros(len(strain))
     for step in range(steps):
         out = dsched.dispatch(_Dispatched(_factor(step, steps), tangent), strain, plastic, alpha,
@@ -118,8 +113,6 @@ def run_batch(client, scheduler, strain, steps, tangent=False, on_step=None, loo
     ``in_place``: every step overwrites the chunk's state and stress (:func:`j2_load_step_in_place`), which
     start as zeros; otherwise each step makes new versions (:func:`j2_load_step`).
     """
-    import dsched
-
     fields = {"final_strain": strain, "plastic_strain": np.zeros_like(strain), "alpha": np.zeros(len(strain))}
     written = ["plastic_strain", "alpha", "stress"] + (["tangent"] if tangent else [])
     if in_place:
@@ -308,8 +301,6 @@ def measure_load_steps(points=1_000_000, steps=100, *, batch_size=262144, tangen
     managed bytes, their distinct buffers, RSS) and the largest difference
     from the NumPy result.
     """
-    import dsched
-
     say = progress or (lambda message: None)
     strain = final_strain(points)
     own = None
@@ -411,8 +402,6 @@ def main(argv=None):
     parser.add_argument("--lookahead", type=int, default=None, help="Batch(lookahead=...)")
     args = parser.parse_args(argv)
     # Through the module, not __main__: worker-side helpers must be pickled by reference.
-    from dsched.bench_batch import format_load_steps, measure_load_steps
-
     result = measure_load_steps(args.points, args.steps, batch_size=args.batch_size, tangent=args.tangent,
                                 lookahead=args.lookahead, progress=lambda m: print(f"... {m}", flush=True))
     print(format_load_steps(result))

@@ -29,6 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+import dsched
+from dsched.models.neml2 import NEML2Model
+
 __all__ = ["measure", "main", "VISCOPLASTIC_INPUT"]
 
 VISCOPLASTIC_INPUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "neml2_viscoplastic.i"
@@ -69,8 +72,6 @@ def _best(fn, repeats):
 def _dispatch_row(model, inputs, batch_size, repeats, processes):
     from distributed import Client
 
-    import dsched
-
     scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [batch_size, batch_size])
     with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=processes, threads_per_worker=1,
                                    dashboard_address=None) as cluster, Client(cluster) as client:
@@ -81,8 +82,6 @@ def _dispatch_row(model, inputs, batch_size, repeats, processes):
 
 def measure(points=200_000, batch_size=20_000, repeats=3, path=VISCOPLASTIC_INPUT) -> dict:
     """``{row: seconds}`` for the loop and both dispatches, with the speed-ups and a result check."""
-    from dsched.models.neml2 import NEML2Model
-
     inputs = _inputs(points)
     model = NEML2Model(path, "model", outputs=["stress"])
     _direct_loop(path, _inputs(batch_size), batch_size)  # warm-up: first-call costs are not timed

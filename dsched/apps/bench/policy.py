@@ -40,8 +40,18 @@ import platform
 import statistics
 import tempfile
 
+from dsched.apps.bench.scheduling import (
+    EmulatedDevice,
+    _DoWork,
+    _run_client_map,
+    _run_threads,
+    _settle,
+    ideal_items_per_s,
+    timed_dispatch,
+)
+from dsched.cluster.local import LocalHybridCluster
+from dsched.schedulers import PerformanceModelScheduler, SimpleScheduler, StaticHybridScheduler
 from dsched.schedulers.model import wait_for_saves
-from dsched.apps.bench.scheduling import EmulatedDevice, _DoWork, _run_client_map, _run_threads, _settle, ideal_items_per_s
 
 __all__ = ["HYBRID_DEVICES", "FAST_PAIR", "run_policy_benchmarks", "format_policy_table"]
 
@@ -60,20 +70,14 @@ def _speeds(devices):
 
 def _dispatch(client, scheduler, devices, total):
     """One run of ``total`` items under ``scheduler``: (wall seconds, {device: items})."""
-    from dsched.apps.bench.scheduling import timed_dispatch
-
     return timed_dispatch(client, scheduler, _DoWork(_speeds(devices)), total)
 
 
 def _static(devices, sizes):
-    from dsched.schedulers import StaticHybridScheduler
-
     return StaticHybridScheduler([d.device for d in devices], sizes, [2 * b for b in sizes], [d.rate for d in devices])
 
 
 def _policy(devices, chunk_seconds, profile_dir, client):
-    from dsched.schedulers import PerformanceModelScheduler
-
     return PerformanceModelScheduler([d.device for d in devices], model=MODEL, chunk_seconds=list(chunk_seconds),
                                      profile_dir=profile_dir, client=client)
 
@@ -125,8 +129,6 @@ def _interleave(client, ways, repeats):
 
 
 def _fast_pair(client, devices, chunk_seconds, total, repeats, profile_dir, say):
-    from dsched.schedulers import SimpleScheduler
-
     fast = max(devices, key=lambda d: d.rate)
     sizes = [max(1, round(d.rate * chunk_seconds)) for d in devices]
     fast_size = max(1, round(fast.rate * chunk_seconds))
@@ -182,8 +184,6 @@ def run_policy_benchmarks(json_path=None, quick=False, *, total=None, repeats=No
     repeats = repeats or (2 if quick else 5)
     say = progress or (lambda line: None)
     from distributed import Client
-
-    from dsched.cluster.local import LocalHybridCluster
 
     results = {"config": {
         "total_items": total, "repeats": repeats, "quick": quick, "processes": processes,

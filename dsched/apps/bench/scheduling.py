@@ -64,6 +64,7 @@ import statistics
 import threading
 import time
 
+from dsched.checks import check_positive_int
 from dsched.cluster.local import LocalHybridCluster
 from dsched.dataplane.loaders import SliceGenerator
 from dsched.devices.context import worker_device
@@ -73,7 +74,6 @@ from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.dispatch.feeds import release_parked
 from dsched.schedulers import SimpleScheduler, StaticHybridScheduler
 from dsched.worker.chunk import ChunkProgram, run_chunk
-from dsched.checks import check_positive_int
 
 __all__ = ["EmulatedDevice", "DEFAULT_DEVICES", "emulated_chunk", "ideal_items_per_s", "run_benchmarks",
            "format_table"]

@@ -36,8 +36,14 @@ from dsched.names import ITEMS_ANNOTATION
 from dsched.observe.dashboard.client import dashboard_link, track_run
 from dsched.observe.dashboard.plots import register_page
 from dsched.observe.dashboard.plugin import PLUGIN_NAME, DashboardPlugin, dask_setup, install, register
-from dsched.observe.dashboard.routes import (COLUMNS, HTML_ROUTE, JSON_ROUTE, PAGE_ROUTE, PLOT_ROUTES,
-                                             scheduler_page_link)
+from dsched.observe.dashboard.routes import (
+                                             COLUMNS,
+                                             HTML_ROUTE,
+                                             JSON_ROUTE,
+                                             PAGE_ROUTE,
+                                             PLOT_ROUTES,
+                                             scheduler_page_link,
+)
 
 __all__ = ["DashboardPlugin", "install", "register", "register_page", "track_run", "dashboard_link",
            "scheduler_page_link", "dask_setup", "PLUGIN_NAME", "JSON_ROUTE", "PAGE_ROUTE", "HTML_ROUTE", "PLOT_ROUTES",

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 
+from dsched.checks import check_positive_int
 from dsched.names import DASHBOARD_PLUGIN as PLUGIN_NAME
 from dsched.observe.dashboard.routes import scheduler_page_link
-from dsched.checks import check_positive_int
 
 __all__ = ["track_run", "dashboard_link"]
 

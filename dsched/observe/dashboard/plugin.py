@@ -31,13 +31,18 @@ import time
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from dsched.checks import check_positive_int
 from dsched.devices.device import UNLIMITED_CAPACITY, Device, device_of_resources
-from dsched.names import (CHUNK_EVENT_TOPIC, DASHBOARD_PLUGIN, EMULATED_RESOURCE, ITEMS_ANNOTATION, RESOURCE_PREFIX,
-                          is_feed_key)
+from dsched.names import (
+    CHUNK_EVENT_TOPIC,
+    DASHBOARD_PLUGIN,
+    EMULATED_RESOURCE,
+    ITEMS_ANNOTATION,
+    RESOURCE_PREFIX,
+    is_feed_key,
+)
 from dsched.observe.dashboard.routes import add_routes
 from dsched.observe.report import worker_host
-from dsched.checks import check_positive_int
-
 
 __all__ = ["DashboardPlugin", "install", "register", "dask_setup", "PLUGIN_NAME"]
 
