@@ -59,6 +59,18 @@ def _imports(path: Path, known: set) -> set:
     return found
 
 
+def test_the_layers_hold():
+    """``lint-imports`` checks the contracts in pyproject.toml (layers, and what two modules must not import)."""
+    import shutil
+
+    lint = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
+    if not Path(lint).exists():
+        pytest.skip("import-linter is not installed (it comes with the test extra)")
+    result = subprocess.run([lint, "--no-cache"], capture_output=True, text=True, timeout=300,
+                            cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stdout[-3000:]
+
+
 def test_no_import_cycles_between_modules():
     known = {_name(p) for p in MODULES}
     graph = {_name(p): _imports(p, known) - {_name(p)} for p in MODULES}

@@ -238,18 +238,10 @@ def format_policy_table(results) -> str:
     for block in results["hybrid"]:
         secs = ", ".join(f"{d} {s * 1e3:g} ms" for d, s in block["chunk_seconds"].items())
         lines += ["", f"hybrid: cpu 200k items/s, cuda:0 and cuda:1 1M items/s; chunks {secs}"]
-        header = f"{'way':<26} {'efficiency':>10} {'wall s':>8}  items per device"
-        lines += [header, "-" * len(header)]
-        for name, row in block["rows"].items():
-            split = ", ".join(f"{d}: {n:,}" for d, n in sorted(row["items_per_device"].items(), key=lambda kv: str(kv[0])))
-            lines.append(f"{name:<26} {row['efficiency']:>10.3f} {row['wall_s']:>8.3f}  {split}")
+        lines += _rows_table(block["rows"], "efficiency", "efficiency")
     fast = results["fast"]
     lines += ["", f"fast pair: cpu 10k items/s beside {fast['fast_device']} 1.5M items/s (150x); 20 ms chunks"]
-    header = f"{'way':<26} {'vs alone':>10} {'wall s':>8}  items per device"
-    lines += [header, "-" * len(header)]
-    for name, row in fast["rows"].items():
-        split = ", ".join(f"{d}: {n:,}" for d, n in sorted(row["items_per_device"].items(), key=lambda kv: str(kv[0])))
-        lines.append(f"{name:<26} {row['vs_alone']:>10.3f} {row['wall_s']:>8.3f}  {split}")
+    lines += _rows_table(fast["rows"], "vs alone", "vs_alone")
     learning = results["learning"]
     lines += ["", "learning: hybrid devices, speeds unknown at the start (no saved model), 10-20 ms chunks",
               f"first run  {learning['first_run_efficiency']:.3f} of the ideal  "
@@ -271,3 +263,13 @@ if __name__ == "__main__":  # python -m dsched.bench_policy [--quick] [--json FI
     args = parser.parse_args()
     out = run_policy_benchmarks(args.json, args.quick, repeats=args.repeats, progress=print)
     print(format_policy_table(out))
+
+
+def _rows_table(rows, title, key) -> list:
+    """The lines of one table: a row per way, its ``key`` figure, wall time and items per device."""
+    header = f"{'way':<26} {title:>10} {'wall s':>8}  items per device"
+    lines = [header, "-" * len(header)]
+    for name, row in rows.items():
+        split = ", ".join(f"{d}: {n:,}" for d, n in sorted(row["items_per_device"].items(), key=lambda kv: str(kv[0])))
+        lines.append(f"{name:<26} {row[key]:>10.3f} {row['wall_s']:>8.3f}  {split}")
+    return lines
