@@ -57,6 +57,9 @@ def _add_run(subparsers):
     run.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     run.add_argument("--trace-file", help="write a Chrome trace of the run (open it in Perfetto); overrides the graph's")
     run.add_argument("--performance-report", help="write Dask's performance report (HTML); overrides the graph's")
+    run.add_argument("--input", metavar="STORE.zarr",
+                     help="read the model's inputs from this Zarr store (its length is the batch size); workers "
+                          "read each chunk's rows from it")
     run.add_argument("--output", metavar="STORE.zarr",
                      help="keep the outputs: workers write them to this new Zarr store (on disk, beyond memory)")
     run.add_argument("--overwrite", action="store_true", help="replace an existing --output store")
@@ -81,9 +84,10 @@ def _run(args) -> int:
             raise UsageError(str(err)) from None
     if args.chunk_timeout is not None and not args.chunk_timeout > 0:
         raise UsageError(f"--chunk-timeout: must be a positive number of seconds, got {args.chunk_timeout:g}")
-    for option in ("trace_file", "performance_report", "output", "overwrite", "chunk_timeout"):
+    for option in ("trace_file", "performance_report", "input", "output", "overwrite", "chunk_timeout"):
         if getattr(args, option, None):
             graph.options[option] = getattr(args, option)
+    graph.input_loader()  # a bad store is refused here; its length becomes batch.size
     _set_verbosity(args.verbose)
     remote = bool(args.scheduler_address or args.scheduler_file)
     if remote and graph.mode == "sync":

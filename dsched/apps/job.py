@@ -88,7 +88,7 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
             on_chunk_done=lambda record: bar.update(record.size),
             trace_file=trace_file,
         )
-        outputs = dispatcher.run(SliceGenerator(0, graph.batch_size))
+        outputs = dispatcher.run(graph.input_loader() or SliceGenerator(0, graph.batch_size))
     emulated.update({device: True for device in missing})
     return JobResult(outputs, dispatcher.last_run, emulated)
 

@@ -38,6 +38,7 @@ import tomllib
 from importlib import resources
 from pathlib import Path
 
+from dsched.dataplane.loaders import MappingLoader
 from dsched.devices.context import running_on
 from dsched.devices.cuda import visible_gpus
 from dsched.devices.device import Device, parse_devices
@@ -83,6 +84,7 @@ _SCHEMA = {
         "trace_file": _STR,
         "performance_report": _STR,
         "dashboard": _BOOL,  # `dsched run`: serve the dashboard on loopback and print the dsched page's link
+        "input": _STR,
         "output": _STR,
         "overwrite": _BOOL,
         "chunk_timeout": _FLOAT,
@@ -136,6 +138,40 @@ class Graph:
     @property
     def _devices_field(self) -> str:
         return "scheduler.device" if "device" in self.scheduler else "scheduler.devices"
+
+    def input_loader(self):
+        """A loader over ``options.input`` (a Zarr store holding the model's input arrays), or ``None``.
+
+        The store's length becomes the graph's ``batch.size``. Its arrays are read
+        chunk by chunk where each chunk runs, never whole on the client. Raises
+        :class:`GraphError` naming ``options.input`` for a store that is missing,
+        lacks one of the model's inputs, or whose arrays differ in length.
+        """
+        path = self.options.get("input")
+        if path is None:
+            return None
+        names = get_model(self.model).inputs
+        if not names:
+            raise GraphError(f"options.input: the {self.model!r} model reads no input arrays (it makes its own "
+                             f"inputs) in {self.source}")
+        try:
+            import zarr
+
+            group = zarr.open_group(store=path, mode="r")
+        except ImportError:
+            raise GraphError("options.input: reading a Zarr store needs zarr (pip install 'dsched[zarr]')") from None
+        except Exception as err:  # missing folder, not a store
+            raise GraphError(f"options.input: {path} is not a Zarr store ({type(err).__name__}) in {self.source}") \
+                from None
+        missing = [name for name in names if name not in group]
+        if missing:
+            raise GraphError(f"options.input: {path} lacks the {self.model} inputs {', '.join(missing)} "
+                             f"(it needs {', '.join(names)}) in {self.source}")
+        lengths = {name: group[name].shape[0] for name in names}
+        if len(set(lengths.values())) != 1:
+            raise GraphError(f"options.input: the arrays of {path} differ in length ({lengths}) in {self.source}")
+        self.batch_size = next(iter(lengths.values()))
+        return MappingLoader({name: group[name] for name in names})
 
     def output_bytes_per_item(self) -> int:
         """Bytes of output per item: the model's declared outputs, else probed on two items on the CPU."""

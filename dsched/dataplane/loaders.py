@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from dsched.dataplane.sources import as_streamed
 from dsched.devices.backends import UnsupportedArrayError, backend_of, batch_shape, take
 
 __all__ = ["WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader"]
@@ -102,6 +103,7 @@ class ArrayLoader(WorkGenerator):
     """
 
     def __init__(self, array, axis: int = 0):
+        array = as_streamed(array)  # a Zarr or Dask array is read chunk by chunk, never whole
         shape = _batch_shape(array, "array")
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not 0 <= axis < len(shape):
             raise ValueError(f"axis: {axis} is out of range for an array of shape {getattr(array, 'shape', ())}")
@@ -132,6 +134,7 @@ class MappingLoader(WorkGenerator):
 
     def __init__(self, mapping, axis: int = 0):
         _check_axis(axis)
+        mapping = {key: as_streamed(value) for key, value in mapping.items()}
         sizes = {}
         shapes = {key: _batch_shape(value, f"mapping[{key!r}]") for key, value in mapping.items()}
         for key, shape in shapes.items():

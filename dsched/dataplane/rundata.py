@@ -36,6 +36,7 @@ from dsched.dataplane.outputs import (
     check_out_path,
     write_rows,
 )
+from dsched.dataplane.sources import holds_dask_rows, streams_dask, submit_rows
 from dsched.dataplane.store import ArrayRef, RunStore, classify_workers, find_shared, resolve_work, share_generator
 
 __all__ = ["RunData", "check_out", "direct_to_workers", "zarr_chunk_items"]
@@ -111,6 +112,8 @@ class RunData:
         # Sync runs and remote-only devices read the client's arrays directly; nothing to share.
         local = [d for d in kinds if d not in self.remote]
         self.generator = share_generator(generator, self.store) if local else generator
+        # Chunks with rows of a Dask array carry futures, which only a task's arguments resolve: no feeds.
+        self.streams_dask = streams_dask(generator)
         self.targets = None  # one write target per output array, once the layout is known
         self.outputs = None  # the client's view of the joined outputs
         self.pieces = {}  # output index -> {offset: rows}, for outputs that travel back by value
@@ -123,7 +126,12 @@ class RunData:
     # --- per chunk ----------------------------------------------------------
 
     def task_work(self, device, work):
-        """What a chunk's task carries: references for local workers, scattered data for remote ones."""
+        """What a chunk's task carries: references for local workers, scattered data for remote ones.
+
+        Rows of a Dask array go as a future of their own graph, computed on the cluster.
+        """
+        if holds_dask_rows(work):
+            return submit_rows(work, self.client)
         if device not in self.remote:
             return work
         # In a list: scatter would send a dict's values under the dict's own keys, shared by every chunk.

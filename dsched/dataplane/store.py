@@ -52,6 +52,7 @@ from dsched.dataplane.segments import (
 
 # Re-exported: the chunk runner (dsched.worker.chunk) and older code import it from here.
 from dsched.devices import backends
+from dsched.dataplane.sources import resolve_rows
 
 __all__ = ["ArrayRef", "RunStore", "classify_workers", "shared_empty", "shared_copy", "find_shared", "SHM_DIR"]
 
@@ -348,8 +349,8 @@ class SharedWork:
 
 def resolve_work(work, pinned=False):
     """The work a chunk's code sees: references resolved to array views (page-locked ones for a GPU with
-    ``pinned``), anything else unchanged."""
-    return work.resolve(pinned) if isinstance(work, SharedWork) else work
+    ``pinned``), rows of streamed inputs read (Zarr) or computed (Dask), anything else unchanged."""
+    return resolve_rows(work.resolve(pinned) if isinstance(work, SharedWork) else work)
 
 
 def _shareable(array) -> bool:

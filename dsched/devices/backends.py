@@ -29,6 +29,11 @@ detach unless ``keep_grad=True`` (then the copy is differentiable, which
 only helps where the chunk runs in the caller's process: sync mode or
 in-process workers).
 
+Streamed inputs (Zarr and Dask arrays, wrapped by :mod:`dsched.dataplane.sources`)
+speak a small protocol: ``shape``, ``dtype`` and ``__dsched_rows__(axis, start,
+stop)``, which returns a reference to those rows, read or computed where the
+chunk runs. :func:`take` returns that reference.
+
 NEML2 typed tensors (``SR2``, ``Scalar``, ...) keep their structure: the
 batch axis counts their *dynamic batch* axes only, so an ``SR2`` of shape
 ``(N, 6)`` has one batch axis of ``N`` items and an unbatched ``SR2`` (shape
@@ -327,9 +332,34 @@ class NEML2Backend(Backend):
         return self._rewrap(x, x.data.detach())
 
 
-NUMPY, CUPY, TORCH, NEML2 = NumPyBackend(), CuPyBackend(), TorchBackend(), NEML2Backend()
+class StreamedBackend(Backend):
+    """Inputs whose rows are read or computed where a chunk runs (the ``__dsched_rows__`` protocol).
+
+    They are cut, never moved: a chunk's rows (a reference) are resolved to a
+    NumPy array before the chunk's code sees them.
+    """
+
+    name = "streamed"
+
+    def owns(self, x) -> bool:
+        return hasattr(type(x), "__dsched_rows__")
+
+    def take(self, x, axis, start, stop):
+        return x.__dsched_rows__(axis, start, stop)
+
+    def host_view(self, x):
+        raise ValueError(f"{x!r} is streamed: its rows are read where each chunk runs, never whole")
+
+    def to_device(self, x, device, keep_grad=False):
+        return x
+
+    def to_host(self, x, keep_grad=False):
+        return x
+
+
+NUMPY, CUPY, TORCH, NEML2, STREAMED = NumPyBackend(), CuPyBackend(), TorchBackend(), NEML2Backend(), StreamedBackend()
 # NEML2 before torch: its wrappers are not tensors, but the order states the intent.
-BACKENDS = (NUMPY, NEML2, TORCH, CUPY)
+BACKENDS = (NUMPY, NEML2, TORCH, CUPY, STREAMED)
 
 
 def backend_of(x, strict: bool = True) -> Backend | None:
@@ -348,7 +378,8 @@ def backend_of(x, strict: bool = True) -> Backend | None:
         kind = f"{type(x).__module__}.{type(x).__qualname__}"
         raise UnsupportedArrayError(
             f"a {kind} has shape and dtype but is not an array dsched can split or move "
-            "(NumPy, CuPy, torch tensors and NEML2's typed tensors are); convert it first, e.g. with numpy.asarray"
+            "(NumPy, CuPy, torch tensors, NEML2's typed tensors, Zarr and Dask arrays are); convert it first, "
+            "e.g. with numpy.asarray"
         )
     return None
 

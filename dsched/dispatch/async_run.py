@@ -87,9 +87,10 @@ class AsyncRun:
     def _feeds(self, cluster):
         """The run's device feeds (:mod:`dsched.dispatch.feeds`) for devices whose workers map its store, if enabled.
 
-        A run with a timeout sends its chunks as tasks, which Dask can cancel one by one.
+        A run with a timeout sends its chunks as tasks, which Dask can cancel one by one; so does a run
+        over a Dask array, whose rows travel as futures (only a task's arguments resolve them).
         """
-        if not dask.config.get("dsched.feeds", True) or self.timeout is not None:
+        if not dask.config.get("dsched.feeds", True) or self.timeout is not None or self.data.streams_dask:
             return None
         local = {d: a for d, a in self.data.owners.items() if d not in self.data.remote and a}
         if not local:

@@ -18,6 +18,7 @@ import dask
 
 from dsched.dataplane.loaders import MappingLoader
 from dsched.dataplane.rundata import check_out
+from dsched.dataplane.sources import as_streamed
 from dsched.devices import backends
 from dsched.devices.threads import limit_this_thread
 from dsched.dispatch.dispatcher import WorkDispatcher
@@ -63,6 +64,8 @@ class _ArgsLayout:
         self.mapping = {}
         prepare = (lambda v: v) if _keep_grad(keep_grad) else backends.detach
         for i, arg in enumerate(args):
+            # A Zarr or Dask array (alone or in a dict) is streamed: its rows are read chunk by chunk, where each runs.
+            arg = {k: as_streamed(v) for k, v in arg.items()} if isinstance(arg, dict) else as_streamed(arg)
             if _is_array(arg, f"args[{i}]"):
                 self.mapping[f"args[{i}]"] = prepare(arg)
                 self.skeleton.append(_BATCHED)

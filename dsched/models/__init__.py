@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from dsched.models.j2 import J2Parameters, j2_chunk, j2_outputs, j2_update, loading_strain
+from dsched.models.j2 import J2_INPUTS, J2Parameters, j2_chunk, j2_outputs, j2_update, loading_strain, write_j2_inputs
 from dsched.models.neml2 import NEML2ConvergenceError, NEML2Model, NEML2Parameters, neml2_chunk
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "j2_update",
     "j2_chunk",
     "loading_strain",
+    "write_j2_inputs",
     "Model",
     "MODELS",
     "get_model",
@@ -32,6 +33,7 @@ class Model(NamedTuple):
     parameters_type: type
     description: str
     outputs: Callable | None = None  # outputs(tangent) -> {name: (item_shape, dtype)}, declared results
+    inputs: tuple = ()  # the arrays a chunk may be given instead of a slice (dsched run --input); () for none
 
 
 MODELS = {
@@ -40,6 +42,7 @@ MODELS = {
         parameters_type=J2Parameters,
         description="small-strain J2 plasticity, radial return with linear isotropic hardening",
         outputs=j2_outputs,
+        inputs=J2_INPUTS,
     ),
     # Outputs not declared: they depend on the input file (probed on two points instead).
     "neml2": Model(

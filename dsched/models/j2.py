@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 
 import numpy
@@ -28,6 +29,8 @@ __all__ = [
     "elastic_stiffness",
     "loading_strain",
     "j2_chunk",
+    "J2_INPUTS",
+    "write_j2_inputs",
     "mandel_to_tensor",
     "tensor_to_mandel",
     "get_array_module",
@@ -438,6 +441,38 @@ def _to_host(a):
     return a.get() if hasattr(a, "__cuda_array_interface__") else numpy.asarray(a)
 
 
+#: the inputs of a J2 chunk given as arrays (``dsched run --input``), in j2_update's order
+J2_INPUTS = ("strain", "plastic_strain", "alpha")
+
+
+def write_j2_inputs(path, points, *, piece=1_000_000, overwrite=False):
+    """Write ``points`` J2 inputs to a new Zarr store at ``path`` (``loading_strain``, zero state), piece by piece.
+
+    The store holds ``strain`` (points, 6), ``plastic_strain`` (points, 6) and
+    ``alpha`` (points,): the input of ``dsched run --input``. At most ``piece``
+    points are in memory at once.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> store = write_j2_inputs(os.path.join(tempfile.mkdtemp(), "in.zarr"), 10)
+    >>> import zarr; zarr.open_group(store, mode="r")["strain"].shape
+    (10, 6)
+    """
+    import zarr
+
+    group = zarr.open_group(store=os.fspath(path), mode="w" if overwrite else "w-")
+    chunk = min(piece, points)
+    arrays = {name: group.create_array(name, shape=(points, 6) if name != "alpha" else (points,),
+                                       chunks=(chunk, 6) if name != "alpha" else (chunk,), dtype="f8",
+                                       compressors=None, fill_value=0.0)
+              for name in J2_INPUTS}
+    for start in range(0, points, chunk):
+        stop = min(start + chunk, points)
+        arrays["strain"][start:stop] = loading_strain(numpy.arange(start, stop))
+    return os.fspath(path)
+
+
 def j2_outputs(tangent=True):
     """What :func:`j2_chunk` returns per point, ``{name: (item_shape, dtype)}``, so outputs are allocated up front.
 
@@ -453,15 +488,18 @@ def j2_outputs(tangent=True):
 
 
 def j2_chunk(work, device=None, params=_DEFAULT_PARAMETERS, *, xp=None, tangent=True, out=None):
-    """Run the J2 update on the points ``work`` (a slice of global indices).
+    """Run the J2 update on the points ``work``: a slice of global indices, or the chunk's inputs.
 
-    Inputs are generated where the chunk runs by :func:`loading_strain`, from
-    zero plastic strain and zero ``alpha``, so no arrays travel to the worker.
+    For a slice, inputs are generated where the chunk runs by :func:`loading_strain`,
+    from zero plastic strain and zero ``alpha``, so no arrays travel to the worker.
+    A dict gives the inputs themselves (``strain``, ``plastic_strain``, ``alpha``;
+    ``dsched run --input`` reads them from a Zarr store, chunk by chunk).
 
     Parameters
     ----------
-    work : slice
-        Point indices ``work.start`` (default 0) to ``work.stop``, step ``work.step``.
+    work : slice or dict
+        Point indices ``work.start`` (default 0) to ``work.stop``, step ``work.step``;
+        or ``{"strain": (n, 6), "plastic_strain": (n, 6), "alpha": (n,)}`` arrays.
     device : Device or None
         Where the chunk runs: CuPy on a real CUDA device, NumPy otherwise.
     params : J2Parameters
@@ -479,18 +517,23 @@ def j2_chunk(work, device=None, params=_DEFAULT_PARAMETERS, *, xp=None, tangent=
     dict of NumPy arrays
         As :func:`j2_update`, copied back to the host.
     """
-    if not isinstance(work, slice) or work.stop is None:
-        raise ValueError(f"work must be a slice with a stop, got {work!r}")
+    if isinstance(work, dict):
+        missing = [name for name in J2_INPUTS if name not in work]
+        if missing:
+            raise ValueError(f"work: the J2 inputs {', '.join(missing)} are missing (it has {', '.join(work)})")
+    elif not isinstance(work, slice) or work.stop is None:
+        raise ValueError(f"work must be a slice with a stop, or a dict of inputs, got {work!r}")
     if xp is None:
         xp, context = _xp_for(device)
     else:
         context = contextlib.nullcontext()
     with context:
-        indices = xp.arange(work.start or 0, work.stop, work.step or 1)
-        strain = loading_strain(indices, xp=xp)
-        n = strain.shape[0]
-        result = j2_update(
-            strain, xp.zeros((n, 6), dtype=strain.dtype), xp.zeros(n, dtype=strain.dtype),
-            params, tangent=tangent, xp=xp, out=out if xp is numpy else None,
-        )
+        if isinstance(work, dict):
+            strain, plastic_strain, alpha = (xp.asarray(work[name]) for name in J2_INPUTS)
+        else:
+            strain = loading_strain(xp.arange(work.start or 0, work.stop, work.step or 1), xp=xp)
+            plastic_strain = xp.zeros(strain.shape, dtype=strain.dtype)
+            alpha = xp.zeros(strain.shape[0], dtype=strain.dtype)
+        result = j2_update(strain, plastic_strain, alpha, params, tangent=tangent, xp=xp,
+                           out=out if xp is numpy else None)
         return {key: _to_host(value) for key, value in result.items()}
