@@ -74,12 +74,20 @@ def _segments():
     return sorted(name for name in os.listdir(SHM_DIR) if name.startswith("dsched-"))
 
 
-def test_thirty_calls_with_object_outputs_leave_no_segment(process_client):
+def test_thirty_calls_with_object_outputs_reuse_their_segments_and_leak_none(process_client):
+    from dsched.dataplane.segments import release_pool
+
     scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[300, 400])
+    release_pool()
     before = _segments()
     x = np.arange(5000.0)
-    for _ in range(30):
+    out = dsched.dispatch(labelled, x, scheduler=scheduler, client=process_client)
+    first = _segments()
+    for _ in range(29):
+        del out
         out = dsched.dispatch(labelled, x, scheduler=scheduler, client=process_client)
     assert out["label"][4999] == ("big", 4999)
+    assert _segments() == first  # the same segments, call after call: nothing new, nothing leaked
     del out
+    release_pool()
     assert _segments() == before

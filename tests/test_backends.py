@@ -30,16 +30,28 @@ def test_backend_of_names_each_kind_and_nothing_else():
         assert backends.backend_of(not_an_array) is None
 
 
+class LookAlike:
+    """Has a shape and a dtype, as arrays do, but no way to be sliced or moved."""
+
+    shape, dtype = (4,), np.dtype("f8")
+
+
 def test_look_alikes_with_shape_and_dtype_get_a_clear_error():
+    with pytest.raises(backends.UnsupportedArrayError, match=r"a test_backends\.LookAlike has shape and dtype"):
+        backends.backend_of(LookAlike())
+    with pytest.raises(ValueError, match=r"args\[1\]: a test_backends\.LookAlike has shape and dtype"):
+        dsched.dispatch(np.add, np.zeros(4), LookAlike(), scheduler=dsched.SimpleScheduler("cpu", 2), mode="sync")
+    with pytest.raises(ValueError, match=r"args\[0\]\['b'\]: a test_backends"):
+        dsched.dispatch(lambda d: d["a"], {"a": np.zeros(4), "b": LookAlike()},
+                        scheduler=dsched.SimpleScheduler("cpu", 2), mode="sync")
+
+
+def test_dask_and_zarr_arrays_are_streamed_inputs_not_look_alikes():
     import dask.array as da
 
-    with pytest.raises(backends.UnsupportedArrayError, match=r"a dask\.array\.core\.Array has shape and dtype"):
-        backends.backend_of(da.zeros(4))
-    with pytest.raises(ValueError, match=r"args\[1\]: a dask\.array\.core\.Array has shape and dtype"):
-        dsched.dispatch(np.add, np.zeros(4), da.zeros(4), scheduler=dsched.SimpleScheduler("cpu", 2), mode="sync")
-    with pytest.raises(ValueError, match=r"args\[0\]\['b'\]: a dask"):
-        dsched.dispatch(lambda d: d["a"], {"a": np.zeros(4), "b": da.zeros(4)},
-                        scheduler=dsched.SimpleScheduler("cpu", 2), mode="sync")
+    out = dsched.dispatch(np.add, np.zeros(4), da.ones(4, chunks=2), scheduler=dsched.SimpleScheduler("cpu", 2),
+                          mode="sync")
+    np.testing.assert_array_equal(out, np.ones(4))
 
 
 # --- host views and rebuilding --------------------------------------------------------

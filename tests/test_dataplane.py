@@ -18,12 +18,16 @@ import numpy as np
 import pytest
 
 import dsched
+from dsched.dataplane.segments import POOL, release_pool
 from dsched.outputs import ChunkResultError
 from dsched.store import SHM_DIR
 
 
 def shm_entries(pid=None):
-    """This process's segments (or ``pid``'s): other test runs on the machine have their own."""
+    """This process's segments (or ``pid``'s) beyond those kept for later calls (the segment pool), which
+    are released first: other test runs on the machine have their own."""
+    if pid is None:
+        release_pool()
     prefix = f"dsched-{os.getpid() if pid is None else pid}-"
     return {name for name in os.listdir(SHM_DIR) if name.startswith(prefix)}
 
@@ -44,8 +48,11 @@ def test_processes_results_equal_numpy_and_leave_no_segment(process_client):
     assert out["y"].shape == (1000, 3) and out["n"].shape == (1000,)
     np.testing.assert_array_equal(out["y"], 2.0 * x + b)
     np.testing.assert_array_equal(out["n"], np.linalg.norm(x, axis=1))
-    assert shm_entries() == before  # unlinked at the end; the returned arrays stay valid
+    # The input segment went to the pool at the end; the output's stays while its arrays live, then joins it.
+    assert len(shm_entries() - before) == 1
     out["y"][0] = 1.0  # and writable, like any result
+    del out
+    assert shm_entries() == before
 
 
 @pytest.mark.parametrize("feeds", [True, False])
@@ -257,6 +264,7 @@ def test_killed_worker_loses_nothing_and_leaves_no_segment():
                                       client=client, on_chunk_done=kill_once)
             np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x)), x ** 2)
             assert killed
+    del d  # its last run's output (kept for run_failed) holds an output segment until then
     assert shm_entries() == before
 
 
@@ -470,7 +478,7 @@ def test_shared_arrays_travel_without_a_copy_and_are_written_in_place(process_cl
     # A contiguous slice of a shared array is shared too.
     half = dsched.dispatch(np.negative, x[500:], scheduler=hybrid(100), client=process_client)
     np.testing.assert_array_equal(half, -x[500:])
-    del x, out, result, d
+    del x, out, result, d, half
     gc.collect()
     assert len(shm_entries()) == len(own) - 2  # both arrays' segments unlinked with them
 

@@ -37,7 +37,14 @@ from dsched.dataplane.outputs import (
     write_rows,
 )
 from dsched.dataplane.sources import holds_dask_rows, streams_dask, submit_rows
-from dsched.dataplane.store import ArrayRef, RunStore, classify_workers, find_shared, resolve_work, share_generator
+from dsched.dataplane.store import (
+    ArrayRef,
+    RunStore,
+    classify_workers,
+    find_shared,
+    resolve_work,
+    share_generator,
+)
 
 __all__ = ["RunData", "check_out", "direct_to_workers", "zarr_chunk_items"]
 
@@ -90,10 +97,13 @@ class RunData:
         Where the joined outputs go: a Zarr store to create, or arrays to fill (checked by :func:`check_out`).
     chunk_items : int
         Zarr chunk length along the axis (a divisor of every batch size, so writers never share a Zarr chunk).
+    probe : callable, optional
+        ``probe()`` -> the layout of a chunk's result, or ``None``; asked when worker
+        processes would otherwise send the first chunks' results back by value.
     """
 
     def __init__(self, generator, *, client=None, owners=None, concat_axis=None, layout=None, out=None,
-                 chunk_items=1):
+                 chunk_items=1, probe=None):
         self.client = client
         self.total = generator.total
         self.axis = concat_axis
@@ -120,6 +130,8 @@ class RunData:
         if self.layout is None and self.axis is not None and _out_arrays(out):
             # The user's out= arrays declare the layout: every chunk, the first ones included, writes in place.
             self.layout = layout = OutputLayout.of(out, self.total, self.axis, where="out", origin="as out= holds")
+        if layout is None and self.axis is not None and probe is not None and self.store.shared:
+            layout = self.layout = _probed(probe)
         if layout is not None:
             self._allocate(layout)
 
@@ -214,9 +226,27 @@ class RunData:
             ordered.append(_empty_rows(ordered[-1], self.total - position, self.axis))
         return np.concatenate(ordered, axis=self.axis)
 
-    def close(self):
-        """Release the run's shared memory (the returned outputs stay valid)."""
-        self.store.close()
+    def fill_undispatched(self, records):
+        """Rows of items no chunk was dispatched for (a run that stopped early): NaN in floating outputs, 0 in
+        others, since a reused segment holds a past call's values there."""
+        if self.targets is None:
+            return
+        for start, stop in _gaps(self.total, [(r.offset, r.offset + r.size) for r in records]):
+            for leaf, target in zip(self.layout.leaves, self.targets):
+                if target is BY_VALUE:
+                    continue
+                dtype = np.dtype(leaf.dtype)
+                shape = self.layout.shapes(stop - start)[leaf.path]
+                fill = np.nan if dtype.kind in "fc" else 0
+                write_rows(target, self.axis, start, stop, np.full(shape, fill, dtype))
+
+    def close(self, clean=False):
+        """Release the run's shared memory (the returned outputs stay valid).
+
+        ``clean``: every chunk ended and none failed, so the segments may be kept
+        for the next call (see :class:`~dsched.dataplane.segments.SegmentPool`).
+        """
+        self.store.close(clean)
 
     # --- allocation -----------------------------------------------------------
 
@@ -230,7 +260,8 @@ class RunData:
             self.targets = tuple(self._user_target(a) for a in self.outputs)
         else:
             shared = [leaf for leaf in layout.leaves if not leaf.by_value]
-            allocated = iter(self.store.allocate_many([(shapes[leaf.path], leaf.dtype) for leaf in shared]))
+            allocated = iter(self.store.allocate_many([(shapes[leaf.path], leaf.dtype) for leaf in shared],
+                                                      handed_out=True))
             pairs = [(BY_VALUE, None) if leaf.by_value else next(allocated) for leaf in layout.leaves]
             self.targets = tuple(target for target, _ in pairs)
             self.outputs = [view for _, view in pairs]
@@ -277,6 +308,26 @@ class RunData:
 def _out_arrays(out) -> bool:
     """Whether ``out`` is the user's arrays (not a store path, not absent)."""
     return out is not None and not isinstance(out, (str, os.PathLike))
+
+
+def _probed(probe):
+    """The layout ``probe`` learns, or ``None`` if it cannot (the chunks then tell, by value)."""
+    try:
+        return probe()
+    except Exception:  # the model fails on its own, or on one item: its real chunks will say how, in context
+        return None
+
+
+def _gaps(total, ranges):
+    """The ``(start, stop)`` parts of ``0:total`` no range covers."""
+    gaps, position = [], 0
+    for start, stop in sorted(ranges):
+        if start > position:
+            gaps.append((position, start))
+        position = max(position, stop)
+    if position < total:
+        gaps.append((position, total))
+    return gaps
 
 
 def _empty_rows(like, n, axis):

@@ -4,12 +4,14 @@ The memory beneath the data plane (:mod:`dsched.dataplane.store` places a
 run's arrays in it): segments this process creates (exclusively, mode 0600,
 registered with the resource tracker), this process's lasting mappings of any
 segment (plain, or page-locked for a GPU) and their release once their run
-ended, the sweep of segments whose creator is gone, and :func:`shared_empty`
-arrays, which live in a segment from the start.
+ended, the sweep of segments whose creator is gone, :func:`shared_empty`
+arrays, which live in a segment from the start, and the pool of segments kept
+for the next call (:class:`SegmentPool`).
 """
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import secrets
@@ -21,7 +23,7 @@ import numpy as np
 from dsched.names import SEGMENT_PREFIX
 
 __all__ = ["SHM_DIR", "mapped_segment", "pinned_segment", "forget_vanished_segments", "sweep_stale_segments",
-           "shared_empty", "shared_copy"]
+           "shared_empty", "shared_copy", "SegmentPool", "POOL", "release_pool"]
 
 SHM_DIR = "/dev/shm"
 _PREFIX = SEGMENT_PREFIX
@@ -135,7 +137,11 @@ _own_segments: "weakref.WeakValueDictionary[str, mmap.mmap]" = weakref.WeakValue
 class _Segment:
     """One shared-memory file of this process: created exclusively, mapped, unlinked at close."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, _reused=None):
+        if _reused is not None:  # a segment taken from the pool: its file and this process's mapping, as they are
+            self.token, self.path, self.buffer = _reused
+            _own_segments[self.token] = self.buffer
+            return
         self.token = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
         self.path = os.path.join(SHM_DIR, self.token)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -152,6 +158,88 @@ class _Segment:
 
     def unlink(self):
         _unlink(self.token, self.path)
+
+
+def round_to_pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages: the size a pooled segment is kept (and matched) at."""
+    page = mmap.PAGESIZE
+    return max(-(-int(nbytes) // page) * page, page)
+
+
+class SegmentPool:
+    """Segments of finished calls, kept for the next call of the same size instead of being unlinked.
+
+    A new segment costs a page fault per page, in this process and in every
+    worker that touches it; a kept one costs none: its file stays in
+    ``/dev/shm``, this process keeps its mapping, and the workers keep theirs
+    (they drop a mapping only once its file is gone). A solver that calls
+    :func:`dsched.dispatch` once per step with the same shapes reuses the same
+    segments step after step.
+
+    Segments come back when a run that used them ended cleanly (inputs) or
+    when the arrays handed out over them are gone (outputs). At most
+    ``dsched.segment-pool`` bytes are kept (Dask config; default 2 GiB, 0 keeps
+    none), the oldest given back first; :func:`release_pool` empties it, and
+    every kept segment is unlinked at exit (or by the resource tracker).
+    """
+
+    def __init__(self):
+        self._free = []  # (nbytes, token, path, buffer), oldest first
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def capacity() -> int:
+        from dask import config
+
+        return int(config.get("dsched.segment-pool", 2 * 2**30))
+
+    def take(self, nbytes: int):
+        """A kept segment of exactly ``round_to_pages(nbytes)`` bytes, or ``None``."""
+        nbytes = round_to_pages(nbytes)
+        with self._lock:
+            for i, (size, token, path, buffer) in enumerate(self._free):
+                if size == nbytes:
+                    del self._free[i]
+                    return _Segment(nbytes, _reused=(token, path, buffer))
+        return None
+
+    def give(self, token, path, buffer):
+        """Keep a segment this process made for a later call (or unlink it, when over the pool's capacity)."""
+        size, cap = len(buffer), self.capacity()
+        evicted = []
+        with self._lock:
+            if size <= cap:
+                self._free.append((size, token, path, buffer))
+            else:
+                evicted.append((token, path))
+            while sum(entry[0] for entry in self._free) > cap:
+                _, old_token, old_path, _ = self._free.pop(0)
+                evicted.append((old_token, old_path))
+        for old_token, old_path in evicted:
+            _unlink(old_token, old_path)
+
+    def held(self) -> int:
+        """Bytes kept now."""
+        with self._lock:
+            return sum(entry[0] for entry in self._free)
+
+    def release(self):
+        """Unlink every kept segment (workers drop their mappings at their next chunk)."""
+        with self._lock:
+            free, self._free = self._free, []
+        for _, token, path, _ in free:
+            _unlink(token, path)
+
+
+POOL = SegmentPool()
+atexit.register(POOL.release)
+
+
+def release_pool() -> int:
+    """Unlink the segments kept for later calls (:class:`SegmentPool`); the bytes released."""
+    held = POOL.held()
+    POOL.release()
+    return held
 
 
 def _unlink(token, path):

@@ -16,10 +16,14 @@ bytes whatever the array's size):
 Output arrays are allocated the same way, and each chunk writes its own rows
 where it runs (disjoint rows, so no lock).
 
-Lifetime: a segment lives while its run does. :meth:`RunStore.close` unlinks
-every segment, also after a failure or Ctrl-C; the client's mapping of an
-output keeps the memory alive for as long as the user holds the returned
-array, with no name left in ``/dev/shm``. Segments are registered with
+Lifetime: a segment lives while its run does, and is then kept for the next
+call of the same size (:class:`~dsched.dataplane.segments.SegmentPool`): an
+input segment when its run ends cleanly, an output segment when the arrays
+returned over it are gone. A run that failed, timed out or was interrupted
+keeps nothing: :meth:`RunStore.close` unlinks its segments (a chunk still
+running somewhere must not write into a later call's memory); the client's
+mapping of an output keeps the memory alive for as long as the user holds the
+returned array, with no name left in ``/dev/shm``. Segments are registered with
 Python's resource tracker, a separate process that unlinks them should the
 client be killed. Names carry 128 random bits and files are created with mode
 0600 and ``O_EXCL``, so another client (or another run) cannot guess, read
@@ -31,6 +35,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,21 +43,24 @@ import numpy as np
 from dsched.dataplane.loaders import ArrayLoader, MappingLoader, Ranges
 from dsched.dataplane.segments import (
     _PREFIX,
+    POOL,
     SHM_DIR,
     _map_range,
     _populate,
     _Segment,
     _shared_location,
+    _unlink,
     mapped_segment,
     pinned_segment,
+    round_to_pages,
     shared_copy,
     shared_empty,
     sweep_stale_segments,
 )
+from dsched.dataplane.sources import resolve_rows
 
 # Re-exported: the chunk runner (dsched.worker.chunk) and older code import it from here.
 from dsched.devices import backends
-from dsched.dataplane.sources import resolve_rows
 
 __all__ = ["ArrayRef", "RunStore", "classify_workers", "shared_empty", "shared_copy", "find_shared", "SHM_DIR"]
 
@@ -169,7 +177,8 @@ class RunStore:
 
     def __init__(self, shared: bool):
         self.shared = shared
-        self._segments: list[_Segment] = []
+        self._segments: list[_Segment] = []  # inputs: kept for the next call after a clean run
+        self._leases: list[_Lease] = []  # outputs: kept once the arrays handed out over them are gone
         self._tokens: list[str] = []
         if shared:
             sweep_stale_segments()
@@ -216,8 +225,13 @@ class RunStore:
         """A new uninitialised array: ``(reference, the client's view of it)``."""
         return self.allocate_many([(shape, dtype)])[0]
 
-    def allocate_many(self, specs) -> list:
-        """New uninitialised arrays ``[(shape, dtype)]`` in one segment: ``[(reference, the client's view)]``."""
+    def allocate_many(self, specs, *, handed_out=False) -> list:
+        """New uninitialised arrays ``[(shape, dtype)]`` in one segment: ``[(reference, the client's view)]``.
+
+        ``handed_out``: the views are returned to the caller (a run's outputs); the
+        segment then goes back to the pool when they are all gone, not at :meth:`close`.
+        A segment may come from the pool: its contents are a past call's.
+        """
         specs = [(tuple(int(n) for n in shape), np.dtype(dtype)) for shape, dtype in specs]
         for _, dtype in specs:
             if dtype.hasobject:
@@ -229,12 +243,16 @@ class RunStore:
         for shape, dtype in specs:
             offsets.append(end)
             end += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // 64) * 64  # 64-byte aligned
-        segment = _Segment(end)
-        self._segments.append(segment)
+        segment = POOL.take(end) or _Segment(round_to_pages(end))
+        base = np.frombuffer(segment.buffer, np.uint8)
+        if handed_out:
+            self._leases.append(_Lease.of(segment, base))
+        else:
+            self._segments.append(segment)
         placed = []
         for (shape, dtype), offset in zip(specs, offsets):
             count = int(np.prod(shape, dtype=np.int64))
-            view = np.frombuffer(segment.buffer, dtype, count=count, offset=offset).reshape(shape)
+            view = base[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
             placed.append((ArrayRef(segment.token, shape, dtype.str, os.getpid(), True, offset), view))
         return placed
 
@@ -246,15 +264,50 @@ class RunStore:
         self._tokens.append(token)
         return ArrayRef(token, tuple(array.shape), array.dtype.str, os.getpid(), False)
 
-    def close(self):
-        """Release everything: unlink segments (the client's views stay valid) and drop registrations."""
+    def close(self, clean=False):
+        """Release everything and drop registrations; the client's views stay valid.
+
+        ``clean``: every chunk of the run ended, so nothing writes into its segments
+        any more: they are kept for the next call (inputs now, outputs once their
+        arrays are gone). Otherwise they are unlinked.
+        """
         segments, self._segments = self._segments, []
+        leases, self._leases = self._leases, []
         for segment in segments:
-            segment.unlink()
+            if clean:
+                POOL.give(segment.token, segment.path, segment.buffer)
+            else:
+                segment.unlink()
+        for lease in leases:
+            if not clean:
+                lease.revoke()
         tokens, self._tokens = self._tokens, []
         with _local_lock:
             for token in tokens:
                 _local_arrays.pop(token, None)
+
+
+class _Lease:
+    """An output segment lent to the caller: back to the pool when its arrays are gone, unless revoked."""
+
+    def __init__(self, token, path, buffer):
+        self.token, self.path, self.buffer, self.revoked = token, path, buffer, False
+
+    @classmethod
+    def of(cls, segment, base):
+        lease = cls(segment.token, segment.path, segment.buffer)
+        weakref.finalize(base, lease.end)  # base: the array every view of the segment derives from
+        return lease
+
+    def revoke(self):
+        """Never recycle it (its run did not end cleanly): unlink its name now."""
+        self.revoked = True
+        _unlink(self.token, self.path)
+
+    def end(self):
+        if not self.revoked:
+            POOL.give(self.token, self.path, self.buffer)
+        self.buffer = None
 
 
 # --- arrays that live in shared memory from the start ----------------------------

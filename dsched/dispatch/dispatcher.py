@@ -30,6 +30,7 @@ from dsched.devices.ownership import check_devices_owned, cluster_info, device_o
 from dsched.dispatch.async_run import AsyncRun
 from dsched.errors import AggregateError, ChunkTimeoutError
 from dsched.observe.hooks import Observers, RunStart
+from dsched.observe.predictions import PredictionObserver
 from dsched.observe.progress import ChunkCallback
 from dsched.observe.report import ChunkRecord, RunReport
 from dsched.observe.trace import TraceObserver, check_trace_path
@@ -85,6 +86,13 @@ class WorkDispatcher:
         in shared memory.
     overwrite : bool
         Replace an existing Zarr store at ``out``.
+    layout_probe : callable, optional
+        With ``join="concat"`` and no ``output_spec``: ``layout_probe()`` returns the
+        layout of a chunk's result (:class:`~dsched.dataplane.outputs.OutputLayout`),
+        or ``None``. It is called once per run, on the client, when the chunks run in
+        worker processes, so that even the first chunks write their rows in place
+        instead of sending them back. :func:`dsched.dispatch` probes its function on
+        the batch's first item this way.
     output_spec : dict, optional
         ``{name: (item_shape, dtype)}``: the declared result of a chunk (a dict of arrays),
         so that outputs are allocated before the first chunk returns.
@@ -122,6 +130,7 @@ class WorkDispatcher:
         out=None,
         overwrite=False,
         output_spec=None,
+        layout_probe=None,
         timeout=None,
         observers=(),
     ):
@@ -144,6 +153,7 @@ class WorkDispatcher:
         self.timeout = timeout
         self.join, self.axis, self.out, self.overwrite = join, axis, out, bool(overwrite)
         self._layout = None if output_spec is None else OutputLayout.declared(output_spec, axis)
+        self._layout_probe = layout_probe
         self.trace_file = None if trace_file is None else check_trace_path(trace_file)
         self.observers = list(Observers(observers).observers)  # checked here, before any run
         self.scheduler = scheduler
@@ -221,7 +231,7 @@ class WorkDispatcher:
         total = _items(generator)
         self.last_run = report = RunReport(self.mode, wall_start=time.time())
         observers = self._run_observers()
-        data = None
+        data, ended = None, False
         try:
             if self.mode == "sync":
                 data = self._open_data(generator, out)
@@ -235,14 +245,22 @@ class WorkDispatcher:
                     self.scheduler.bind(client)
                 data = self._open_data(generator, out, client, cluster["workers"])
                 self._run_async(client, data, report, cluster, observers)
+            ended = True
         finally:
             report.wall_stop = time.time()
             if data is not None:
-                if data.outputs is not None:
-                    report.output = data.output()
-                data.close()
+                self._close_data(data, report, clean=ended and all(r.error is None for r in report.records))
             observers.run_finished(report)  # even after a failure, so a trace file stays balanced
         return self._result(report, total)
+
+    @staticmethod
+    def _close_data(data, report, clean):
+        """The run's joined output into its report, and its memory released (kept for the next call if ``clean``)."""
+        if data.outputs is not None:
+            if not clean:
+                data.fill_undispatched(report.records)
+            report.output = data.output()
+        data.close(clean)
 
     def _result(self, report, total):
         """The run's value: its joined output, its results (reduced), or its chunks' errors raised.
@@ -269,8 +287,10 @@ class WorkDispatcher:
         return report.results if self.reduce is None else self.reduce(report.results)
 
     def _run_observers(self) -> Observers:
-        """This run's observers: its trace, its progress callback, then the dispatcher's own."""
-        observers = [] if self.trace_file is None else [TraceObserver(self.trace_file)]
+        """This run's observers: predictions (a policy that predicts), its trace, progress, then the dispatcher's own."""
+        observers = [PredictionObserver()] if PredictionObserver.applies_to(self.scheduler) else []
+        if self.trace_file is not None:
+            observers.append(TraceObserver(self.trace_file))
         if self.on_chunk_done is not None:
             observers.append(ChunkCallback(self.on_chunk_done))
         return Observers(observers + self.observers)
@@ -320,7 +340,7 @@ class WorkDispatcher:
         owners = None if client is None else device_owners(client, self.scheduler.devices, workers)
         sizes = [s.batch_size for s in self.scheduler.status()]
         return RunData(generator, client=client, owners=owners, concat_axis=None if self.join is None else self.axis,
-                       layout=self._layout, out=out, chunk_items=zarr_chunk_items(sizes))
+                       layout=self._layout, out=out, chunk_items=zarr_chunk_items(sizes), probe=self._layout_probe)
 
     def _next_chunk(self, generator, observers):
         """``(device, m, work, offset)`` for the policy's next chunk, or ``None`` when it has no room."""

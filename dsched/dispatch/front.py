@@ -10,6 +10,7 @@ with ``join="concat"`` does the rest.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from dataclasses import dataclass
@@ -17,8 +18,10 @@ from dataclasses import dataclass
 import dask
 
 from dsched.dataplane.loaders import MappingLoader
+from dsched.dataplane.outputs import OutputLayout
 from dsched.dataplane.rundata import check_out
 from dsched.dataplane.sources import as_streamed
+from dsched.dataplane.store import resolve_work
 from dsched.devices import backends
 from dsched.devices.threads import limit_this_thread
 from dsched.dispatch.dispatcher import WorkDispatcher
@@ -172,6 +175,8 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file
     # Kept autograd needs the tensors themselves joined (torch.cat), not their values copied in place.
     join = dict(reduce=functools.partial(concat_reduce, axis=axis)) if keep_grad else dict(
         join="concat", axis=axis, out=out, overwrite=overwrite)
+    if not keep_grad:  # the first chunks then write in place like the others (see WorkDispatcher's layout_probe)
+        join["layout_probe"] = functools.partial(_probe_layout, fn, layout, kwargs, axis)
     dispatcher = WorkDispatcher(
         scheduler,
         _CallOnChunk(fn, layout, kwargs, keep_grad),
@@ -183,6 +188,29 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file
     )
     with dispatcher:
         return dispatcher.run(loader)
+
+
+def _probe_layout(fn, layout, kwargs, axis):
+    """The layout of ``fn``'s result, learned by calling it on the batch's first item, here on the client.
+
+    A function marked ``fn.probe_outputs = False`` is never called this way
+    (its first chunks then send their results back, and fix the layout).
+    """
+    if getattr(fn, "probe_outputs", True) is False:
+        return None
+    _, first = MappingLoader(layout.mapping, axis=axis).next(1)
+    first = {key: _read_only_copy(value) for key, value in resolve_work(first).items()}
+    result = backends.to_host(fn(*layout.rebuild(first), **kwargs))
+    return OutputLayout.of(result, 1, axis, where="dispatch's probe of fn on the first item")
+
+
+def _read_only_copy(value):
+    """One item of an input, copied, and read-only where NumPy: the probe must never touch the caller's batch."""
+    if isinstance(value, np.ndarray):
+        value = value.copy()
+        value.flags.writeable = False
+        return value
+    return copy.deepcopy(value)
 
 
 def _batch_is_empty(mapping, axis) -> bool:
