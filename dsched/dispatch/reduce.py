@@ -30,7 +30,7 @@ def concat_reduce(results, axis: int = 0):
 
     Examples
     --------
-    >>> from .backends import backend_of, batch_shape, concatenate
+    >>> import numpy as np
     >>> concat_reduce([{"y": np.zeros(2)}, {"y": np.ones(1)}])["y"].tolist()
     [0.0, 0.0, 1.0]
     """
