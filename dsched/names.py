@@ -11,8 +11,8 @@ from __future__ import annotations
 
 __all__ = [
     "RESOURCE_PREFIX", "EMULATED_RESOURCE",
-    "DASHBOARD_PLUGIN", "PLACEMENT_PLUGIN", "DEVICE_WORKER_PLUGIN", "FEED_WORKER_PLUGIN",
-    "CHUNK_EVENT_TOPIC", "PLACEMENT_EVENT_TOPIC",
+    "DASHBOARD_PLUGIN", "PLACEMENT_PLUGIN", "DEVICE_WORKER_PLUGIN", "FEED_WORKER_PLUGIN", "WORKER_METRICS_PLUGIN",
+    "CHUNK_EVENT_TOPIC", "PLACEMENT_EVENT_TOPIC", "PREDICTION_EVENT_TOPIC",
     "ITEMS_ANNOTATION", "DEVICE_ANNOTATION", "RELAXED_ANNOTATION",
     "FEED_KEY_MARK", "is_feed_key", "SEGMENT_PREFIX",
 ]
@@ -28,12 +28,16 @@ DASHBOARD_PLUGIN = "dsched-dashboard"
 PLACEMENT_PLUGIN = "dsched-placement"
 DEVICE_WORKER_PLUGIN = "dsched-device"
 FEED_WORKER_PLUGIN = "dsched-feeds"
+#: the worker plugin that serves a GPU worker's device memory on its /metrics
+WORKER_METRICS_PLUGIN = "dsched-metrics"
 
 # --- event topics (``Worker.log_event`` / ``Client.subscribe_topic``) -----------
 #: a feed's or a pack's chunk finished on its worker (read by the dashboard)
 CHUNK_EVENT_TOPIC = "dsched-chunks"
 #: a planned block was placed, or placed elsewhere than planned
 PLACEMENT_EVENT_TOPIC = "dsched-placement"
+#: (device, worker, predicted, measured) chunk times of a performance-model run, sent by the client
+PREDICTION_EVENT_TOPIC = "dsched-predictions"
 
 # --- task annotations ----------------------------------------------------------
 #: a chunk task's item count, where it differs from its resource request

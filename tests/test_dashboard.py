@@ -244,6 +244,46 @@ def test_page_renders_one_row_per_device_in_headless_chromium(dashboard_cluster,
     assert rows["cpu"]["emulated"] == "no" and rows["cuda:0"]["emulated"] == "yes"
 
 
+def _sleep_in_proportion(work, device):
+    """A chunk of ``n`` items sleeping ``n / 4000`` s, as the performance model below predicts."""
+    time.sleep((work.stop - work.start) / 4000)
+    return work.stop - work.start
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium; .ci/run does)")
+def test_page_plots_predicted_against_measured_chunk_times_in_headless_chromium(dashboard_cluster):
+    """A PerformanceModelScheduler run: the plot has one point per chunk, as the run report has it, per device."""
+    from dsched import PerformanceModelScheduler, SliceGenerator, WorkDispatcher
+
+    client, base = dashboard_cluster
+    costs = {device: {"t0": 0.001, "n_star": 4} for device in CAPACITY}  # 4,000 items/s: chunks of 8 in 2 ms
+    scheduler = PerformanceModelScheduler(list(CAPACITY), costs=costs, chunk_seconds=0.002, client=False)
+    dispatcher = WorkDispatcher(scheduler, _sleep_in_proportion, reduce=sum, client=client)
+    assert dispatcher.run(SliceGenerator(0, 400)) == 400
+    report = dispatcher.last_run
+    records = [r for r in report.records if r.predicted is not None]
+    assert len(records) == len(report.records) > 10  # each device had a model from its first chunk
+    labels = {r["device"]: r["label"] for r in get_json(base + JSON_ROUTE)["devices"]}
+    expected = sorted((labels[str(r.device)], r.predicted, r.duration) for r in records)
+
+    def plotted(data):  # the page refreshes every 0.5 s: the run's every chunk, once
+        return len(_column(data, "predictions", "predicted")) == len(expected)
+
+    seen = browse(base + PAGE_ROUTE, [(plotted, None)], timeout=60)
+    last = [d for d in seen if "dom" not in d][-1]
+    drawn = sorted(zip(*(last["predictions"][k] for k in ("label", "predicted", "measured"))))
+    assert [d[0] for d in drawn] == [e[0] for e in expected] and {d[0] for d in drawn} == set(labels.values())
+    assert [v for d in drawn for v in d[1:]] == pytest.approx([v for e in expected for v in e[1:]], rel=1e-9)
+    errors = [abs(p - m) / m for _, p, m in drawn]
+    assert last["predictions"]["error"] == pytest.approx([abs(p - m) / m for p, m in zip(
+        last["predictions"]["predicted"], last["predictions"]["measured"])], rel=1e-9)
+    assert min(errors) >= 0 and len(last["diagonal"]["x"]) == 2  # the dashed line where predicted = measured
+    lo, hi = last["diagonal"]["x"]
+    assert lo == min(v for _, p, m in drawn for v in (p, m)) and hi == max(v for _, p, m in drawn for v in (p, m))
+    assert f"median relative error {100 * report.prediction_error:.1f} % over {len(records):,} chunks" in \
+        last["predictions_title"]
+
+
 # --- other clusters: registered on a running scheduler, command line, dask-mpi ----------
 
 def test_register_on_a_running_scheduler_serves_the_json_route():
@@ -420,7 +460,7 @@ _SOURCES_JS = r"""(() => {
   if (!doc) return JSON.stringify(null);
   const plain = v => (v !== null && typeof v === "object" && typeof v.length === "number") ? Array.from(v, plain) : v;
   const out = {};
-  for (const name of ["progress", "load", "throughput", "timeline"]) {
+  for (const name of ["progress", "load", "throughput", "timeline", "predictions", "diagonal"]) {
     const model = doc.get_model_by_name("dsched-" + name);
     if (!model) continue;
     const data = {};
@@ -430,6 +470,8 @@ _SOURCES_JS = r"""(() => {
   }
   const heading = doc.get_model_by_name("dsched-heading");
   out.heading = heading ? heading.text : null;
+  const predictions = doc.get_model_by_name("dsched-predictions-figure");
+  out.predictions_title = predictions && predictions.title ? predictions.title.text : null;
   return JSON.stringify(out);
 })()"""
 
@@ -754,7 +796,7 @@ def test_the_page_updates_again_and_again_on_a_long_run(dashboard_cluster):
     plots = DschedPlots(install(client.cluster.scheduler))
     plots.build_tables()
     for build in (plots.build_heading, plots.build_progress, plots.build_load, plots.build_throughput,
-                  plots.build_timeline):
+                  plots.build_timeline, plots.build_predictions):
         build()
     scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[2, 4], capacities=[8, 16])
     for n in (120, 60):

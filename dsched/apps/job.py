@@ -134,27 +134,36 @@ def format_report(result: JobResult) -> str:
     multi-node case) gets a row per host, labelled ``cuda:0@node3``; on one
     host the label is the device alone. Busy seconds are the device worker's
     time inside the chunks; items/s is items over busy seconds, so it
-    measures the device, not the transfers.
+    measures the device, not the transfers. A run whose policy predicted
+    chunk times (``PerformanceModelScheduler``) has a ``model err`` column, the
+    median relative error of each device's predictions, and a line with the
+    run's.
     """
     report = result.report
     rows = report.by_device()
     hosts = report.by_host()
     several = len(hosts) > 1
+    predicted = report.prediction_error is not None
     width = max([10, *(len(str(key)) + 1 for key in rows)]) if several else 10
     header = f"{'device':<{width}} {'emulated':<9} {'chunks':>7} {'items':>10} {'busy s':>8} {'items/s':>12}"
+    if predicted:
+        header += f" {'model err':>9}"
     lines = [header, "-" * len(header)]
 
     def line(label, emulated, row):
         rate = row["items_per_s"]
-        return (f"{label:<{width}} {emulated:<9} {row['chunks']:>7} {row['items']:>10} "
+        text = (f"{label:<{width}} {emulated:<9} {row['chunks']:>7} {row['items']:>10} "
                 f"{row['busy']:>8.3f} {'-' if math.isnan(rate) else f'{rate:,.0f}':>12}")
+        if predicted and "prediction_error" in row:
+            text += f" {_percent(row['prediction_error']):>9}"
+        return text
 
     for key, row in sorted(rows.items(), key=lambda kv: (kv[0].host, str(kv[0].device))) if several else rows.items():
         emulated = "yes" if result.emulated.get(Device(row["device"]), False) else "no"
         lines.append(line(str(key) if several else str(row["device"]), emulated, row))
     if several:  # per-node balance: one line per host, its devices together
         lines.append("-" * len(header))
-        lines.append(f"{'host':<{width}} {'devices':<9}" + header[width + 10:])
+        lines.append(f"{'host':<{width}} {'devices':<9}" + header[width + 10:len(header) - 10 * predicted])
         for host, row in sorted(hosts.items()):
             lines.append(line(host, str(len(row["devices"])), row))
     wall = report.wall_time
@@ -163,6 +172,14 @@ def format_report(result: JobResult) -> str:
         f"total: {report.items:,} items in {wall:.3f} s = {report.items / wall:,.0f} items/s ({report.mode} mode)"
         + (f" on {len(hosts)} hosts" if several else "")
     )
+    if predicted:
+        count = sum(r.prediction_error is not None for r in report.records)
+        lines.append(f"performance model: median relative error of predicted chunk times "
+                     f"{_percent(report.prediction_error)} over {count:,} chunks")
     if any(result.emulated.values()):
         lines.append("emulated devices computed with NumPy on the CPU: not a GPU measurement")
     return "\n".join(lines)
+
+
+def _percent(fraction) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f} %"

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import socket
+import statistics
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from dsched.devices.device import Device
 
-__all__ = ["ChunkRecord", "RunReport", "DeviceOnHost", "worker_host"]
+__all__ = ["ChunkRecord", "RunReport", "DeviceOnHost", "worker_host", "relative_error", "median_relative_error"]
 
 
 @dataclass
 class ChunkRecord:
-    """What happened to one chunk: where it ran, how big it was, and when (epoch seconds)."""
+    """What happened to one chunk: where it ran, how big it was, and when (epoch seconds).
+
+    ``predicted`` is the seconds the run's policy predicted for the chunk when
+    it was dispatched (a :class:`~dsched.schedulers.PerformanceModelScheduler`
+    with a model of its device), ``None`` otherwise.
+    """
 
     index: int
     device: Device
@@ -23,10 +29,18 @@ class ChunkRecord:
     stop: float = 0.0
     error: BaseException | None = None
     offset: int = 0  # the chunk's first item in the batch
+    predicted: float | None = None
 
     @property
     def duration(self) -> float:
         return self.stop - self.start
+
+    @property
+    def prediction_error(self) -> float | None:
+        """``|predicted - measured| / measured`` of a chunk that succeeded with a prediction and a measured time."""
+        if self.predicted is None or self.error is not None or self.stop <= self.start:
+            return None
+        return relative_error(self.predicted, self.duration)
 
 
 @dataclass
@@ -55,6 +69,17 @@ class RunReport:
     def items(self) -> int:
         return sum(r.size for r in self.records if r.error is None)
 
+    @property
+    def prediction_error(self) -> float | None:
+        """The median relative error of the policy's predicted chunk times, ``None`` without predictions.
+
+        Over the chunks that succeeded with a prediction (``record.predicted``)
+        and a measured time: the median of ``|predicted - measured| / measured``,
+        so ``0.1`` means half the chunks took within 10 % of what the
+        performance model said.
+        """
+        return median_relative_error(r.prediction_error for r in self.records)
+
     def by_device(self) -> dict:
         """Per device and host: chunks, items, busy seconds and items per busy second.
 
@@ -62,13 +87,15 @@ class RunReport:
         device name owned by workers on several hosts gives one row per host,
         so the balance between nodes shows. Each row also has ``device``,
         ``host``, ``workers`` (the addresses, in order of first use) and
-        ``worker`` (the first of them). Rows come in order of first chunk.
+        ``worker`` (the first of them), and ``prediction_error`` (the median
+        relative error of its predicted chunk times, ``None`` without
+        predictions). Rows come in order of first chunk.
 
         Busy time is the union of the row's chunk intervals (time with at
         least one chunk running), so overlapping chunks are not counted twice.
         """
         table = {}
-        intervals = {}
+        intervals, errors = {}, {}
         for r in self.records:
             key = DeviceOnHost(r.device, worker_host(r.worker))
             row = table.get(key)
@@ -80,6 +107,9 @@ class RunReport:
             row["chunks"] += 1
             row["items"] += r.size
             intervals.setdefault(key, []).append((r.start, r.stop))
+            errors.setdefault(key, []).append(r.prediction_error)
+        for key, row in table.items():
+            row["prediction_error"] = median_relative_error(errors[key])
         return _with_busy(table, intervals)
 
     def by_host(self) -> dict:
@@ -128,6 +158,25 @@ def worker_host(address: str | None) -> str:
         return parse_host_port(location)[0]
     except (ImportError, ValueError):  # not a host:port address: keep it whole rather than guess
         return location
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """``|predicted - measured| / measured``: how far a predicted time was from the measured one.
+
+    >>> relative_error(0.75, 1.0), relative_error(2.0, 1.0)
+    (0.25, 1.0)
+    """
+    return abs(predicted - measured) / measured
+
+
+def median_relative_error(errors) -> float | None:
+    """The median of ``errors`` (``None`` entries left out), ``None`` if none is left.
+
+    >>> median_relative_error([0.1, None, 0.3, 0.2]), median_relative_error([None])
+    (0.2, None)
+    """
+    kept = [e for e in errors if e is not None]
+    return statistics.median(kept) if kept else None
 
 
 def _with_busy(table, intervals) -> dict:

@@ -304,6 +304,20 @@ class PerformanceModelScheduler(WorkScheduler):
         with self._lock:
             return {d: lane.fit for d, lane in self._lanes.items()}
 
+    def predicted_seconds(self, device, n) -> float | None:
+        """The seconds the model predicts now for a chunk of ``n`` items on ``device``; ``None`` without a model.
+
+        The value :meth:`dispatched_work` plans with: asked right after it, the
+        prediction for the chunk just dispatched (the dispatcher's
+        :class:`~dsched.observe.predictions.PredictionObserver` does so, to
+        compare it with the chunk's measured time). ``None`` for a device no
+        chunk has calibrated yet (it is explored, not predicted).
+        """
+        with self._lock:
+            lane = self._lanes.get(Device(device))
+            fit = lane.fit if lane is not None else None
+            return None if fit is None else fit.seconds(int(n))
+
     def calibration(self, device) -> DeviceCalibration:
         """A device's :class:`DeviceCalibration` (its samples and fit)."""
         return self._lanes[Device(device)].calibration

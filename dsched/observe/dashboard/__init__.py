@@ -8,6 +8,9 @@ module          holds
 ``routes``      where the page is served; the JSON route and the plain HTML page
 ``plots``       the Bokeh page and plots; :func:`register_page` lists them
 ``client``      :func:`track_run` (a run's total), :func:`dashboard_link`
+``metrics``     the ``dsched_`` Prometheus families of the scheduler's ``/metrics``,
+                read from the plugin when scraped
+``gpu``         the worker side of ``/metrics``: a GPU worker's memory (NVML)
 ==============  ==============================================================
 
 How to get it

@@ -1,6 +1,6 @@
 """The Bokeh side of the dsched dashboard page: plots and tables drawn from :class:`~dsched.dashboard.DashboardPlugin`.
 
-Every plot has one row (or line) per device and host, labelled
+Every plot has one row (or line, or colour of points) per device and host, labelled
 ``cuda:0@10.0.0.3``, coloured by device, hatched where the device is emulated
 (a worker that claims a CUDA device and computes with NumPy: placement
 tests, never a GPU measurement). Models carry names (``dsched-load``,
@@ -80,6 +80,14 @@ def _run_text(run) -> str:
             f"elapsed {format_seconds(run['elapsed_s'])}")
 
 
+def _predictions_title(run) -> str:
+    if run is None or not run["predicted_chunks"]:
+        return ("Predicted against measured chunk time: no predictions in this run "
+                "(PerformanceModelScheduler predicts each chunk's time)")
+    return (f"Predicted against measured chunk time: median relative error {100 * run['prediction_error']:.1f} % "
+            f"over {run['predicted_chunks']:,} chunks (dashed: predicted = measured)")
+
+
 class DschedPlots:
     """All the page's parts, updated together from one snapshot of the plugin.
 
@@ -95,8 +103,9 @@ class DschedPlots:
         self.plugin = plugin
         self.pinned_run = None  # an earlier run picked in the runs table; None follows the current run
         self.sources = {name: ColumnDataSource(name=f"dsched-{name}") for name in
-                        ("progress", "load", "throughput", "timeline", "devices", "hosts", "runs")}
-        self.heading = self.progress = self.load = self.throughput = self.timeline = None
+                        ("progress", "load", "throughput", "timeline", "predictions", "diagonal", "devices", "hosts",
+                         "runs")}
+        self.heading = self.progress = self.load = self.throughput = self.timeline = self.predictions = None
         self.tables = {}
         self.run_select = None
 
@@ -173,6 +182,25 @@ class DschedPlots:
         self.timeline = fig
         return fig
 
+    def build_predictions(self):
+        """Predicted against measured chunk seconds (log-log, one colour per device), and the line where they agree."""
+        from bokeh.models import HoverTool
+        from bokeh.plotting import figure
+
+        fig = figure(name="dsched-predictions-figure", height=300, sizing_mode="stretch_width", tools="",
+                     toolbar_location=None, x_axis_type="log", y_axis_type="log", title=_predictions_title(None))
+        fig.line(x="x", y="y", line_color="#999999", line_dash="dashed", source=self.sources["diagonal"])
+        fig.scatter(x="predicted", y="measured", size=6, fill_color="color", line_color=None, fill_alpha=0.6,
+                    legend_field="factor", source=self.sources["predictions"])
+        fig.add_tools(HoverTool(tooltips=[("device", "@factor"), ("predicted", "@predicted{0.0000} s"),
+                                          ("measured", "@measured{0.0000} s"), ("error", "@error{0.0 %}")]))
+        fig.legend.label_text_font_size = "9pt"
+        fig.add_layout(fig.legend[0], "right")
+        fig.xaxis.axis_label = "predicted chunk seconds (the performance model, at dispatch)"
+        fig.yaxis.axis_label = "measured chunk seconds (on the worker)"
+        self.predictions = fig
+        return fig
+
     def build_tables(self):
         """The devices, hosts and runs tables (HTML: cheap to redraw, whole cells with tooltips), and the run picker."""
         from bokeh.models import Div, Select
@@ -206,7 +234,7 @@ class DschedPlots:
         if self.load is not None:
             self.load.y_range.factors = factors
             _set(self.sources["load"], _load_data(rows, factors))
-        if self.throughput is not None or self.timeline is not None:
+        if self.throughput is not None or self.timeline is not None or self.predictions is not None:
             self._update_run_plots(detail, rows, factors, emulated)
         if self.tables:
             self._update_tables(snapshot)
@@ -225,7 +253,8 @@ class DschedPlots:
         label_factor = {r["label"]: f for r, f in zip(rows, factors)}
         series = detail["series"] if detail else {}
         chunks = detail["chunks"] if detail else []
-        for label in list(series) + [c["label"] for c in chunks]:  # a device whose workers have left
+        predicted = detail["predictions"] if detail else []
+        for label in list(series) + [c["label"] for c in chunks + predicted]:  # a device whose workers have left
             if label not in label_factor:
                 label_factor[label] = label
                 factors = factors + [label]
@@ -237,6 +266,8 @@ class DschedPlots:
                 "color": [_colour(lb.partition("@")[0]) for lb in labels],
                 "dash": [_dash(lb.partition("@")[2], labels) for lb in labels],
             })
+        if self.predictions is not None:
+            self._update_predictions(detail, label_factor)
         if self.timeline is not None:
             self.timeline.y_range.factors = factors
             _set(self.sources["timeline"], {
@@ -246,6 +277,19 @@ class DschedPlots:
                 "color": [_colour(c["device"]) for c in chunks],
                 "hatch": [EMULATED_HATCH if c["label"] in emulated else " " for c in chunks],
             })
+
+    def _update_predictions(self, detail, label_factor):
+        points = detail["predictions"] if detail else []
+        _set(self.sources["predictions"], {
+            "label": [p["label"] for p in points], "factor": [label_factor[p["label"]] for p in points],
+            "predicted": [p["predicted"] for p in points], "measured": [p["measured"] for p in points],
+            "error": [abs(p["predicted"] - p["measured"]) / p["measured"] for p in points],
+            "color": [_colour(p["device"]) for p in points],
+        })
+        values = [v for p in points for v in (p["predicted"], p["measured"]) if v > 0]
+        ends = [min(values), max(values)] if values else []
+        _set(self.sources["diagonal"], {"x": ends, "y": ends})
+        self.predictions.title.text = _predictions_title(detail["run"] if detail else None)
 
     def _update_tables(self, snapshot):
         rows = snapshot["devices"]
@@ -388,7 +432,8 @@ def dsched_doc(scheduler, extra, doc):
 
     plots = DschedPlots(install(scheduler))
     tables = plots.build_tables()
-    current = column(plots.run_select, plots.build_progress(), plots.build_load(), plots.build_throughput(), plots.build_timeline(),
+    current = column(plots.run_select, plots.build_progress(), plots.build_load(), plots.build_throughput(),
+                     plots.build_timeline(), plots.build_predictions(),
                      Div(text="<b>Devices</b> (one row per device and host)"), tables["devices"],
                      Div(text="<b>Hosts</b>"), tables["hosts"], sizing_mode="stretch_width")
     history = column(Div(text="Every run the scheduler has seen, newest first; pick one under <i>Show</i> in the "
@@ -399,9 +444,12 @@ def dsched_doc(scheduler, extra, doc):
 
 
 def plot_doc(part: str):
-    """A document function showing one plot alone (``progress``, ``load``, ``throughput`` or ``timeline``)."""
+    """A document function showing one plot alone.
+
+    ``part``: ``progress``, ``load``, ``throughput``, ``timeline`` or ``predictions``.
+    """
     builders = {"progress": "build_progress", "load": "build_load", "throughput": "build_throughput",
-                "timeline": "build_timeline"}
+                "timeline": "build_timeline", "predictions": "build_predictions"}
     if part not in builders:
         raise ValueError(f"part: expected one of {', '.join(builders)}, got {part!r}")
 

@@ -15,6 +15,14 @@ Items per second and the busy fraction count chunks that finished within the
 last ``window`` seconds (10 by default): a chunk still running shows in the
 load, not yet in the speed.
 
+It also hears the performance model's predictions
+(:mod:`dsched.observe.predictions`: the client sends ``(predicted, measured)``
+chunk times as events) and keeps them per device and host and per run, for
+the page's "predicted against measured" plot. The same rows are on the
+scheduler's Prometheus ``/metrics`` (:mod:`dsched.observe.dashboard.metrics`,
+read at scrape time), and the plugin registers the worker side of the metrics
+(:mod:`dsched.observe.dashboard.gpu`) on every worker.
+
 :func:`install` (from a scheduler's process, or a preload's ``dask_setup``) and
 :func:`register` (from a client) add the plugin; it serves its data at the
 routes of :mod:`dsched.observe.dashboard.routes`.
@@ -41,8 +49,11 @@ from dsched.names import (
     RESOURCE_PREFIX,
     is_feed_key,
 )
+from dsched.observe.dashboard.gpu import WORKER_METRICS_PLUGIN, add_to_workers
+from dsched.observe.dashboard.metrics import DURATION_BUCKETS, Histogram, PredictionStats, export, withdraw
 from dsched.observe.dashboard.routes import add_routes
-from dsched.observe.report import worker_host
+from dsched.observe.predictions import PREDICTION_EVENT_TOPIC
+from dsched.observe.report import median_relative_error, relative_error, worker_host
 
 __all__ = ["DashboardPlugin", "install", "register", "dask_setup", "PLUGIN_NAME"]
 
@@ -86,10 +97,12 @@ class _DeviceStats:
         self.busy_s = 0.0  # union of compute intervals, as they arrive
         self._busy_until = float("-inf")
         self.recent = collections.deque()  # (start, stop, items)
+        self.durations = Histogram(DURATION_BUCKETS)
 
     def add(self, start, stop, items):
         self.chunks += 1
         self.items += items
+        self.durations.observe(max(0.0, stop - start))
         if start >= self._busy_until:
             self.busy_s += stop - start
         elif stop > self._busy_until:
@@ -138,6 +151,9 @@ class _Run:
         self.in_flight = {}  # key -> items
         self.items_by_row = collections.Counter()
         self.chunks = collections.deque(maxlen=RUN_CHUNKS)  # (label, device, start, stop, items)
+        self.predictions = collections.deque(maxlen=RUN_CHUNKS)  # (label, device, predicted s, measured s)
+        self._error = (0, None)  # (predictions heard, their median relative error): cached for summary()
+        self._heard = 0
 
     def add(self, label, device, start, stop, items):
         self.items_done += items
@@ -146,6 +162,16 @@ class _Run:
         self.chunks.append((label, device, start, stop, items))
         self.first_start = start if self.first_start is None else min(self.first_start, start)
         self.last_stop = stop if self.last_stop is None else max(self.last_stop, stop)
+
+    def predicted(self, label, device, predicted, measured):
+        self.predictions.append((label, device, predicted, measured))
+        self._heard += 1
+
+    def prediction_error(self):
+        """The median relative error of the run's predicted chunk times (the latest kept), ``None`` without any."""
+        if self._error[0] != self._heard:
+            self._error = (self._heard, median_relative_error(relative_error(p, m) for _, _, p, m in self.predictions))
+        return self._error[1]
 
     @property
     def active(self) -> bool:
@@ -172,6 +198,7 @@ class _Run:
             "fraction": fraction, "items_per_s": rate, "elapsed_s": elapsed,
             "eta_s": eta,
             "started": self.started, "active": self.active, "items_by_device": dict(self.items_by_row),
+            "predicted_chunks": len(self.predictions), "prediction_error": self.prediction_error(),
         }
 
 
@@ -193,6 +220,7 @@ class DashboardPlugin(SchedulerPlugin):
         self.window = float(window)
         self.scheduler = None
         self._stats = {}  # (Device, host) -> _DeviceStats
+        self._accuracy = {}  # (Device, host) -> PredictionStats of the performance model's chunk times
         self._fed = {}  # (Device, host) -> {chunk key: (items, worker address)} of chunks running on device feeds
         self._runs = collections.OrderedDict()  # run id -> _Run, oldest first
         self._announced = {}  # client id -> (name, total, time): the next run of that client
@@ -208,6 +236,11 @@ class DashboardPlugin(SchedulerPlugin):
     async def start(self, scheduler):
         self.scheduler = scheduler
         add_routes(scheduler, install)
+        export(self)
+        await add_to_workers(scheduler)
+
+    async def close(self):
+        withdraw(self)
 
     # --- events ---------------------------------------------------------------
 
@@ -237,7 +270,10 @@ class DashboardPlugin(SchedulerPlugin):
             run.add(_label(device, host), str(device), begin, end, int(items))
 
     def log_event(self, topic, msg):
-        """A chunk that a device feed (:mod:`dsched.feed`) started or finished."""
+        """A chunk that a device feed (:mod:`dsched.feed`) started or finished, or the client's predictions."""
+        if topic == PREDICTION_EVENT_TOPIC:
+            self.predictions_heard(*msg)
+            return
         if topic != CHUNK_EVENT_TOPIC:
             return
         phase, run_id, client, device, items, address, chunk, start, stop = msg
@@ -253,6 +289,18 @@ class DashboardPlugin(SchedulerPlugin):
             if phase == "done":
                 self._stats.setdefault((device, host), _DeviceStats()).add(start, stop, int(items))
                 run.add(_label(device, host), str(device), start, stop, int(items))
+
+    def predictions_heard(self, run_id, client, pairs):
+        """Predicted against measured seconds of chunks of a run: ``[(device, worker address, predicted, measured)]``."""
+        with self._lock:
+            run = self._run_named(run_id, client)
+            for device, address, predicted, measured in pairs:
+                predicted, measured = float(predicted), float(measured)
+                if not (measured > 0 and predicted >= 0):
+                    continue  # no time measured: nothing to compare with
+                device, host = Device(device), worker_host(address)
+                self._accuracy.setdefault((device, host), PredictionStats()).add(predicted, measured)
+                run.predicted(_label(device, host), str(device), predicted, measured)
 
     def remove_worker(self, scheduler=None, worker=None, **kwargs):
         """A worker left: the feed chunks it was running will send no end (they run again elsewhere)."""
@@ -306,6 +354,7 @@ class DashboardPlugin(SchedulerPlugin):
         """Forget the finished chunks and the runs (the page starts counting again)."""
         with self._lock:
             self._stats.clear()
+            self._accuracy.clear()
             self._runs.clear()
 
     # --- views ----------------------------------------------------------------
@@ -331,13 +380,14 @@ class DashboardPlugin(SchedulerPlugin):
             device = device_of_resources(ws.resources)
             if device is not None:
                 groups.setdefault((device, ws.host), []).append(ws)
-        for key in self._stats:  # a device whose workers left still shows what it did
+        for key in [*self._stats, *self._accuracy]:  # a device whose workers left still shows what it did
             groups.setdefault(key, [])
         rows = [self._row(device, host, workers, now) for (device, host), workers in groups.items()]
         return sorted(rows, key=lambda r: (r["host"], r["device"]))
 
     def _row(self, device, host, workers, now):
         stats = self._stats.get((device, host)) or _DeviceStats()
+        accuracy = self._accuracy.get((device, host))
         rate, busy = stats.rates(now, self.window)
         fed = self._fed.get((device, host), {})
         load, in_flight = sum(items for items, _ in fed.values()), len(fed)
@@ -371,7 +421,21 @@ class DashboardPlugin(SchedulerPlugin):
             "busy_fraction": busy,
             "busy_s": stats.busy_s,
             "emulated": any(EMULATED_RESOURCE in ws.resources for ws in workers) if workers else None,
+            "prediction_error": accuracy.median() if accuracy is not None else None,
         }
+
+    def metric_rows(self) -> list[dict]:
+        """The device rows with what ``/metrics`` adds: ``durations`` (a :class:`Histogram` of chunk
+        seconds) and ``predictions`` (:class:`PredictionStats`), ``None`` where nothing was seen."""
+        now = time.time()
+        with self._lock:
+            rows = self._device_rows(now)
+            for row in rows:
+                key = (Device(row["device"]), row["host"])
+                stats, accuracy = self._stats.get(key), self._accuracy.get(key)
+                row["durations"] = stats.durations.copy() if stats is not None else None
+                row["predictions"] = accuracy.copy() if accuracy is not None else None
+        return rows
 
     def run_detail(self, run_id=None, bins=60) -> dict | None:
         """A run's chunks (the timeline) and items/s per device over time; the current run by default.
@@ -390,6 +454,7 @@ class DashboardPlugin(SchedulerPlugin):
             if run is None:
                 return None
             chunks = list(run.chunks)
+            predictions = list(run.predictions)
             summary = run.summary(now)
         origin = min((c[2] for c in chunks), default=now)
         # Up to the last finished chunk: a bin reaching "now" would count only part of what is running.
@@ -397,7 +462,9 @@ class DashboardPlugin(SchedulerPlugin):
         return {"run": summary, "origin": origin,
                 "chunks": [{"label": c[0], "device": c[1], "start": c[2] - origin, "stop": c[3] - origin,
                             "items": c[4]} for c in chunks],
-                "series": _throughput_series(chunks, origin, end, bins)}
+                "series": _throughput_series(chunks, origin, end, bins),
+                "predictions": [{"label": p[0], "device": p[1], "predicted": p[2], "measured": p[3]}
+                                for p in predictions]}
 
 
 def _number(value):
@@ -458,6 +525,9 @@ def install(scheduler, window: float = 10.0) -> DashboardPlugin:
         scheduler.add_plugin(plugin, name=PLUGIN_NAME, idempotent=True)
     plugin.scheduler = scheduler  # add_plugin on a running scheduler does not call start()
     add_routes(scheduler, install)
+    export(plugin)
+    if WORKER_METRICS_PLUGIN not in scheduler.worker_plugins:  # cheap: install() runs on every JSON request
+        scheduler.loop.add_callback(add_to_workers, scheduler)  # thread-safe, from the loop's thread or another
     return plugin
 
 

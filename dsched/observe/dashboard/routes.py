@@ -3,10 +3,12 @@
 Served at
 ---------
 - ``/individual-dsched``: the page (heading, progress, load against capacity,
-  items/s over time, a timeline of chunks per device, tables of devices,
-  hosts and runs), listed in the dashboard's "More" menu;
-- ``/individual-dsched-progress``, ``-load``, ``-throughput``, ``-timeline``:
-  each plot alone, for the "More" menu and JupyterLab's dask extension;
+  items/s over time, a timeline of chunks per device, the performance model's
+  predicted against measured chunk times, tables of devices, hosts and runs),
+  listed in the dashboard's "More" menu;
+- ``/individual-dsched-progress``, ``-load``, ``-throughput``, ``-timeline``,
+  ``-predictions``: each plot alone, for the "More" menu and JupyterLab's dask
+  extension;
 - ``/dsched/status.json``: the same data as JSON; ``/dsched/status``: a plain
   HTML table polling it, for schedulers started without the Bokeh pages.
 
@@ -33,6 +35,7 @@ PLOT_ROUTES = {
     "load": PAGE_ROUTE + "-load",
     "throughput": PAGE_ROUTE + "-throughput",
     "timeline": PAGE_ROUTE + "-timeline",
+    "predictions": PAGE_ROUTE + "-predictions",
 }
 
 # The device table's columns: (JSON field, title).
