@@ -41,7 +41,7 @@ from pathlib import Path
 from dsched.dataplane.loaders import MappingLoader
 from dsched.devices.context import running_on
 from dsched.devices.cuda import visible_gpus
-from dsched.devices.device import Device, parse_devices
+from dsched.devices.device import UNLIMITED_CAPACITY, Device, parse_devices
 from dsched.models import get_model
 from dsched.models.neml2 import graph_parameters
 from dsched.schedulers import PerformanceModelScheduler, SimpleScheduler, StaticHybridScheduler
@@ -337,6 +337,15 @@ def load_graph(path=None) -> Graph:
     return parse_graph(data, source)
 
 
+def _check_count(field, value, source):
+    """A count of items (a size, a capacity, or a list of them) must fit a device's resource: <= 10**15."""
+    values = value if isinstance(value, list) else [value]
+    for item in values:
+        if isinstance(item, int) and not isinstance(item, bool) and item > UNLIMITED_CAPACITY:
+            raise GraphError(f"{field}: {item:,} is more items than any device can hold (at most "
+                             f"{UNLIMITED_CAPACITY:,}) in {source}")
+
+
 def parse_graph(data: dict, source: str = "<graph>") -> Graph:
     """Validate a graph already read into a dict."""
     for section, value in data.items():
@@ -352,6 +361,7 @@ def parse_graph(data: dict, source: str = "<graph>") -> Graph:
                 )
             if not isinstance(item, expected) or (expected is not _BOOL and isinstance(item, bool)):
                 raise GraphError(f"{section}.{key}: {item!r} has the wrong type in {source}")
+            _check_count(f"{section}.{key}", item, source)
     for section, key in _REQUIRED:
         if key not in data.get(section, {}):
             raise GraphError(f"{section}.{key}: required in {source}")

@@ -33,6 +33,11 @@ __all__ = ["dispatch"]
 
 def _is_array(x, field="args") -> bool:
     """Whether ``x`` is an array of a known backend; a ValueError naming ``field`` for look-alikes."""
+    kind = type(x).__name__
+    if type(x).__module__.partition(".")[0] == "pandas" and kind in ("DataFrame", "Series"):
+        how = "its columns, {name: df[name].to_numpy()}, or df.to_numpy()" if kind == "DataFrame" \
+            else "series.to_numpy()"
+        raise ValueError(f"{field}: a pandas {kind} is not split by dsched; pass {how}")
     try:
         return backends.is_array(x)
     except backends.UnsupportedArrayError as err:
@@ -194,13 +199,17 @@ def _probe_layout(fn, layout, kwargs, axis):
     """The layout of ``fn``'s result, learned by calling it on the batch's first item, here on the client.
 
     A function marked ``fn.probe_outputs = False`` is never called this way
-    (its first chunks then send their results back, and fix the layout).
+    (its first chunks then send their results back, and fix the layout); a
+    callable ``fn.probe_outputs`` is called instead of ``fn``, with the same
+    arguments, and returns a result of ``fn``'s layout without computing it
+    (a model whose call has a high floor, such as :class:`~dsched.models.NEML2Model`).
     """
-    if getattr(fn, "probe_outputs", True) is False:
+    probe = getattr(fn, "probe_outputs", True)
+    if probe is False:
         return None
     _, first = MappingLoader(layout.mapping, axis=axis).next(1)
     first = {key: _read_only_copy(value) for key, value in resolve_work(first).items()}
-    result = backends.to_host(fn(*layout.rebuild(first), **kwargs))
+    result = backends.to_host((probe if callable(probe) else fn)(*layout.rebuild(first), **kwargs))
     return OutputLayout.of(result, 1, axis, where="dispatch's probe of fn on the first item")
 
 
