@@ -9,8 +9,9 @@ the same module object, so state and monkeypatching are shared.
 
 Examples
 --------
->>> import dsched.feed, dsched.dispatch.feeds
->>> dsched.feed is dsched.dispatch.feeds
+>>> import dsched.feed
+>>> from dsched.dispatch import feeds
+>>> dsched.feed is feeds
 True
 """
 
