@@ -1,0 +1,131 @@
+"""Figures for the docs, from one ``dsched bench --json`` file: no number in the README or docs/ is typed by hand.
+
+Pages mark where figures go with a pair of HTML comments::
+
+    <!-- bench:data -->
+    (replaced)
+    <!-- /bench:data -->
+
+and ``python -m dsched.apps.bench.figures results.json README.md docs/*.md``
+rewrites every marked block from the file: ``bench:<suite>`` (``scheduling``,
+``data``, ``policy``, ``batch``, ``neml2``) holds the suite's table as
+``dsched bench`` prints it, ``bench:summary`` a table of the headline ratios
+with their targets, and ``bench:machine`` the machine and command they come
+from. A block whose suite is not in the file is left as it is.
+
+Examples
+--------
+>>> page = "a\\n<!-- bench:machine -->\\nold\\n<!-- /bench:machine -->\\nb"
+>>> print(fill(page, {"machine": "new"}))
+a
+<!-- bench:machine -->
+new
+<!-- /bench:machine -->
+b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from dsched.apps.bench.batch import format_load_steps
+from dsched.apps.bench.data import format_data_table
+from dsched.apps.bench.neml2 import format_neml2_table
+from dsched.apps.bench.policy import format_policy_table
+from dsched.apps.bench.scheduling import format_table
+
+__all__ = ["blocks", "fill", "machine_info", "main"]
+
+FORMATTERS = {"scheduling": format_table, "data": format_data_table, "policy": format_policy_table,
+              "batch": format_load_steps, "neml2": format_neml2_table}
+_BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
+
+
+def blocks(results: dict) -> dict:
+    """``{block name: markdown}`` for every block ``results`` (a ``dsched bench --json`` file's content) can fill."""
+    out = {"machine": _machine(results), "summary": _summary(results)}
+    for suite, formatter in FORMATTERS.items():
+        if suite in results:
+            out[suite] = f"```text\n$ {results.get('command', 'dsched bench')}\n{formatter(results[suite])}\n```"
+    return out
+
+
+def fill(page: str, filled: dict) -> str:
+    """``page`` with each marked block that ``filled`` names rewritten; other blocks unchanged."""
+    def replace(match):
+        name = match.group("name")
+        if name not in filled:
+            return match.group(0)
+        return f"{match.group(1)}{filled[name]}\n{match.group(4)}"
+
+    return _BLOCK.sub(replace, page)
+
+
+def machine_info() -> dict:
+    """What a bench result needs to be read: this machine's cores, CPU model, memory, GPUs, load and the date."""
+    import datetime
+    import os
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        memory = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
+    except (ValueError, OSError, AttributeError):
+        memory = None
+    from dsched.devices.cuda import visible_gpus
+
+    gpus = ", ".join(map(str, visible_gpus()))
+    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": memory, "gpus": gpus or None,
+            "load_average": round(os.getloadavg()[0], 2), "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def _machine(results) -> str:
+    machine = results.get("machine", {})
+    parts = [f"`{results.get('command', 'dsched bench')}`"]
+    if machine:
+        parts.append(f"{machine.get('cpus', '?')} CPU cores ({machine.get('cpu', 'unknown CPU')}), "
+                     f"{machine.get('memory_gib', '?')} GiB, {machine.get('gpus') or 'no GPU'}, "
+                     f"load {machine.get('load_average', '?')} at the start, {machine.get('date', '')}")
+    parts.append("CUDA devices of these runs are emulated (NumPy on the CPU): not a GPU measurement")
+    return "Measured with " + "; ".join(parts) + "."
+
+
+def _summary(results) -> str:
+    """The targets of every suite in the file as one table (set for the reference machine; information)."""
+    rows = ["| suite | target | on this run |", "|---|---|---|"]
+    for suite in FORMATTERS:
+        for target, reached in (results.get(suite) or {}).get("targets", {}).items():
+            rows.append(f"| {suite} | {target} | {'reached' if reached else 'not reached'} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dsched.apps.bench.figures",
+                                     description="Rewrite the bench blocks of pages from a dsched bench --json file.")
+    parser.add_argument("results", help="the JSON file dsched bench --json wrote")
+    parser.add_argument("pages", nargs="+", help="Markdown pages with <!-- bench:NAME --> blocks")
+    args = parser.parse_args(argv)
+    with open(args.results) as f:
+        filled = blocks(json.load(f))
+    for path in args.pages:
+        with open(path) as f:
+            page = f.read()
+        new = fill(page, filled)
+        if new != page:
+            with open(path, "w") as f:
+                f.write(new)
+            print(f"{path}: figures rewritten", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
