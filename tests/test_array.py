@@ -10,10 +10,14 @@ import pytest
 
 import dsched
 from dsched import Device, SimpleScheduler, StaticHybridScheduler, as_batched, current_device, map_blocks, plan
+from dsched.blocks.engines import expression_engine_enabled
 from dsched.models.j2 import j2_update, loading_strain
 from dsched.placement import planned_block_of
 
 CPU, GPU = Device("cpu"), Device("cuda:0")
+# Dask's expression engine (array.query-planning), fixed when dask.array was first imported: CI runs this
+# module under both settings (.ci/run).
+EXPRESSIONS = expression_engine_enabled()
 
 
 @pytest.fixture(autouse=True)
@@ -256,7 +260,8 @@ def test_map_blocks_block_info_of_a_1d_input_beside_a_2d_one_is_dasks():
         return np.full(a.shape, block_info[1]["array-location"][0][0] * 10 + block_info[1]["chunk-location"][0])
 
     got = map_blocks(info, x, v, scheduler=hybrid(), dtype=int).compute(scheduler="sync")
-    expected = da.map_blocks(info, x, v, dtype=int).compute(scheduler="sync")
+    # np.dtype: Dask's own expression engine keeps dtype=int as the Python type and fails on it.
+    expected = da.map_blocks(info, x, v, dtype=np.dtype(int)).compute(scheduler="sync")
     np.testing.assert_array_equal(got, expected)
     np.testing.assert_array_equal(got[0], [0, 0, 0, 31, 31, 31])
 
@@ -304,19 +309,37 @@ def test_map_blocks_block_info_sees_the_planned_blocks():
     np.testing.assert_array_equal(y.compute(scheduler="sync"), [4] * 4 + [4008] * 4 + [8010] * 2)
 
 
-def test_map_blocks_layer_fuses_with_its_neighbours_and_keeps_each_plan():
-    from dask.array.optimization import optimize
-    from dask.layers import Blockwise
+def optimized_graph(collection) -> tuple:
+    """The graph ``compute`` sends for ``collection`` (optimized, and fused on the classic engine), and the name
+    of its output keys."""
+    (optimized,) = dask.optimize(collection)
+    return dict(optimized.__dask_graph__()), optimized.name
 
+
+def test_map_blocks_layer_fuses_with_its_neighbours_and_keeps_each_plan():
     s = hybrid()
     y = map_blocks(lambda a: a * 2, as_batched(np.arange(40.0), s)[0], scheduler=s)
-    assert isinstance(y.dask.layers[y.name], Blockwise)
     z = -(y + 1)
-    fused = dict(optimize(z.__dask_graph__(), z.__dask_keys__()))
-    planned = [planned_block_of(t) for t in fused.values()]
-    # One task per block (the source, the map and both neighbours fused), each carrying its block's plan.
-    assert len([b for b in planned if b is not None]) == len(plan(40, s))
-    assert [(str(b.device), b.size) for b in planned if b is not None] == as_pairs(plan(40, s))
+    graph, output = optimized_graph(z)
+    planned = {key: planned_block_of(t) for key, t in graph.items() if planned_block_of(t) is not None}
+    # One task per block carrying its block's plan, in block order.
+    assert [(str(b.device), b.size) for _, b in sorted(planned.items(), key=lambda kb: kb[0][1:])] == \
+        as_pairs(plan(40, s))
+    if EXPRESSIONS:
+        # No low-level fusion on the expression engine: the planned tasks are the map's own, the
+        # neighbours separate tasks.
+        assert {key[0] for key in planned} == {y.name}
+        assert len([key for key in graph if key[0] == output]) == len(plan(40, s))
+    else:
+        from dask.layers import Blockwise
+
+        assert isinstance(y.dask.layers[y.name], Blockwise)
+        from dask._task_spec import Alias
+
+        # The source, the map and both neighbours fused into one task per block (named after the chain,
+        # the output keys aliases of them).
+        assert all(key[0].endswith(output) for key in planned)
+        assert len([t for t in graph.values() if not isinstance(t, Alias)]) == len(plan(40, s))
 
 
 def test_map_blocks_places_blocks_of_any_chunking_by_the_policy():
@@ -324,7 +347,8 @@ def test_map_blocks_places_blocks_of_any_chunking_by_the_policy():
     x = da.zeros(40, chunks=10)  # not the plan's sizes: kept, each block given a device by the policy
     y = map_blocks(np.negative, x, scheduler=s)
     assert y.chunks == x.chunks
-    planned = [planned_block_of(t) for t in dict(y.dask.layers[y.name]).values()]
+    layer = {key: t for key, t in dict(y.__dask_graph__()).items() if key[0] == y.name}
+    planned = [planned_block_of(layer[key]) for key in sorted(layer)]
     assert [str(b.device) for b in planned] == [str(d) for d in dsched.array.plan_blocks([10] * 4, s)]
     assert [str(d) for d in dsched.array.plan_blocks([10] * 4, s)] == ["cuda:0", "cpu", "cuda:0", "cpu"]
 
@@ -360,6 +384,23 @@ def test_map_blocks_raises_dasks_own_errors_before_any_work(args, kwargs):
     with pytest.raises(ValueError) as got:
         map_blocks(np.negative, *args, scheduler=hybrid(), **kwargs)
     assert str(got.value) == str(expected.value)
+
+
+def test_map_blocks_builds_with_the_engine_of_its_arrays():
+    from dask.array.core import from_array as classic_from_array
+
+    from dsched.blocks.engines import engine_of
+
+    s = SimpleScheduler("cpu", 4)
+    # Classic arrays (dask.array.core) under either setting: built with the classic engine.
+    y = map_blocks(np.negative, classic_from_array(np.arange(10.0), chunks=5), scheduler=s, rechunk=True)
+    assert type(y).__module__ == "dask.array.core" and y.chunks == ((4, 4, 2),)
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), -np.arange(10.0))
+    z = map_blocks(np.negative, da.arange(10.0, chunks=5), scheduler=s)
+    assert type(z) is da.Array and engine_of([z]).expression == EXPRESSIONS == engine_of([]).expression
+    if EXPRESSIONS:  # neither engine's map_blocks takes the other's arrays
+        with pytest.raises(ValueError, match=r"^args: mixes Dask arrays of the classic and the expression engine"):
+            map_blocks(np.add, classic_from_array(np.arange(4.0), chunks=2), da.arange(4.0, chunks=2), scheduler=s)
 
 
 def test_plan_of_a_huge_batch_is_refused_at_once():
@@ -428,9 +469,11 @@ def records():
 
 
 def test_defaults_are_in_effect():
-    # Placement must hold under Dask's defaults, where fusion drops annotations.
+    # Placement must hold under Dask's defaults, where fusion drops annotations (on the classic engine)
+    # and the expression engine keeps none (dask/dask#10937).
     assert dask.config.get("optimization.fuse.active", None) is not False
-    assert dask.config.get("array.query-planning", None) is not True
+    assert EXPRESSIONS == (dask.config.get("array.query-planning", None) is True)
+    assert type(da.zeros(3)).__module__ == ("dask.array._array_expr._collection" if EXPRESSIONS else "dask.array.core")
 
 
 def test_every_block_runs_on_its_planned_device(hybrid_client):
@@ -473,31 +516,51 @@ def test_placement_holds_for_a_chain_of_planned_maps_and_dask_inputs(hybrid_clie
 def test_persisted_fused_tasks_are_pinned_and_live_on_their_device(hybrid_client, records):
     s = hybrid()
     x = np.arange(40.0)
-    z = (map_blocks(recorded_double, batched(x, s), scheduler=s, dtype=float) * 3 + 1).persist()
+    mapped = map_blocks(recorded_double, batched(x, s), scheduler=s, dtype=float)
+    z = (mapped * 3 + 1).persist()
     dsched_wait(hybrid_client, z)
 
-    keys = [k for k in z.__dask_keys__()]
+    keys = held_keys(z)
     seen = hybrid_client.run_on_scheduler(pinning, keys=keys)
     chunks = plan(40, s)
     for (device, m), key in zip(chunks, keys):
-        computed_by, pin = seen[str(key)]
-        # The task that computed the block is the fused multiply-add: the plan survived fusion.
-        assert "-add-" in computed_by, computed_by
-        assert pin == (str(device), {f"dsched-{device}": m}, [str(device)])
+        computed_by, planned_task, pin, planned_pin = seen[str(key)]
+        assert planned_pin == (str(device), {f"dsched-{device}": m})
+        if EXPRESSIONS:
+            # No low-level fusion: the planned task is the map's own, pinned; the add after it is Dask's.
+            assert planned_task.startswith(f"('{mapped.name}'") and pin[:2] == (None, {}), (computed_by, pin)
+        else:
+            # The task that computed the block is the fused multiply-add: the plan survived fusion.
+            assert "-add-" in computed_by and planned_task == computed_by, computed_by
+            assert pin == (str(device), {f"dsched-{device}": m}, [str(device)])
     assert sorted(records) == expected_records(chunks)
     np.testing.assert_array_equal(z.compute(), 6 * x + 1)
     # Composing on the persisted array adds unplanned tasks, which keep Dask's placement.
     unplanned = (z - 1).persist()
     dsched_wait(hybrid_client, unplanned)
-    for key, (_, pin) in hybrid_client.run_on_scheduler(pinning, keys=unplanned.__dask_keys__()).items():
+    for key, (_, _, pin, _) in hybrid_client.run_on_scheduler(pinning, keys=held_keys(unplanned)).items():
         assert pin[0] is None and pin[1] == {}, key
     assert len(records) == len(chunks)  # persisted blocks did not run again
 
 
+def held_keys(collection) -> list:
+    """The keys a persisted ``collection`` holds on the cluster, in block order.
+
+    (The expression engine gives a persisted array new names, aliases of these keys.)
+    """
+    from distributed import futures_of
+
+    return [f.key for f in sorted(futures_of(collection), key=lambda f: f.key[1:])]
+
+
 def pinning(dask_scheduler, keys):
-    """Per key: the key of the task that computed it (aliases followed), that task's
-    planned device and resource restrictions, and the workers holding the key."""
+    """Per key: the key of the task that computed it (aliases followed), the key of the nearest planned task it
+    came from (itself when fused), that task's planned device and resource restrictions with the workers
+    holding the key, and the planned task's device and restrictions."""
     from dask._task_spec import Alias
+
+    def pin(ts):
+        return (ts.annotations or {}).get("dsched-device"), dict(ts.resource_restrictions or {})
 
     out = {}
     for key in keys:
@@ -505,24 +568,29 @@ def pinning(dask_scheduler, keys):
         ts = dask_scheduler.tasks[key]
         while isinstance(ts.run_spec, Alias):
             ts = dask_scheduler.tasks[ts.run_spec.target]
-        out[str(key)] = (
-            str(ts.key),
-            ((ts.annotations or {}).get("dsched-device"), dict(ts.resource_restrictions or {}), held),
-        )
+        planned, todo = None, [ts]
+        while todo and planned is None:  # breadth first: the nearest task carrying a plan
+            candidate = todo.pop(0)
+            if candidate.run_spec is not None and planned_block_of(candidate.run_spec) is not None:
+                planned = candidate
+            todo.extend(sorted(candidate.dependencies, key=lambda d: str(d.key)))
+        out[str(key)] = (str(ts.key), None if planned is None else str(planned.key), (*pin(ts), held),
+                         None if planned is None else pin(planned))
     return out
 
 
 def test_keys_seen_before_stay_pinned(hybrid_client, records):
     s = hybrid()
     x = np.arange(40.0)
-    first = map_blocks(recorded_double, batched(x, s), scheduler=s, dtype=float).persist()
+    built = map_blocks(recorded_double, batched(x, s), scheduler=s, dtype=float)
+    first = built.persist()
     dsched_wait(hybrid_client, first)
     # The same call again builds the same keys: the scheduler already holds them.
     again = map_blocks(recorded_double, batched(x, s), scheduler=s, dtype=float)
-    assert again.name == first.name
+    assert again.name == built.name and {key[0] for key in held_keys(first)} == {again.name}
     np.testing.assert_array_equal((again + 1).compute(), 2 * x + 1)
     records.clear()
-    keys = first.__dask_keys__()
+    keys = held_keys(first)
     del first  # released: computing the same keys again must place them again
     wait_until_forgotten(hybrid_client, keys)
     np.testing.assert_array_equal(again.sum().compute(), (2 * x).sum())
@@ -532,8 +600,8 @@ def test_keys_seen_before_stay_pinned(hybrid_client, records):
 def test_unplanned_work_keeps_dask_placement(hybrid_client):
     y = (da.arange(40.0, chunks=10) + 1).persist()
     dsched_wait(hybrid_client, y)
-    seen = hybrid_client.run_on_scheduler(pinning, keys=y.__dask_keys__())
-    assert [pin[:2] for _, pin in seen.values()] == [(None, {})] * 4
+    seen = hybrid_client.run_on_scheduler(pinning, keys=held_keys(y))
+    assert [(pin[:2], planned) for _, planned, pin, _ in seen.values()] == [((None, {}), None)] * 4
 
 
 def test_register_is_idempotent_and_harmless(hybrid_client):
@@ -557,8 +625,9 @@ def test_a_block_never_requests_more_than_its_owner_holds():
                                    dashboard_address=None) as cluster, Client(cluster) as client:
         y = map_blocks(label, batched(np.zeros(40), s), scheduler=s, dtype=object).persist()
         dsched_wait(client, y)
-        seen = client.run_on_scheduler(pinning, keys=y.__dask_keys__())
-        asked = [seen[str(k)][1][1] for k in y.__dask_keys__()]
+        keys = held_keys(y)
+        seen = client.run_on_scheduler(pinning, keys=keys)
+        asked = [seen[str(k)][3][1] for k in keys]
         assert asked == [{f"dsched-{d}": min(m, 5 if d == GPU else m)} for d, m in plan(40, s)]
         assert list(y.compute()) == [f"{d}@{d}" for d in per_item(plan(40, s))]
 

@@ -16,6 +16,7 @@ from itertools import product
 
 import numpy as np
 
+from dsched.blocks.engines import engine_of, is_dask_array
 from dsched.blocks.planning import MAX_PLAN_CHUNKS, plan, plan_blocks
 from dsched.cluster.placement import PlannedBlock, run_block
 from dsched.devices import backends
@@ -27,16 +28,8 @@ logger = logging.getLogger("dsched.array")  # the name users filter on since the
 
 # --- batched arrays --------------------------------------------------------------
 
-def _is_dask_array(x) -> bool:
-    try:
-        import dask.array as da
-    except ImportError:  # pragma: no cover - dask is a dependency
-        return False
-    return isinstance(x, da.Array)
-
-
 def _is_array(x) -> bool:
-    return _is_dask_array(x) or isinstance(x, np.ndarray)
+    return is_dask_array(x) or isinstance(x, np.ndarray)
 
 
 def _batch_length(arrays, fields) -> int:
@@ -60,7 +53,7 @@ def _chunk_as_planned(x, sizes):
     """``x`` as a Dask array chunked ``sizes`` along axis 0 and whole along the others."""
     import dask.array as da
 
-    if _is_dask_array(x):
+    if is_dask_array(x):
         return x.rechunk({0: sizes, **{axis: -1 for axis in range(1, x.ndim)}})
     return da.from_array(x, chunks=(sizes,) + tuple(x.shape[1:]))
 
@@ -106,7 +99,7 @@ def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True
     else (NumPy arrays, constants, delayed objects) passes whole to every
     call; ``name``, ``token``, ``dtype``, ``chunks``, ``drop_axis``,
     ``new_axis``, ``enforce_ndim``, ``meta``, ``block_id`` and ``block_info``
-    mean what they mean there, and the output keeps the inputs' chunks.
+    mean what they mean there, on both array engines; output chunks are the inputs'.
 
     One thing is added. The *batch axis* is axis 0 of the inputs with the
     most axes; its blocks are the batch blocks. Each output block runs on the
@@ -167,18 +160,19 @@ def map_blocks(fn, *args, scheduler, rechunk=False, to_device=True, to_host=True
     >>> y.chunks, float(y.sum().compute(scheduler="sync"))
     (((4, 4, 2),), 19.30600052603572)
     """
-    fn, to_device, to_host = _check_arguments(fn, backend, scheduler, to_device, to_host)
+    fn, to_device, to_host, engine = _check_arguments(fn, args, backend, scheduler, to_device, to_host)
     drop_axis, new_axis, out_ind = _axes(args, drop_axis, new_axis, chunks)
     layout = _BatchLayout.of(args, scheduler, speeds, chunks, out_ind, rechunk)
     args, chunks = layout.apply(args, chunks, out_ind)
-    first = _dask_array(fn, args, meta, out_ind, dict(name=name, token=token, dtype=dtype, chunks=chunks,
+    first = _dask_array(engine, fn, args, meta, out_ind, dict(name=name, token=token, dtype=dtype, chunks=chunks,
                         drop_axis=drop_axis, new_axis=new_axis, enforce_ndim=enforce_ndim, **kwargs))
     call = _block_call(fn, args, out_ind, enforce_ndim, to_device, to_host)
-    return _rebuild(first, fn, call, args, out_ind, drop_axis, layout, name, token, kwargs)
+    return _rebuild(engine, first, fn, call, args, out_ind, drop_axis, layout, name, token, kwargs)
 
 
-def _check_arguments(fn, backend, scheduler, to_device, to_host):
-    """Check ``fn``, ``backend`` and ``scheduler``; ``fn``, ``to_device`` and ``to_host`` as the blocks use them.
+def _check_arguments(fn, args, backend, scheduler, to_device, to_host):
+    """Check ``fn``, ``backend`` and ``scheduler``; ``fn``, ``to_device`` and ``to_host`` as the blocks use them,
+    and the array engine of ``args`` (:func:`~dsched.blocks.engines.engine_of`).
 
     With ``backend="torch"``, ``fn`` is wrapped in :class:`TorchBlocks`, which
     moves the blocks itself (torch's own moves): no CuPy moves around it.
@@ -191,7 +185,7 @@ def _check_arguments(fn, backend, scheduler, to_device, to_host):
         fn, to_device, to_host = TorchBlocks(fn), False, False
     if not hasattr(scheduler, "status"):
         raise ValueError(f"scheduler: expected a WorkScheduler, got {scheduler!r}")
-    return fn, to_device, to_host
+    return fn, to_device, to_host, engine_of(args)
 
 
 def _axes(args, drop_axis, new_axis, chunks) -> tuple:
@@ -201,18 +195,17 @@ def _axes(args, drop_axis, new_axis, chunks) -> tuple:
     return drop_axis, new_axis, _output_indices(args, drop_axis, new_axis, chunks)
 
 
-def _dask_array(fn, args, meta, out_ind, options):
-    """The array ``dask.array.map_blocks`` makes of the call (``options``: its keyword arguments).
+def _dask_array(engine, fn, args, meta, out_ind, options):
+    """The array the engine's own ``map_blocks`` makes of the call (``options``: its keyword arguments).
 
     Dask builds the array once (meta, dtype, chunks and all its checks), then
     the layer is rebuilt with one more per-block argument: the block's plan
     (:func:`_rebuild`).
     """
-    import dask.array as da
-    from dask.array.core import map_blocks as dask_map_blocks  # the module's own, however `da` is patched
+    dask_map_blocks = engine.map_blocks()  # the module's own, however `dask.array` is patched
 
     first = dask_map_blocks(fn, *args, meta=meta, **options)
-    if not isinstance(first, da.Array):
+    if not is_dask_array(first):
         # A pandas meta makes a DataFrame collection (map_blocks(pd.Series, x)); the same call
         # with an array meta gives its blocks' chunks (the name does not depend on meta).
         probe = dask_map_blocks(fn, *args, meta=np.empty((0,) * len(out_ind), dtype=first.dtype), **options)
@@ -223,11 +216,10 @@ def _dask_array(fn, args, meta, out_ind, options):
 
 def _block_call(fn, args, out_ind, enforce_ndim, to_device, to_host):
     """What every block runs: ``fn`` on the block's device (its output's dimensions checked with ``enforce_ndim``)."""
-    import dask.array as da
     from dask.array.core import apply_and_enforce
 
     inner = partial(apply_and_enforce, _func=fn, expected_ndim=len(out_ind)) if enforce_ndim else fn
-    return _BlockCall(inner, [i for i, a in enumerate(args) if isinstance(a, da.Array)], to_device, to_host)
+    return _BlockCall(inner, [i for i, a in enumerate(args) if is_dask_array(a)], to_device, to_host)
 
 
 def funcname_of(fn) -> str:
@@ -245,9 +237,7 @@ def _output_indices(args, drop_axis, new_axis, chunks) -> tuple:
     Inputs are labelled by their axes counted from the last (``ndim - 1`` for
     axis 0 of the inputs with the most axes); new axes take fresh labels.
     """
-    import dask.array as da
-
-    ndims = [a.ndim for a in args if isinstance(a, da.Array)]
+    ndims = [a.ndim for a in args if is_dask_array(a)]
     out_ind = tuple(range(max(ndims)))[::-1] if ndims else ()
     if drop_axis:
         dropped = {i % len(out_ind) for i in drop_axis if -len(out_ind) <= i < len(out_ind)}  # Dask rejects the rest
@@ -278,9 +268,7 @@ class _BatchLayout:
 
     @classmethod
     def of(cls, args, scheduler, speeds, chunks, out_ind, rechunk):
-        import dask.array as da
-
-        arrays = [(i, a) for i, a in enumerate(args) if isinstance(a, da.Array)]
+        arrays = [(i, a) for i, a in enumerate(args) if is_dask_array(a)]
         ndim = max((a.ndim for _, a in arrays), default=0)
         if ndim == 0:
             return cls()  # no blocked input with an axis: no batch
@@ -333,9 +321,13 @@ class _BatchLayout:
         return self.devices[index], self.sizes[index]
 
 
-def _rebuild(first, fn, call, args, out_ind, drop_axis, layout, name, token, kwargs):
-    """``first``'s layer again, every block given its plan (device, size, declared shape)."""
-    from dask.array.core import _pass_extra_kwargs, blockwise
+def _rebuild(engine, first, fn, call, args, out_ind, drop_axis, layout, name, token, kwargs):
+    """``first``'s layer again, every block given its plan (device, size, declared shape).
+
+    Built with the engine's own ``blockwise``, named as ``map_blocks``
+    documents ``name`` and ``token`` (:meth:`Engine.naming`).
+    """
+    from dask.array.core import _pass_extra_kwargs
     from dask.layers import ArrayBlockIdDep, ArrayValuesDep
     from dask.utils import has_keyword
 
@@ -360,12 +352,29 @@ def _rebuild(first, fn, call, args, out_ind, drop_axis, layout, name, token, kwa
         extra_pairs.append((ArrayValuesDep(first.chunks, info), out_ind))
     if layout.note:  # logged, not warned: Dask's own callers expect map_blocks to stay silent
         logger.warning("dsched.map_blocks(%s): %s", funcname_of(fn), layout.note)
-    return blockwise(
+    return engine.blockwise()(
         _pass_extra_kwargs, out_ind, call, None, tuple(extra_names), None,
         *(x for pair in extra_pairs for x in pair), *(x for pair in argpairs for x in pair),
-        name=name, token=token or funcname_of(fn), dtype=first.dtype, concatenate=True, align_arrays=False,
-        adjust_chunks=dict(zip(out_ind, first.chunks)), meta=first._meta, **kwargs,
+        **engine.naming(funcname_of(fn), name, token), dtype=_dtype_of(first), concatenate=True, align_arrays=False,
+        adjust_chunks=dict(zip(out_ind, first.chunks)), meta=_meta_of(first, len(out_ind)), **kwargs,
     )
+
+
+def _dtype_of(first):
+    """``first``'s dtype as a NumPy dtype (the expression engine keeps ``dtype=int`` as the Python type)."""
+    return None if first.dtype is None else np.dtype(first.dtype)
+
+
+def _meta_of(first, ndim):
+    """``first``'s meta; an empty NumPy array of its dtype where the engine inferred none.
+
+    The expression engine keeps no meta when it cannot call the function on
+    empty blocks (one that reads ``block_info``, say), and a ``persist()`` of
+    such an array then fails on its ``dtype``; the classic engine makes one of
+    the dtype, as here.
+    """
+    meta = first._meta
+    return np.empty((0,) * ndim, dtype=_dtype_of(first)) if meta is None else meta
 
 
 def _argpairs(args) -> list:
@@ -374,7 +383,7 @@ def _argpairs(args) -> list:
 
     pairs = []
     for a in args:
-        if _is_dask_array(a):
+        if is_dask_array(a):
             pairs.append((a, tuple(range(a.ndim))[::-1]))
         elif isinstance(a, BlockwiseDep):  # per-block values (``da.store`` passes slices so)
             pairs.append((a, tuple(range(args[0].ndim))[::-1]))

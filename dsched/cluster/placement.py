@@ -12,7 +12,10 @@ finds the plan by walking the run_spec of every new or touched task in
 and before placing any of them, and sets the task's resource restriction
 there. This holds under the default configuration, for compositions the
 optimizer fuses, with ``persist``, and for keys the scheduler has seen
-before (``update_graph`` lists every touched task, not only new ones).
+before (``update_graph`` lists every touched task, not only new ones), on
+both of Dask's array engines: the expression engine
+(``array.query-planning``) keeps no annotations either (dask/dask#10937),
+and materializes each block's task, plan included, on the scheduler.
 Tasks without a planned block are left to Dask. :func:`run_block` runs the
 block where it lands and checks its output shape.
 
