@@ -21,26 +21,29 @@ import sys
 import numpy as np
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` shows this module's docstring as written and every option's default."""
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     parser.add_argument("--devices", default="cpu,cuda:0", help="devices of each node, in the order worker ranks take them")
     parser.add_argument("--emulate", action="store_true", help="emulate CUDA devices this machine lacks")
     parser.add_argument("--points", type=int, default=20_000, help="material points to evaluate")
     parser.add_argument("--cpu-batch", type=int, default=500, help="batch size of the CPU")
     parser.add_argument("--gpu-batch", type=int, default=2000, help="batch size of each GPU")
     parser.add_argument("--interface", default="lo", help="network interface (lo; ib0 across nodes)")
-    parser.add_argument("--no-dashboard", action="store_true")
+    parser.add_argument("--no-dashboard", action="store_true", help="start the cluster without its dashboard")
     return parser.parse_args(argv)
 
 
 def run_client(args) -> int:
     from distributed import Client
 
-    from dsched import StaticHybridScheduler, WorkDispatcher, dispatch
+    from dsched import SliceGenerator, StaticHybridScheduler, WorkDispatcher, dispatch
     from dsched.models import j2_chunk, j2_update, loading_strain
-    from dsched.store import classify_workers
+    from dsched.dataplane.store import classify_workers
     from dsched.mpi import cluster_layout, format_layout
-    from dsched.work import SliceGenerator
 
     with Client() as client:  # dsched.mpi.initialize pointed the default client at rank 0
         layout = cluster_layout(client)

@@ -1,4 +1,4 @@
-"""100 load steps of J2 plasticity on 1,000,000 material points, the state staying on its devices.
+"""100 load steps of J2 plasticity on 500,000 material points, the state staying on its devices.
 
 A finite-element solver calls its material model at every load step on the
 same points, carrying the plastic strain and the hardening variable from one
@@ -7,7 +7,8 @@ is placed once on the device the scheduler plans for it, every step is an
 update that returns at once, and the client waits only where it asks for a
 value (a reduction every ``--report-every`` steps, the stress at the end).
 
-    python examples/load_steps.py                       # 1M points, 100 steps, CPU worker processes
+    python examples/load_steps.py                       # 500,000 points, 100 steps, CPU worker processes
+    python examples/load_steps.py --points 1000000      # the size of dsched bench --only batch
     python examples/load_steps.py --points 2000 --steps 10 --emulate --check
 
 ``--emulate`` adds an emulated ``cuda:0`` worker (a CPU process that claims the
@@ -22,13 +23,17 @@ import numpy as np
 from distributed import Client
 
 import dsched
-from dsched.bench_batch import final_strain, j2_load_step_in_place, run_numpy
+from dsched.apps.bench.batch import final_strain, j2_load_step_in_place, run_numpy
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` shows this module's docstring as written and every option's default."""
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--points", type=int, default=1_000_000)
-    parser.add_argument("--steps", type=int, default=100)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    parser.add_argument("--points", type=int, default=500_000, help="material points")
+    parser.add_argument("--steps", type=int, default=100, help="load steps")
     parser.add_argument("--report-every", type=int, default=10, help="steps between two reductions")
     parser.add_argument("--emulate", action="store_true", help="add an emulated cuda:0 worker (testing only)")
     parser.add_argument("--check", action="store_true", help="compare with the same steps in NumPy")

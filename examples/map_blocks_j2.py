@@ -37,11 +37,17 @@ def von_mises(stress):
     return (1.5 * deviator_sq) ** 0.5
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` shows this module's docstring as written and every option's default."""
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--points", type=int, default=200_000)
-    parser.add_argument("--batch-sizes", type=int, nargs=2, default=(5_000, 40_000), metavar=("CPU", "GPU"))
-    parser.add_argument("--priorities", type=float, nargs=2, default=(1.0, 4.0), metavar=("CPU", "GPU"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    parser.add_argument("--points", type=int, default=200_000, help="material points to evaluate")
+    parser.add_argument("--batch-sizes", type=int, nargs=2, default=[5_000, 40_000], metavar=("CPU", "GPU"),
+                        help="sub-batch size of the CPU and of cuda:0")
+    parser.add_argument("--priorities", type=float, nargs=2, default=[1.0, 4.0], metavar=("CPU", "GPU"),
+                        help="priorities of the CPU and of cuda:0 (the plan counts priority 4 as 4 times as fast)")
     args = parser.parse_args(argv)
 
     import dask.array as da

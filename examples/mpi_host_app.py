@@ -26,12 +26,17 @@ import time
 import numpy as np
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` shows this module's docstring as written and every option's default."""
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     parser.add_argument("--devices", default="cpu,cuda:0", help="devices of each node, in the order local ranks take them")
     parser.add_argument("--batch-sizes", default="1000", help="per-device batch sizes (one, or one per device)")
     parser.add_argument("--points", type=int, default=40_000, help="material points over all ranks")
-    parser.add_argument("--mode", choices=("async", "sync"), default="async")
+    parser.add_argument("--mode", choices=("async", "sync"), default="async",
+                        help="async: a one-device Dask cluster in each rank; sync: chunks on the rank's own thread")
     parser.add_argument("--emulate", action="store_true", help="emulate CUDA devices this machine lacks")
     parser.add_argument("--allow-shared", action="store_true", help="more ranks than devices share them round-robin")
     args = parser.parse_args(argv)
@@ -66,9 +71,8 @@ def main(argv=None) -> int:
 def run_rank(args, comm) -> int:
     """This rank's share of the batch on its device; rank 0 gathers and checks everything."""
 
-    from dsched import SimpleMPIScheduler, WorkDispatcher, concat_reduce, visible_gpus
+    from dsched import SimpleMPIScheduler, SliceGenerator, WorkDispatcher, concat_reduce, visible_gpus
     from dsched.models import j2_chunk
-    from dsched.work import SliceGenerator
 
     rank, size = comm.Get_rank(), comm.Get_size()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -21,8 +21,9 @@ or start the clients yourself against any dsched cluster::
 ``--chunk-seconds`` makes every chunk last at least that long, so chunks of
 different clients overlap visibly. ``--start-on EVENT`` holds a client, once
 connected, until the cluster's Dask event ``EVENT`` is set
-(``distributed.Event(EVENT).set()``), so that several start their runs together. Emulated devices compute with NumPy on the
-CPU: they test placement and capacity, not GPU speed.
+(``distributed.Event(EVENT).set()``), so that several start their runs
+together. Emulated devices compute with NumPy on the CPU: they test placement
+and capacity, not GPU speed.
 """
 
 from __future__ import annotations
@@ -75,8 +76,7 @@ def run_client(args) -> int:
 
     from distributed import Client
 
-    from dsched import StaticHybridScheduler, WorkDispatcher, concat_reduce
-    from dsched.work import SliceGenerator
+    from dsched import SliceGenerator, StaticHybridScheduler, WorkDispatcher, concat_reduce
 
     devices = args.devices.split(",")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -175,25 +175,35 @@ def _repo_root():
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` shows this module's docstring as written and every option's default."""
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     sub = parser.add_subparsers(dest="command")
     demo = parser
-    demo.add_argument("--clients", type=int, default=3)
-    demo.add_argument("--points", type=int, default=400, help="points per client")
-    demo.add_argument("--capacities", default="cpu=4,cuda:0=8", help="items each device may execute at once, all clients together")
-    demo.add_argument("--devices", default="cpu,cuda:0")
-    demo.add_argument("--chunk-seconds", type=float, default=0.02)
-    client = sub.add_parser("client", help="run one client against a running cluster")
+    demo.add_argument("--clients", type=int, default=3, help="client processes to start")
+    demo.add_argument("--points", type=int, default=400,
+                      help="points per client; each chunk holds 2 or 4 points and lasts --chunk-seconds, so the "
+                           "run's time grows with points per client")
+    demo.add_argument("--capacities", default="cpu=4,cuda:0=8",
+                      help="items each device may execute at once, all clients together")
+    demo.add_argument("--devices", default="cpu,cuda:0", help="the cluster's devices (CUDA ones emulated without a GPU)")
+    demo.add_argument("--chunk-seconds", type=float, default=0.02,
+                      help="every chunk lasts at least this long, so chunks of different clients overlap")
+    client = sub.add_parser("client", help="run one client against a running cluster", formatter_class=_Help,
+                            description="Run one client against a running dsched cluster: dispatch points "
+                                        "[first, first + points) and print how many chunks it sent.")
     where = client.add_mutually_exclusive_group(required=True)
     where.add_argument("--scheduler", help="scheduler address")
     where.add_argument("--scheduler-file", help="scheduler file (python -m dsched.mpi writes one)")
     client.add_argument("--first", type=int, default=0, help="first point index")
-    client.add_argument("--points", type=int, default=400)
-    client.add_argument("--devices", default="cpu,cuda:0")
-    client.add_argument("--batch-sizes", default="2,4")
+    client.add_argument("--points", type=int, default=400, help="points to dispatch")
+    client.add_argument("--devices", default="cpu,cuda:0", help="devices this client's scheduler uses")
+    client.add_argument("--batch-sizes", default="2,4", help="sub-batch size per device")
     client.add_argument("--client-capacities", default="8,16", help="items this client keeps in flight per device")
-    client.add_argument("--chunk-seconds", type=float, default=0.02)
+    client.add_argument("--chunk-seconds", type=float, default=0.02, help="every chunk lasts at least this long")
     client.add_argument("--out", help="save the result to OUT.npz and the chunk records to OUT.json")
     client.add_argument("--start-on", metavar="EVENT",
                         help="wait for the cluster's Dask event EVENT before dispatching (a supervisor starts "

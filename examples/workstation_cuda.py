@@ -71,10 +71,15 @@ def start_emulated_cluster(stack):
     return client, f"{cluster!r}", ["cuda:0"]
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` shows this module's docstring as written and every option's default."""
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--points", type=int, default=400_000)
-    parser.add_argument("--batch-sizes", type=int, nargs=2, default=(10_000, 100_000), metavar=("CPU", "GPU"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    parser.add_argument("--points", type=int, default=400_000, help="material points to evaluate")
+    parser.add_argument("--batch-sizes", type=int, nargs=2, default=[10_000, 100_000], metavar=("CPU", "GPU"),
+                        help="sub-batch size of the CPU and of each GPU")
     parser.add_argument("--no-fallback", action="store_true",
                         help="exit 0 with a message when dask-cuda or a GPU is missing, instead of emulating")
     args = parser.parse_args(argv)

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from distributed import Nanny, Scheduler, SpecCluster, Worker
+from distributed.core import Status
 
 from dsched.checks import check_positive_int
 from dsched.cluster.logs import apply_log_level, configured_log_level, spawn_config, worker_preload
 from dsched.cluster.placement import DeviceWorkerPlugin, PlacementPlugin
+from dsched.dataplane.segments import record_semaphores, sweep_stale_segments
 from dsched.devices.cuda import visible_gpus
 from dsched.devices.device import EMULATED_RESOURCE, Device, check_capacities, device_resource, parse_devices
 from dsched.devices.threads import ThreadLimits, thread_share
 from dsched.observe.dashboard import DashboardPlugin, register_page
 
 __all__ = ["LocalHybridCluster"]
+
+_CLOSE_GRACE = 1.0  # seconds a worker has to close before it is left (a thread) or killed (a process)
+_RECORD_POLL = 0.01  # seconds between looks for a starting worker process's queues
 
 
 def _loopback_port0(host: str) -> str:
@@ -71,6 +77,16 @@ class LocalHybridCluster(SpecCluster):
         failed chunk's "Compute Failed" log is dropped too: the dispatcher
         raises that error itself.
 
+    Notes
+    -----
+    Closing the cluster does not wait for chunks that never return (Ctrl-C, or
+    a ``ChunkTimeoutError``): each worker gets one second to close, then an
+    in-process worker's thread is left running until the process ends, and a
+    worker process is killed. A worker process's nanny talks to it through
+    named POSIX semaphores (``/dev/shm/sem.mp-*``); they are recorded, so that
+    if this process and its resource tracker are killed together the next run
+    on the host removes them with dsched's own segments.
+
     Examples
     --------
     >>> from distributed import Client
@@ -112,6 +128,8 @@ class LocalHybridCluster(SpecCluster):
 
         if protocol is None:
             protocol = "tcp://" if processes else "inproc://"
+        if processes:  # what killed clients and their nannies left (their semaphores) goes first
+            sweep_stale_segments()
         self.protocol = protocol
         scheduler = _scheduler_spec(protocol, host, dashboard_address, scheduler_options)
         workers = {
@@ -159,7 +177,14 @@ class LocalHybridCluster(SpecCluster):
             options.setdefault("plugins", set()).update(_cuda_worker_plugins(device.ordinal))
         else:
             options["env"] = {"CUDA_VISIBLE_DEVICES": ""}  # CPU and emulated workers must not grab a GPU
-        return {"cls": Nanny, "options": worker_preload(options, self._log_level)}  # the process's own log level
+        return {"cls": _Nanny, "options": worker_preload(options, self._log_level)}  # the process's own log level
+
+    async def _close(self):
+        # The workers first, each given _CLOSE_GRACE seconds: Dask would wait for a chunk that never
+        # returns (30 s for an in-process worker's thread, 4 s before it kills a worker process).
+        if self.status == Status.running:
+            await asyncio.gather(*(_close_now(w) for w in list(self.workers.values())), return_exceptions=True)
+        await super()._close()
 
     @property
     def dashboard_link(self) -> str:
@@ -180,6 +205,65 @@ class LocalHybridCluster(SpecCluster):
     def __repr__(self):
         parts = ", ".join(f"{d}{' (emulated)' if self.emulated[d] else ''}" for d in self.devices)
         return f"LocalHybridCluster({parts}, scheduler={self.scheduler_address!r})"
+
+
+async def _close_now(worker):
+    """Close ``worker`` without waiting for its chunks: a thread that is stuck is left, a process killed."""
+    if worker.status != Status.running:  # closed or closing already (a nanny closed by hand, say)
+        return
+    if not isinstance(worker, Nanny):
+        await worker.close(timeout=_CLOSE_GRACE, executor_wait=False, nanny=False, reason="cluster-close")
+        return
+    worker.close_gracefully(reason="cluster-close")  # its worker process is not restarted when it ends
+    if worker.process is not None:
+        await worker.process.kill(timeout=_CLOSE_GRACE, executor_wait=False, reason="cluster-close")
+    await worker.close(timeout=_CLOSE_GRACE, reason="cluster-close")
+
+
+class _Nanny(Nanny):
+    """A nanny that lists its worker process's semaphores for the sweep of ``/dev/shm``.
+
+    Its two queues to the worker process are six named POSIX semaphores, which
+    only this process's resource tracker unlinks if this process is killed.
+    Listed (:func:`~dsched.dataplane.segments.record_semaphores`) as soon as they
+    are made, at each start of the worker process, they are removed by the next
+    run on the host when the tracker was killed too.
+    """
+
+    async def instantiate(self):
+        recording = asyncio.ensure_future(self._record_when_made())
+        try:
+            return await super().instantiate()
+        finally:
+            recording.cancel()
+            self._record()
+
+    async def _record_when_made(self):
+        while not self._record():
+            await asyncio.sleep(_RECORD_POLL)
+
+    def _record(self) -> bool:
+        names = _queue_semaphores(self.process)
+        record_semaphores(id(self), names)
+        return bool(names)
+
+    async def close(self, *args, **kwargs):
+        try:
+            return await super().close(*args, **kwargs)
+        finally:
+            record_semaphores(id(self), [])  # unlinked with the worker process's queues
+
+
+def _queue_semaphores(process) -> list:
+    """The names (``mp-...``) of the semaphores of a nanny's queues to its worker process; none if not started,
+    or if a release of Python lays queues out otherwise."""
+    names = []
+    for queue in (getattr(process, "init_result_q", None), getattr(process, "child_stop_q", None)):
+        for lock in (getattr(queue, "_rlock", None), getattr(queue, "_wlock", None), getattr(queue, "_sem", None)):
+            name = getattr(getattr(lock, "_semlock", None), "name", None)
+            if name:
+                names.append(name.lstrip("/"))
+    return names
 
 
 def _listen_host(address):

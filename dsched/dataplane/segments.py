@@ -23,10 +23,12 @@ import numpy as np
 from dsched.names import SEGMENT_PREFIX
 
 __all__ = ["SHM_DIR", "mapped_segment", "pinned_segment", "forget_vanished_segments", "sweep_stale_segments",
-           "shared_empty", "shared_copy", "SegmentPool", "POOL", "release_pool"]
+           "shared_empty", "shared_copy", "SegmentPool", "POOL", "release_pool", "record_semaphores"]
 
 SHM_DIR = "/dev/shm"
 _PREFIX = SEGMENT_PREFIX
+# dsched-semaphores-<pid>: the named semaphores of the processes <pid> started (not dsched-<pid>-*: no segment)
+_LEDGER = f"{SEGMENT_PREFIX}semaphores-"
 
 _mapped: dict = {}  # (token, writable) -> mmap of a whole segment, kept for this process's later chunks
 _pinned: dict = {}  # (token, writable) -> (bytes view, pointer) of mappings this process page-locked for a GPU
@@ -265,12 +267,16 @@ def _untrack(token):
 
 
 def sweep_stale_segments() -> list:
-    """Unlink this user's segments whose creating process is gone; the names removed.
+    """Unlink this user's segments whose creating process is gone, and the semaphores it recorded; the names
+    removed.
 
     The resource tracker unlinks a killed client's segments, unless it was
     killed too (a whole process group killed at once): then the next run on the
-    host removes them. Dask config ``dsched.sweep-stale-segments: false`` turns
-    this off (for containers that share ``/dev/shm`` but not process ids).
+    host removes them. So too the POSIX semaphores of the nannies the client
+    started (``sem.mp-*``, their queues to their worker processes), which it
+    listed in its ledger (:func:`record_semaphores`); no other semaphore is
+    touched. Dask config ``dsched.sweep-stale-segments: false`` turns this off
+    (for containers that share ``/dev/shm`` but not process ids).
     """
     from dask import config
 
@@ -278,7 +284,8 @@ def sweep_stale_segments() -> list:
         return []
     removed = []
     for name in os.listdir(SHM_DIR):
-        pid = name[len(_PREFIX):].partition("-")[0]
+        ledger = name.startswith(_LEDGER)
+        pid = name[len(_LEDGER if ledger else _PREFIX):].partition("-")[0]
         if not name.startswith(_PREFIX) or not pid.isdigit():
             continue
         path = os.path.join(SHM_DIR, name)
@@ -287,14 +294,73 @@ def sweep_stale_segments() -> list:
                 continue
             os.kill(int(pid), 0)
         except ProcessLookupError:  # its creator is gone
-            try:
-                os.unlink(path)
+            if name == f"{_LEDGER}{pid}":  # not a stray copy being written
+                removed += _sweep_semaphores(path)
+            if _unlinked(path):
                 removed.append(name)
-            except FileNotFoundError:
-                pass
         except (PermissionError, FileNotFoundError):
             pass
     return removed
+
+
+def _unlinked(path) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _sweep_semaphores(ledger) -> list:
+    """Unlink the semaphores a dead process listed in its ``ledger`` (those of this user still there)."""
+    try:
+        with open(ledger) as f:
+            names = [n for n in f.read().split() if n.startswith("mp-") and "/" not in n]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        path = os.path.join(SHM_DIR, f"sem.{name}")
+        try:
+            if os.stat(path).st_uid == os.getuid() and _unlinked(path):
+                removed.append(f"sem.{name}")
+        except FileNotFoundError:  # unlinked when its queue went, as it should be
+            pass
+    return removed
+
+
+_semaphores: dict = {}  # owner -> names of the named semaphores it made in this process (a nanny's queues)
+_semaphores_lock = threading.Lock()
+
+
+def record_semaphores(owner, names):
+    """List the named semaphores ``owner`` made in this process (``mp-...``; none: forget them) in this process's
+    ledger, ``/dev/shm/dsched-semaphores-<pid>``.
+
+    Python's resource tracker unlinks them (and the ledger) if this process is
+    killed, but not if the tracker is killed with it; then
+    :func:`sweep_stale_segments` does, reading the ledger of the dead process.
+    The ledger is replaced whole on each change, and removed with its last name.
+    """
+    with _semaphores_lock:
+        had = bool(_semaphores)
+        if names:
+            _semaphores[owner] = sorted(names)
+        else:
+            _semaphores.pop(owner, None)
+        listed = sorted({n for ns in _semaphores.values() for n in ns})
+        token = f"{_LEDGER}{os.getpid()}"
+        path = os.path.join(SHM_DIR, token)
+        if not listed:
+            if had:
+                _unlink(token, path)
+            return
+        fd = os.open(path + "-new", os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(listed) + "\n")
+        os.replace(path + "-new", path)  # a process killed mid-write leaves a whole ledger (and a stray -new)
+        if not had:
+            _track(token)
 
 
 # --- arrays that live in shared memory from the start ----------------------------

@@ -1,10 +1,33 @@
-"""Which workers own which devices, read from their Dask resources."""
+"""Which workers own which devices, read from their Dask resources, and devices whose worker is away."""
 
 from __future__ import annotations
 
+import threading
+import time
+
+from dask import config
+
 from dsched.devices.device import EMULATED_RESOURCE, Device, device_of_resources, device_resource, placement_device
 
-__all__ = ["cluster_info", "emulated_devices", "device_owners", "device_capacities", "device_threads", "check_devices_owned"]
+__all__ = ["cluster_info", "emulated_devices", "device_owners", "device_capacities", "device_threads", "check_devices_owned",
+           "lost_device_timeout", "absent_since", "wait_for_devices"]
+
+LOST_DEVICE_TIMEOUT = 30.0  # ``dsched.lost-device-timeout``: seconds a device may be without a worker (a nanny restarts one)
+_POLL = 0.1  # seconds between looks at the cluster while a call waits for a device's worker
+_UNWATCHED = 10.0  # seconds without a look after which a device's absence is counted afresh
+
+
+class _Sightings:
+    """What this process saw of each cluster (by scheduler address): the devices a worker owned, and since when
+    a device has been without one. One instance, :data:`_sightings`."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.owned = {}  # scheduler address -> {Device} some worker owned when this process looked
+        self.absent = {}  # (scheduler address, Device) -> [first seen without a worker, last seen so]
+
+
+_sightings = _Sightings()
 
 
 def cluster_info(client) -> dict:
@@ -15,7 +38,13 @@ def cluster_info(client) -> dict:
     2 s, asking for no workers) can replace between the answer and the return: a
     cluster of workers then reads as one without any (seen in the suite).
     """
-    return client.sync(client.scheduler.identity, n_workers=-1)
+    info = client.sync(client.scheduler.identity, n_workers=-1)
+    owned = {device_of_resources(w.get("resources")) for w in info.get("workers", {}).values()} - {None}
+    with _sightings.lock:  # a device seen owned is no longer away; it may be waited for if it goes
+        _sightings.owned.setdefault(client.scheduler.address, set()).update(owned)
+        for device in owned:
+            _sightings.absent.pop((client.scheduler.address, device), None)
+    return info
 
 
 def _workers(client, workers):
@@ -54,18 +83,95 @@ def check_devices_owned(client, scheduler, workers=None):
     capacities = device_capacities(client, workers)
     missing = [str(s.device) for s in scheduler.status() if placement_device(s.device) not in capacities]
     if missing:
-        have = ", ".join(sorted(map(str, capacities))) or "none"
-        raise ValueError(
-            f"devices: no worker of the cluster owns {', '.join(missing)} (owned devices: {have}); "
-            f"start one with LocalHybridCluster or `dask worker --resources {device_resource(missing[0])}=<capacity>`"
-        )
+        raise _not_owned(missing, capacities)
+    _check_batch_sizes(scheduler, capacities)
+
+
+def _not_owned(missing, capacities, grace=None) -> ValueError:
+    have = ", ".join(sorted(map(str, capacities))) or "none"
+    names = ", ".join(map(str, missing))
+    what = f"owns {names}" if grace is None else f"has owned {names} for {grace:g} s"
+    return ValueError(
+        f"devices: no worker of the cluster {what} (owned devices: {have}); "
+        f"start one with LocalHybridCluster or `dask worker --resources {device_resource(missing[0])}=<capacity>`"
+    )
+
+
+def _check_batch_sizes(scheduler, capacities):
     for s in scheduler.status():
-        held = capacities[placement_device(s.device)]
-        if held < s.batch_size:
+        held = capacities.get(placement_device(s.device))
+        if held is not None and held < s.batch_size:
             raise ValueError(
                 f"batch_sizes: {s.batch_size} for {s.device} exceeds the {held:g} items its worker may run at once "
                 f"(the worker's {device_resource(s.device)} resource)"
             )
+
+
+def lost_device_timeout() -> float:
+    """Seconds a device may be without a worker before its chunks run elsewhere (``dsched.lost-device-timeout``)."""
+    return float(config.get("dsched.lost-device-timeout", LOST_DEVICE_TIMEOUT))
+
+
+def absent_since(client, devices) -> dict:
+    """``{device: time.monotonic() since which it has been without a worker}`` for ``devices``, as this process saw.
+
+    Call it with the devices no worker owns now. The clock is shared by the
+    calls and runs of this process, so a device lost during one run is not
+    waited for again, in full, by the next call; it starts again when a worker
+    owns the device, or when nobody looked for 10 s (it may have come back).
+    """
+    now = time.monotonic()
+    since = {}
+    with _sightings.lock:
+        for device in devices:
+            seen = _sightings.absent.setdefault((client.scheduler.address, placement_device(device)), [now, now])
+            if now - seen[1] > _UNWATCHED:  # it may have come back and gone again meanwhile
+                seen[0] = now
+            seen[1] = now
+            since[device] = seen[0]
+    return since
+
+
+def _awaited(client, devices) -> list:
+    """Those of ``devices`` whose worker may be restarting: a worker owned it when this process looked earlier,
+    or the client's own cluster runs it (a LocalHybridCluster's nanny brings a killed worker back)."""
+    with _sightings.lock:
+        seen = set(_sightings.owned.get(client.scheduler.address, ()))
+    seen |= {placement_device(d) for d in getattr(getattr(client, "cluster", None), "devices", None) or ()}
+    return [d for d in devices if placement_device(d) in seen]
+
+
+def wait_for_devices(client, scheduler, cluster, grace=None) -> dict:
+    """``cluster`` (a :func:`cluster_info`) once a worker owns each of ``scheduler``'s devices, read again if it
+    had to wait; a ValueError, before any work, for a device it cannot wait for.
+
+    A device whose worker is restarting (a killed worker its nanny brings back)
+    is waited for under the rule chunks in flight follow
+    (:class:`~dsched.dispatch.completion.DeviceWatch`): up to ``grace`` seconds
+    (``dsched.lost-device-timeout``) since this process found it without a
+    worker. Past that the call starts anyway, and its chunks run on another
+    device, with a :class:`~dsched.placement.PlacementWarning`, until a worker
+    owns it again. A device no worker of the cluster ever owned is refused at
+    once, as is a batch size above a device's capacity.
+    """
+    grace = lost_device_timeout() if grace is None else grace
+    while True:
+        capacities = device_capacities(client, cluster["workers"])
+        missing = [s.device for s in scheduler.status() if placement_device(s.device) not in capacities]
+        unknown = [d for d in missing if d not in _awaited(client, missing)]
+        if unknown:
+            raise _not_owned(unknown, capacities)
+        if not missing:
+            break
+        since = absent_since(client, missing)
+        if time.monotonic() - max(since.values()) >= grace:  # lost: the run moves their chunks elsewhere
+            if not capacities:
+                raise _not_owned(missing, capacities, grace)
+            break
+        time.sleep(_POLL)
+        cluster = cluster_info(client)
+    _check_batch_sizes(scheduler, capacities)
+    return cluster
 
 
 def device_threads(client, workers=None) -> dict:

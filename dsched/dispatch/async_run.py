@@ -331,6 +331,8 @@ class AsyncRun:
                 for entry in moved:
                     del self.in_flight[entry.record.index]
                 self._submit(fallback, [(e.record, e.work) for e in moved], retry=True)
+        if self.feeds is not None:  # feeds on workers that left are lost; a restarted worker gets new ones
+            self.feeds.follow(self.watch.workers)
 
     def abandon(self):
         """Cancel every chunk still out, in one call, and give its load back."""

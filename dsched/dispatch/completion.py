@@ -1,16 +1,23 @@
-"""Knowing when chunks finish: completion notices from the client's event loop, and lost devices."""
+"""Knowing when chunks finish: completion notices from the client's event loop, workers that leave, and lost
+devices."""
 
 from __future__ import annotations
 
 import asyncio
 import queue
 import time
+import weakref
+
+from distributed.core import send_recv
 
 from dsched.cluster.placement import PlacementWarning
 from dsched.devices.device import placement_device
-from dsched.devices.ownership import device_capacities
+from dsched.devices.ownership import absent_since, cluster_info, device_capacities, lost_device_timeout
 
-__all__ = ["notify_when_done", "wait_for_one", "DeviceWatch"]
+__all__ = ["notify_when_done", "wait_for_one", "until_done", "ask_worker", "watch_worker", "DeviceWatch"]
+
+CONNECT_WAIT = 3.0  # seconds to reach a worker (Dask retries a refused connection for its 30 s connect timeout)
+_POLL = 0.05  # seconds between looks at whether a worker being connected to is known to have left
 
 
 def notify_when_done(client, futures, put):
@@ -48,6 +55,20 @@ async def _watch_future(future, put):
     put(future)
 
 
+async def until_done(futures, timeout):
+    """Wait, on the client's event loop, until each of ``futures`` is done (or released), at most ``timeout`` s."""
+    async def done(future):
+        state = getattr(future, "_state", None)
+        while future.status in ("pending", "lost"):
+            await (state.wait() if hasattr(state, "wait") else asyncio.sleep(0.01))
+
+    waits = [asyncio.ensure_future(done(f)) for f in futures]
+    if waits:
+        _, late = await asyncio.wait(waits, timeout=timeout)
+        for wait in late:
+            wait.cancel()
+
+
 def wait_for_one(done, timeout):
     """The next finished future, or ``None`` after ``timeout`` seconds without one."""
     try:
@@ -56,40 +77,86 @@ def wait_for_one(done, timeout):
         return None
 
 
+async def ask_worker(client, address, op, wait=None, gone=None, **message):
+    """``client.rpc(address).<op>(**message)``, bounded: connecting within :data:`CONNECT_WAIT` seconds (a
+    worker of this host that refuses is gone), or until ``gone()`` says the worker left, and the answer within
+    ``wait`` seconds if given (a chunk's is not bounded: it takes what the model takes)."""
+    pool = client.rpc
+    comm = await _connect(pool, address, gone)
+    try:
+        call = send_recv(comm=comm, op=op, serializers=pool.serializers, deserializers=pool.deserializers, **message)
+        return await (call if wait is None else asyncio.wait_for(call, wait))
+    finally:
+        pool.reuse(address, comm)  # a cancelled or failed call closed it: it is not reused
+
+
+async def _connect(pool, address, gone):
+    if any(not comm.closed() for comm in pool.available.get(address, ())):  # each chunk of a run: no waiting
+        return await pool.connect(address, timeout=CONNECT_WAIT)
+    # Within its timeout Dask retries a refused connection, and the handshake after it has no timeout at all.
+    connecting = asyncio.ensure_future(pool.connect(address, timeout=CONNECT_WAIT))
+    give_up = time.monotonic() + 2 * CONNECT_WAIT
+    while True:
+        done, _ = await asyncio.wait([connecting], timeout=_POLL)
+        if done:
+            return connecting.result()
+        if time.monotonic() > give_up or (gone is not None and gone()):
+            connecting.cancel()
+            raise ConnectionError(f"could not reach worker {address}")
+
+
+def watch_worker(client, address, left):
+    """Call ``left(client, address, error)`` on the event loop as soon as the worker at ``address`` leaves the
+    cluster: the scheduler's ``remove-worker`` event on the worker's topic, which carries little else. Once per
+    client and worker."""
+    watched = client.__dict__.setdefault("_dsched_watched_workers", set())
+    if address in watched:
+        return
+    watched.add(address)
+    ref = weakref.ref(client)  # the handler, kept by the client, must not keep it alive
+
+    def heard(event):
+        message = event[1] if isinstance(event, tuple) and len(event) == 2 else event
+        client = ref()
+        if client is not None and isinstance(message, dict) and message.get("action") == "remove-worker":
+            left(client, address, ConnectionError(f"worker {address} left the cluster"))
+            client.unsubscribe_topic(address)
+            getattr(client, "_event_handlers", {}).pop(address, None)  # unsubscribe_topic keeps it (2026.8)
+
+    client.subscribe_topic(address, heard)
+
+
 class DeviceWatch:
     """Notices devices that lost every worker while chunks wait on them, and says where to run those instead.
 
     A device counts as lost once no worker has owned it for ``grace`` seconds
     (Dask config ``dsched.lost-device-timeout``, default 30: time for a
-    nanny to restart a worker). Its chunks then go, as ``map_blocks`` blocks
-    do, to another device of the same kind, else to any device a worker owns,
-    with a :class:`~dsched.placement.PlacementWarning`; they go back once a
-    worker owns the device again.
+    nanny to restart a worker), counted from when this process first saw it
+    without one (a call that waited for it at its start counts too). Its chunks
+    then go, as ``map_blocks`` blocks do, to another device of the same kind,
+    else to any device a worker owns, with a
+    :class:`~dsched.placement.PlacementWarning`; they go back once a worker owns
+    the device again. ``workers`` is the cluster's as the last check saw it.
     """
 
     def __init__(self, client, grace=None, workers=None):
-        from dask import config
-
         self.client = client
-        self.grace = float(config.get("dsched.lost-device-timeout", 30.0) if grace is None else grace)
-        self.missing_since = {}  # device -> when it was first seen without a worker
+        self.grace = lost_device_timeout() if grace is None else float(grace)
         self.redirect = {}  # lost device -> the device its chunks run on instead
-        self.capacities = device_capacities(client, workers)  # Device -> items its workers may run at once
+        self.workers = cluster_info(client)["workers"] if workers is None else workers
+        self.capacities = device_capacities(client, self.workers)  # Device -> items its workers may run at once
 
     def check(self, busy):
         """Update from the cluster; the devices newly redirected, ``{lost: fallback}``."""
-        owned = self.capacities = device_capacities(self.client)
-        now = time.monotonic()
+        self.workers = cluster_info(self.client)["workers"]
+        owned = self.capacities = device_capacities(self.client, self.workers)
         for device in list(self.redirect):
             if placement_device(device) in owned:  # a worker came back
                 del self.redirect[device]
-                self.missing_since.pop(device, None)
+        away = [d for d in busy if placement_device(d) not in owned and d not in self.redirect]
+        now = time.monotonic()
         newly = {}
-        for device in busy:
-            if placement_device(device) in owned or device in self.redirect:
-                self.missing_since.pop(device, None)
-                continue
-            since = self.missing_since.setdefault(device, now)
+        for device, since in absent_since(self.client, away).items():
             if now - since >= self.grace:
                 fallback = _fallback(device, owned)
                 if fallback is None:

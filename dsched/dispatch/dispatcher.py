@@ -26,7 +26,7 @@ from dsched.dataplane.rundata import RunData, check_out, zarr_chunk_items
 from dsched.dataplane.store import resolve_work
 from dsched.devices.context import running_on
 from dsched.devices.device import Device
-from dsched.devices.ownership import check_devices_owned, cluster_info, device_owners
+from dsched.devices.ownership import cluster_info, device_owners, wait_for_devices
 from dsched.dispatch.async_run import AsyncRun
 from dsched.errors import AggregateError, ChunkTimeoutError
 from dsched.observe.hooks import Observers, RunStart
@@ -240,7 +240,8 @@ class WorkDispatcher:
             else:
                 client = self.client
                 cluster = cluster_info(client)  # read once: every question below is answered from it
-                check_devices_owned(client, self.scheduler, cluster["workers"])
+                # A device whose worker is restarting is waited for (dsched.lost-device-timeout), not refused.
+                cluster = wait_for_devices(client, self.scheduler, cluster)
                 if hasattr(self.scheduler, "bind"):  # a policy that learns per host binds to the cluster
                     self.scheduler.bind(client)
                 data = self._open_data(generator, out, client, cluster["workers"])

@@ -17,8 +17,16 @@ chunk. About 0.35 ms of client CPU and 0.2 ms of worker CPU per chunk.
 
 The scheduler still sees each feed as a task (dashboard task stream, worker
 restrictions, resources), and with the dashboard the per-device rows come
-from chunk events (``dsched-chunks``). A worker that dies fails its chunks'
-RPCs: the dispatcher runs them again as tasks (:mod:`dsched.dispatch`).
+from chunk events (``dsched-chunks``).
+
+A worker that dies costs no more than the chunks it held. Its feeds are
+forgotten as soon as the client hears of it (a failed RPC, the scheduler's
+``remove-worker`` event on the worker's topic, or a run's look at the cluster
+each tick): their chunks run again as tasks (:mod:`dsched.dispatch`), a run's
+end never waits for them, and their tasks are released. Every message to a
+worker is bounded (Dask retries a refused connection for 30 s; a feed's worker
+that refuses is gone). As soon as a worker on this host owns the device again
+(a nanny's restart), the run starts feeds on it, so it takes its full share.
 
 Devices are shared: several clients may run on the same workers at once.
 So a feed does not hold its thread for a whole run when others wait for the
@@ -35,7 +43,8 @@ each waits on its worker, holding its thread and its share of the device,
 for ``dsched.feed-linger`` seconds (2 by default; 0 stops them at once). The
 client's next run from the same thread, of any dispatcher, takes them: it
 sends its program to each (one small message) and then its chunks. A parked feed ends at once when
-any other task waits for its worker, and when its time is up.
+any other task waits for its worker, and when its time is up. A parked feed whose worker is gone, or does not
+answer, is never taken: the run starts one on the worker that owns the device now.
 
 The worker side (:mod:`dsched.worker.feed`) is a handler installed by
 :class:`FeedPlugin`, registered by the dispatcher on first use. This module
@@ -48,18 +57,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import hashlib
 import itertools
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 from distributed.protocol.serialize import ToPickle
 
+from dsched.dataplane.store import classify_workers
 from dsched.devices.device import device_resource, placement_device
-from dsched.dispatch.completion import notify_when_done
+from dsched.devices.ownership import cluster_info, device_owners
+from dsched.dispatch.completion import ask_worker, notify_when_done, until_done, watch_worker
 from dsched.names import CHUNK_EVENT_TOPIC, DASHBOARD_PLUGIN, is_feed_key
-from dsched.worker.feed import FeedPlugin, _unwrap, run_feed
+from dsched.worker.feed import CHUNK_OP, PARK_OP, REARM_OP, STOP_OP, FeedPlugin, _unwrap, run_feed
 
 # Also importable from here (the old path ``dsched.feed`` names this module): the worker's side and the names.
 __all__ = ["FeedPlugin", "Feeds", "FeedOutcome", "FeedTicket", "run_feed", "is_feed_key", "release_parked",
@@ -68,20 +81,24 @@ __all__ = ["FeedPlugin", "Feeds", "FeedOutcome", "FeedTicket", "run_feed", "is_f
 WINDOW = 2  # chunks of one feed on its worker at a time (one running, one queued): the rest wait on the client
 LINGER = 2.0  # seconds a feed waits, parked, for the same client's next run on that thread (``dsched.feed-linger``)
 _REUSE_MARGIN = 0.5  # a parked feed is reused only this long before its worker would end it
+_ANSWER_WAIT = 5.0  # seconds a worker has to answer a rearm, stop or park (a frozen worker never does)
+_END_WAIT = 10.0  # with the dashboard, seconds a run's end waits for its stopped feeds' tasks to end
+_GONE_FOR = 30.0  # seconds a worker that failed a feed's message is avoided (a restarted one has a new address)
 
 
 class _ProcessState:
     """What the client's side keeps for the whole process, across runs and clients (one instance: :data:`_state`).
 
-    A client's parked feeds themselves are kept on the client (:func:`_parked`);
-    the lock here guards them.
+    A client's parked feeds and running :class:`Feeds` are kept on the client
+    (:func:`_parked`, :func:`_running`); the lock here guards them.
     """
 
     def __init__(self):
         self.calls = set()  # RPCs under way: asyncio keeps only weak references to tasks
         self.feed_numbers = itertools.count()  # the <n> of feed ids (_new_feed_id)
-        self.parked_lock = threading.Lock()  # held while a client's parked pool is read or changed
+        self.parked_lock = threading.Lock()  # held while a client's parked pool or running runs are read or changed
         self.registered = set()  # ids of the clients' schedulers that have the plugin
+        self.gone = {}  # worker address -> time.monotonic() when a message to it failed, or it left the cluster
 
 
 _state = _ProcessState()
@@ -123,7 +140,8 @@ class _Feed:
     backlog: collections.deque = dataclasses.field(default_factory=collections.deque)  # waiting for an RPC
     calling: int = 0  # RPCs under way
     tasks: int = 1  # tasks it has had (a successor after each retirement)
-    lost: bool = False
+    lost: bool = False  # its worker is gone
+    error: object = None  # why
     stopped: bool = False
     epoch: int = 0  # of its last park or rearm message: the worker applies only newer ones
     reuse_until: float = 0.0  # parked: time.monotonic() until which a run may take it
@@ -164,17 +182,23 @@ class Feeds:
         self.client, self.program, self.run_id, self.owners, self.put = client, program, run_id, owners, put
         self.batch_sizes = batch_sizes
         self._linger = float(dask.config.get("dsched.feed-linger", LINGER))
-        self._feeds = {}  # Device -> [_Feed]
-        self._refused = set()  # devices whose feed's worker was lost: their chunks go as tasks
-        self._workers = cluster["workers"]  # address -> its threads and resources
+        self._feeds = {}  # Device -> [_Feed], from its first chunk on (lost ones included)
+        self._workers = cluster["workers"]  # address -> its threads and resources, as the run last saw them
         self._events = None  # whether the scheduler has the dashboard, asked when a feed first starts
         self._by_key = {}  # task key -> feed, for the tasks not yet ended
         register_plugin(client, cluster.get("id"))
+        with _state.parked_lock:
+            _running(client).add(self)  # told when a worker leaves (_worker_left)
 
     def serves(self, device) -> bool:
-        """Whether ``device``'s chunks go to feeds: its workers share this host, and none of its feeds was lost."""
-        lost = any(f.lost for f in self._feeds.get(device, ()))
-        return device in self.owners and device not in self._refused and not lost
+        """Whether ``device``'s chunks go to feeds: its workers share this host, and one of its feeds (started on
+        its first chunk) still has its worker."""
+        if device not in self.owners:
+            return False
+        feeds = self._feeds.get(device)
+        if feeds is None:
+            feeds = self._start(device)
+        return any(not f.lost for f in feeds)
 
     def send(self, device, chunks) -> list:
         """Send ``chunks`` (``(index, items, work, slot)``) to the least busy feeds of ``device``; their tickets.
@@ -182,8 +206,10 @@ class Feeds:
         Each chunk's :class:`FeedOutcome` is ``put`` when its feed replies. One
         wake-up of the event loop for them all.
         """
-        feeds = self._feeds.get(device) or self._start(device)
-        # A feed lost since serves() was asked: its chunks would only fail, and run again as tasks.
+        feeds = self._feeds.get(device)
+        if feeds is None:
+            feeds = self._start(device)
+        # A feed lost since serves() was asked answers at once that it is: its chunks run again as tasks.
         feeds = [f for f in feeds if not f.lost] or feeds
         calls = []
         for index, items, work, slot in chunks:
@@ -214,85 +240,149 @@ class Feeds:
             _spawn(self._call(*call))
 
     def refuse(self, device):
-        """Send no more of ``device``'s chunks to feeds (its workers are gone; a feed that lost its worker
-        refuses its device by itself)."""
-        self._refused.add(device)
+        """Send no more of ``device``'s chunks to feeds: its workers are gone (the run moves its chunks)."""
+        for feed in self._feeds.get(device, ()):
+            self.client.loop.add_callback(self._lose, feed, ConnectionError(f"no worker owns {device} any more"))
 
     async def _call(self, feed, ticket, index, work, slot, about):
-        try:
-            reply = await self.client.rpc(feed.address).dsched_feed_chunk(
-                feed=feed.id, index=index, work=ToPickle(work), slot=ToPickle(slot), about=about)
-            if not isinstance(reply, dict) or "ok" not in reply:  # a worker without the handler, or it failed
-                raise RuntimeError(f"worker {feed.address} did not run the chunk: {reply!r}"[:500])
-            outcome = FeedOutcome(ticket, index, feed.address, reply["ok"], _unwrap(reply["value"]), reply["start"],
-                                  reply["stop"])
-        except Exception as err:  # its worker went away
-            feed.lost = True
-            outcome = FeedOutcome(ticket, index, feed.address, False, err, 0.0, 0.0, lost=True)
+        outcome = None
+        if not feed.lost:  # a lost feed's chunk runs again at once, without trying its worker
+            try:
+                reply = await self._ask(feed.address, CHUNK_OP, None, feed=feed.id, index=index,
+                                        work=ToPickle(work), slot=ToPickle(slot), about=about)
+                if not isinstance(reply, dict) or "ok" not in reply:  # a worker without the handler, or it failed
+                    raise RuntimeError(f"worker {feed.address} did not run the chunk: {reply!r}"[:500])
+                outcome = FeedOutcome(ticket, index, feed.address, reply["ok"], _unwrap(reply["value"]),
+                                      reply["start"], reply["stop"])
+            except OSError as err:  # its worker went away (or froze): so did every feed on it
+                _worker_left(self.client, feed.address, err)
+            except Exception as err:  # noqa: BLE001  the worker refused it: this feed is lost, maybe not the others
+                self._lose(feed, err)
+        if outcome is None:  # what waits for it is lost with it: the dispatcher runs it elsewhere
+            outcome = FeedOutcome(ticket, index, feed.address, False, feed.error, 0.0, 0.0, lost=True)
         self._answered(feed, outcome)
-        if feed.lost:  # what waits for it is lost with it: the dispatcher runs it elsewhere
-            self._lose_backlog(feed, outcome.value)
         feed.calling -= 1
         self._pump(feed)
 
-    def _lose_backlog(self, feed, error):
+    def _ask(self, address, op, wait=None, **message):
+        """A message to a feed's worker and its answer (a coroutine), given up once the worker is known gone."""
+        return ask_worker(self.client, address, op, wait, functools.partial(_is_gone, address), **message)
+
+    def _lose(self, feed, error):
+        """``feed``'s worker is gone (on the event loop): its waiting chunks run again as tasks, and its task is
+        released (pinned to the dead worker, it would wait on the scheduler for good). Its chunks in flight fail
+        by themselves."""
+        if feed.lost:
+            return
+        feed.lost, feed.error = True, error
         while feed.backlog:
             _, ticket, index, *_ = feed.backlog.popleft()
             self._answered(feed, FeedOutcome(ticket, index, feed.address, False, error, 0.0, 0.0, True))
+        if feed.future is not None:
+            feed.future.release()
+
+    def lose_worker(self, address, error):
+        """The worker at ``address`` left: every feed of the run on it is lost (on the event loop)."""
+        for feed in self._all():
+            if feed.address == address:
+                self._lose(feed, error)
 
     def _answered(self, feed, outcome):
         feed.sent -= 1
         outcome.ticket.status = "finished" if outcome.ok else "error"
         self.put(outcome)
 
-    def _start(self, device):
-        """Start ``device``'s feeds: per worker, as many as it has threads and room for chunks of its batch size.
+    def _all(self) -> list:
+        return [f for fs in list(self._feeds.values()) for f in list(fs)]
+
+    def follow(self, workers):
+        """Keep the run's feeds on the cluster's workers as a look at it found them (each tick of the run).
+
+        A feed whose worker left is lost (its chunks run again as tasks), and a
+        device that lost feeds gets new ones as soon as a worker on this host
+        owns it again: a restarted worker takes its full share of chunks.
+        """
+        self._workers = workers
+        for address in {f.address for f in self._all() if not f.lost and f.address not in workers}:
+            self.client.loop.add_callback(_worker_left, self.client, address,
+                                          ConnectionError(f"worker {address} left the cluster"))
+        owners = device_owners(self.client, list(self._feeds), workers)
+        for device, feeds in list(self._feeds.items()):
+            served = {f.address for f in feeds if not f.lost}
+            new = [a for a in owners[device] if a not in served and not _is_gone(a)]
+            try:
+                kinds = classify_workers(self.client, new) if new else {}
+            except Exception:  # noqa: BLE001  it left as it came: the next look tries again
+                kinds = {}
+            local = [a for a, kind in kinds.items() if kind != "remote"]
+            if local:
+                self._open(device, local)
+
+    def _start(self, device) -> list:
+        """Start ``device``'s feeds on its workers; if one turned out gone, on the workers that own it now."""
+        if self._events is None:
+            self._events = self.client.run_on_scheduler(_has_dashboard)
+        self._feeds[device] = []
+        addresses = [a for a in self.owners[device] if a in self._workers and not _is_gone(a)]
+        if self._open(device, addresses):
+            self.follow(cluster_info(self.client)["workers"])
+        return self._feeds[device]
+
+    def _open(self, device, addresses) -> bool:
+        """Add feeds for ``device`` on ``addresses``: per worker, as many as it has threads and room for chunks of
+        its batch size, parked ones first; whether a parked one's worker turned out gone.
 
         Each feed holds its share of the worker's device resource, so that feeds
         keep the bound a worker's capacity sets on the items it runs at once.
         """
-        if self._events is None:
-            self._events = self.client.run_on_scheduler(_has_dashboard)
         resource = device_resource(device)
         items = self.batch_sizes.get(device, 1)
-        feeds = []
-        for address in self.owners[device]:
+        opened = []
+        for address in addresses:
             info = self._workers.get(address, {})
             held = (info.get("resources") or {}).get(resource, items)
             lanes = max(1, min(int(info.get("nthreads", 1)), int(held // max(items, 1))))
             for _ in range(lanes):
-                feeds.append(_take_parked(self.client, address, device, held / lanes)
-                             or _Feed(_new_feed_id(self.client), device, address, None, held / lanes))
+                opened.append(_take_parked(self.client, address, device, held / lanes)
+                              or _Feed(_new_feed_id(self.client), device, address, None, held / lanes))
         # Known to the run before anything can fail: an interrupted run cancels them (a rearmed feed
         # would otherwise wait for chunks that never come).
-        self._feeds[device] = feeds
+        feeds = self._feeds[device]
+        feeds.extend(opened)
         # Parked feeds get the run's program before any chunk; one that ended meanwhile is replaced.
         # Their tasks' notices come to this run from before the rearm: one that retires right after it
         # gets its successor.
-        parked = [f for f in feeds if f.future is not None]
+        parked = [f for f in opened if f.future is not None]
         for f in parked:
             self._by_key[f.future.key], f.owner = f, self
-        rearmed = self.client.sync(self._rearm_all, parked) if parked else []
-        for feed, ok in zip(parked, rearmed):
-            if not ok:  # no scheduler round trip for the others: their tasks run already
-                del self._by_key[feed.future.key]
+        answers = self.client.sync(self._rearm_all, parked) if parked else []
+        for feed, answer in zip(parked, answers):
+            if answer != "OK":  # no scheduler round trip for the others: their tasks run already
+                self._by_key.pop(feed.future.key, None)
                 feed.owner = None
                 feed.future.release()
-                feeds[feeds.index(feed)] = _Feed(_new_feed_id(self.client), device, feed.address, None, feed.holds)
+                position = feeds.index(feed)
+                if answer == "gone":  # a replacement goes where the device's worker is now (_start)
+                    del feeds[position]
+                else:  # its worker is there, the feed is not: a new one in its place
+                    feeds[position] = _Feed(_new_feed_id(self.client), device, feed.address, None, feed.holds)
         for feed in feeds:
-            if feed.future is None:
+            if feed.future is None and not feed.lost:
                 self._submit(feed, feed.id)
-        return feeds
+        for address in addresses:  # after the tasks: a subscription first would hold them back (tasks.py)
+            watch_worker(self.client, address, _worker_left)
+        return "gone" in answers
 
     async def _rearm_all(self, feeds) -> list:
-        """Hand parked feeds this run's program, all at once; whether each took it."""
+        """Hand parked feeds this run's program, all at once: for each, ``"OK"``, ``"ended"`` (the feed had ended)
+        or ``"gone"`` (its worker did not answer)."""
         async def rearm(feed):
             try:
-                reply = await self.client.rpc(feed.address).dsched_feed_rearm(
-                    feed=feed.id, program=ToPickle(self.program), epoch=feed.epoch)
-                return reply == "OK"
-            except Exception:  # noqa: BLE001  its worker is gone
-                return False
+                return await self._ask(feed.address, REARM_OP, _ANSWER_WAIT, feed=feed.id,
+                                       program=ToPickle(self.program), epoch=feed.epoch)
+            except Exception as err:  # noqa: BLE001  its worker is gone, or frozen
+                _worker_left(self.client, feed.address, err)
+                return "gone"
 
         return await asyncio.gather(*(rearm(f) for f in feeds))
 
@@ -314,21 +404,16 @@ class Feeds:
 
     def close(self):
         """The run is over (its feeds' inboxes are empty): park its feeds for the client's next run, or stop
-        them and release their tasks.
+        them and release their tasks. Feeds whose worker is gone were released already.
 
         With the dashboard, stop them and wait for their tasks to end: their
         chunk events then reached the scheduler before the run returns.
         """
-        feeds = self._forget()
+        feeds = [f for f in self._forget() if not f.lost]
         if not feeds:
             return
         if self._events:
-            self.client.sync(self._stop, feeds, False)
-            for feed in feeds:
-                try:
-                    feed.future.result(timeout=30)  # a retired feed's last task ended already
-                except Exception:  # noqa: S110  a feed that failed told its chunks already
-                    pass
+            self.client.sync(self._stop_and_wait, feeds)
         elif self._linger > 0:  # parked for the client's next run; the others stop
             parked = [f for f in feeds if not (f.lost or f.stopped) and f.future.status == "pending"]
             feeds = [f for f in feeds if f not in parked]
@@ -338,7 +423,7 @@ class Feeds:
 
     def cancel(self):
         """Give up: cancel the feeds' tasks (chunks still queued on them are refused)."""
-        feeds = self._forget()
+        feeds = [f for f in self._forget() if not f.lost]
         if feeds:
             self.client.cancel([f.future for f in feeds])
             self.client.loop.add_callback(self._stop, feeds)
@@ -346,29 +431,41 @@ class Feeds:
     def _forget(self) -> list:
         """The run's feeds, and drop what the run held (its model may hold the caller's arrays): the stop
         messages still under way must not keep them alive."""
-        feeds = [f for fs in self._feeds.values() for f in fs if f.future is not None]
+        with _state.parked_lock:
+            _running(self.client).discard(self)
+        feeds = [f for f in self._all() if f.future is not None]
         for feed in feeds:
             feed.owner = None
         self.program, self._by_key = None, {}
         return feeds
 
     async def _send_park(self, messages, linger):
-        for address, feed_id, epoch in messages:
+        async def park(address, feed_id, epoch):
             try:
-                await self.client.rpc(address).dsched_feed_park(feed=feed_id, linger=linger, epoch=epoch)
-            except Exception:  # noqa: S110  its worker is gone: a run that takes the feed finds out
-                pass
+                await self._ask(address, PARK_OP, _ANSWER_WAIT, feed=feed_id, linger=linger, epoch=epoch)
+            except Exception as err:  # noqa: BLE001  its worker is gone: its parked feeds with it
+                _worker_left(self.client, address, err)
+
+        await asyncio.gather(*(park(*m) for m in messages))
 
     async def _stop(self, feeds, release=True):
-        for feed in feeds:
+        async def stop(feed):
             if not feed.lost and not feed.stopped:
                 feed.stopped = True
                 try:
-                    await self.client.rpc(feed.address).dsched_feed_stop(feed=feed.id)
-                except Exception:  # noqa: S110  its worker is gone, and the feed with it
-                    pass
+                    await self._ask(feed.address, STOP_OP, _ANSWER_WAIT, feed=feed.id)
+                except Exception as err:  # noqa: BLE001  its worker is gone, and the feed with it
+                    _worker_left(self.client, feed.address, err)
             if release:
                 feed.future.release()
+
+        await asyncio.gather(*(stop(f) for f in feeds))
+
+    async def _stop_and_wait(self, feeds):
+        """Stop ``feeds`` and wait for their tasks to end; a feed whose worker leaves meanwhile is released, which
+        ends the wait for it, and no wait is longer than :data:`_END_WAIT`."""
+        await self._stop(feeds, release=False)
+        await until_done([f.future for f in feeds if not f.lost], _END_WAIT)
 
 
 def _has_dashboard(dask_scheduler=None) -> bool:
@@ -379,6 +476,36 @@ def _spawn(coroutine):
     task = asyncio.ensure_future(coroutine)
     _state.calls.add(task)
     task.add_done_callback(_state.calls.discard)
+
+
+# --- workers that leave ---------------------------------------------------------------
+
+def _is_gone(address) -> bool:
+    """Whether the worker at ``address`` left, or failed a message, in the last :data:`_GONE_FOR` seconds."""
+    since = _state.gone.get(address)
+    return since is not None and time.monotonic() - since < _GONE_FOR
+
+
+def _worker_left(client, address, error):
+    """The worker at ``address`` is gone (on the event loop): the client's parked feeds on it are released, and
+    the feeds of its runs on it lost."""
+    now = time.monotonic()
+    for old in [a for a, since in _state.gone.items() if now - since > _GONE_FOR]:
+        del _state.gone[old]
+    _state.gone[address] = now
+    with _state.parked_lock:
+        pool = _parked(client)
+        feeds = [f for key in [k for k in pool if k[1] == address] for f in pool.pop(key)]
+        runs = list(_running(client))
+    for feed in feeds:
+        feed.future.release()
+    for run in runs:
+        run.lose_worker(address, error)
+
+
+def _running(client) -> weakref.WeakSet:
+    """The client's runs whose feeds are out (their :class:`Feeds`)."""
+    return client.__dict__.setdefault("_dsched_running_feeds", weakref.WeakSet())
 
 
 # --- parked feeds: a client's feeds kept between its runs ------------------------------
@@ -397,10 +524,10 @@ def _parked(client) -> dict:
 
 
 def _sweep(pool, now):
-    """Let go of the pool's feeds past their time or whose task ended (any key: a run may never ask for it
-    again, its worker restarted elsewhere or its batch size changed)."""
+    """Let go of the pool's feeds past their time, whose task ended or whose worker is gone (any key: a run may
+    never ask for it again, its worker restarted elsewhere or its batch size changed)."""
     for key, feeds in list(pool.items()):
-        keep = [f for f in feeds if now < f.reuse_until and f.future.status == "pending"]
+        keep = [f for f in feeds if now < f.reuse_until and f.future.status == "pending" and not _is_gone(key[1])]
         for feed in feeds:
             if feed not in keep:
                 feed.future.release()  # its task ends (or has)

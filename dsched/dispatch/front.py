@@ -13,9 +13,11 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import threading
 from dataclasses import dataclass
 
 import dask
+import numpy as np
 
 from dsched.dataplane.loaders import MappingLoader
 from dsched.dataplane.outputs import OutputLayout
@@ -29,6 +31,9 @@ from dsched.dispatch.reduce import concat_reduce
 from dsched.errors import as_recoverable
 
 __all__ = ["dispatch"]
+
+#: seconds dispatch() gives its probe of fn on one item (Dask config ``dsched.probe-timeout``)
+PROBE_SECONDS = 2.0
 
 
 def _is_array(x, field="args") -> bool:
@@ -209,8 +214,34 @@ def _probe_layout(fn, layout, kwargs, axis):
         return None
     _, first = MappingLoader(layout.mapping, axis=axis).next(1)
     first = {key: _read_only_copy(value) for key, value in resolve_work(first).items()}
-    result = backends.to_host((probe if callable(probe) else fn)(*layout.rebuild(first), **kwargs))
-    return OutputLayout.of(result, 1, axis, where="dispatch's probe of fn on the first item")
+    call = functools.partial(probe if callable(probe) else fn, *layout.rebuild(first), **kwargs)
+    result = _within(call, float(dask.config.get("dsched.probe-timeout", PROBE_SECONDS)))
+    if result is None:
+        return None
+    return OutputLayout.of(backends.to_host(result), 1, axis, where="dispatch's probe of fn on the first item")
+
+
+def _within(call, seconds):
+    """``call()``'s result if it returns within ``seconds``, else ``None``.
+
+    The call runs on a thread of its own, which is left to finish if it runs
+    over: a model that waits for something (a file, an event, another process)
+    must not hold the run up before its first chunk is even sent.
+    """
+    box = {}
+
+    def run():
+        try:
+            box["result"] = call()
+        except BaseException as err:  # handed to the caller
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name="dsched-layout-probe", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
 
 
 def _read_only_copy(value):
@@ -219,6 +250,11 @@ def _read_only_copy(value):
         value = value.copy()
         value.flags.writeable = False
         return value
+    backend = backends.backend_of(value, strict=False)  # a deep copy of a tensor view copies its whole storage
+    if backend is backends.TORCH:  # (one item of a step of a history: all the history); a clone, the item
+        return value.detach().clone()
+    if backend is backends.NEML2:
+        return backend._rewrap(value, value.data.detach().clone())
     return copy.deepcopy(value)
 
 
