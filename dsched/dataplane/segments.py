@@ -187,6 +187,7 @@ class SegmentPool:
 
     def __init__(self):
         self._free = []  # (nbytes, token, path, buffer), oldest first
+        self._lent = {}  # token -> path of segments under arrays handed out, to come back when those are gone
         self._lock = threading.Lock()
 
     @staticmethod
@@ -205,11 +206,22 @@ class SegmentPool:
                     return _Segment(nbytes, _reused=(token, path, buffer))
         return None
 
+    def lend(self, token, path):
+        """A segment now lies under arrays handed out: it comes back by :meth:`give`, or goes by :meth:`forget`."""
+        with self._lock:
+            self._lent[token] = path
+
+    def forget(self, token):
+        """A lent segment will not come back (it was unlinked)."""
+        with self._lock:
+            self._lent.pop(token, None)
+
     def give(self, token, path, buffer):
         """Keep a segment this process made for a later call (or unlink it, when over the pool's capacity)."""
         size, cap = len(buffer), self.capacity()
         evicted = []
         with self._lock:
+            self._lent.pop(token, None)
             if size <= cap:
                 self._free.append((size, token, path, buffer))
             else:
@@ -233,8 +245,17 @@ class SegmentPool:
             _unlink(token, path)
 
 
+    def shutdown(self):
+        """At exit: unlink the kept segments and those still lent (their arrays die with the process)."""
+        with self._lock:
+            lent, self._lent = self._lent, {}
+        self.release()
+        for token, path in lent.items():
+            _unlink(token, path)
+
+
 POOL = SegmentPool()
-atexit.register(POOL.release)
+atexit.register(POOL.shutdown)
 
 
 def release_pool() -> int:

@@ -104,6 +104,8 @@ def _summary(results) -> str:
     rows = ["| suite | target | on this run |", "|---|---|---|"]
     for suite in FORMATTERS:
         for target, reached in (results.get(suite) or {}).get("targets", {}).items():
+            if isinstance(reached, (list, tuple)):  # (value, threshold, reached)
+                reached = reached[-1]
             rows.append(f"| {suite} | {target} | {'reached' if reached else 'not reached'} |")
     return "\n".join(rows)
 
