@@ -65,6 +65,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import dask
 from distributed.protocol.serialize import ToPickle
 
 from dsched.dataplane.store import classify_workers
@@ -72,13 +73,15 @@ from dsched.devices.device import device_resource, placement_device
 from dsched.devices.ownership import cluster_info, device_owners
 from dsched.dispatch.completion import ask_worker, notify_when_done, until_done, watch_worker
 from dsched.names import CHUNK_EVENT_TOPIC, DASHBOARD_PLUGIN, is_feed_key
-from dsched.worker.feed import CHUNK_OP, PARK_OP, REARM_OP, STOP_OP, FeedPlugin, _unwrap, run_feed
+from dsched.worker.feed import CHUNK_OP, CHUNKS_OP, PARK_OP, REARM_OP, STOP_OP, FeedPlugin, _unwrap, run_feed
 
 # Also importable from here (the old path ``dsched.feed`` names this module): the worker's side and the names.
 __all__ = ["FeedPlugin", "Feeds", "FeedOutcome", "FeedTicket", "run_feed", "is_feed_key", "release_parked",
            "CHUNK_EVENT_TOPIC"]
 
-WINDOW = 2  # chunks of one feed on its worker at a time (one running, one queued): the rest wait on the client
+WINDOW = 2  # messages of one feed on its worker at a time (one running, one queued): the rest wait on the client
+MAX_BATCH = 64  # chunks in one message at most, where the backlog is deep (``dsched.feed-batch``)
+BATCH_SECONDS = 0.002  # a message's chunks run this long at most: their outcomes wait for the last one
 LINGER = 2.0  # seconds a feed waits, parked, for the same client's next run on that thread (``dsched.feed-linger``)
 _REUSE_MARGIN = 0.5  # a parked feed is reused only this long before its worker would end it
 _ANSWER_WAIT = 5.0  # seconds a worker has to answer a rearm, stop or park (a frozen worker never does)
@@ -146,6 +149,7 @@ class _Feed:
     epoch: int = 0  # of its last park or rearm message: the worker applies only newer ones
     reuse_until: float = 0.0  # parked: time.monotonic() until which a run may take it
     owner: object = None  # the run's Feeds it serves; None while parked or after its run
+    chunk_seconds: float = float("inf")  # how long its recent chunks ran (unknown: as if long)
 
     def task_ended(self, future):
         """Its task's completion notice, for the run it serves now (one watcher per task, whatever the runs)."""
@@ -177,8 +181,6 @@ class Feeds:
     """
 
     def __init__(self, client, program, run_id, owners, put, cluster, batch_sizes):
-        import dask
-
         self.client, self.program, self.run_id, self.owners, self.put = client, program, run_id, owners, put
         self.batch_sizes = batch_sizes
         self._linger = float(dask.config.get("dsched.feed-linger", LINGER))
@@ -232,19 +234,57 @@ class Feeds:
         """Start RPCs for ``feed``'s waiting chunks, up to :data:`WINDOW` at a time (on the event loop).
 
         Its worker needs the next chunk queued while it runs one, not the whole
-        backlog: thousands of concurrent RPCs would each open a connection.
+        backlog: thousands of concurrent RPCs would each open a connection. A
+        backlog deeper than the window (many small chunks in flight) is split
+        over the window's messages, at most ``dsched.feed-batch`` chunks each
+        (default 64): one message's cost per batch instead of per chunk. Only
+        chunks known to be short are batched (a message's chunks report when
+        the last one ran, :data:`BATCH_SECONDS` at most): the first chunks, and
+        any of a feed whose chunks take longer, go one per message, each
+        chunk's outcome as soon as it ran.
         """
+        limit = max(1, int(dask.config.get("dsched.feed-batch", MAX_BATCH)))
+        if feed.chunk_seconds < BATCH_SECONDS:
+            limit = min(limit, max(1, int(BATCH_SECONDS / max(feed.chunk_seconds, 1e-6))))
+        else:
+            limit = 1
         while feed.backlog and feed.calling < WINDOW:
-            call = feed.backlog.popleft()
+            take = min(limit, max(1, len(feed.backlog) // (WINDOW - feed.calling)))
+            calls = [feed.backlog.popleft() for _ in range(take)]
             feed.calling += 1
-            _spawn(self._call(*call))
+            _spawn(self._call(calls[0]) if take == 1 else self._call_many(feed, calls))
 
     def refuse(self, device):
         """Send no more of ``device``'s chunks to feeds: its workers are gone (the run moves its chunks)."""
         for feed in self._feeds.get(device, ()):
             self.client.loop.add_callback(self._lose, feed, ConnectionError(f"no worker owns {device} any more"))
 
-    async def _call(self, feed, ticket, index, work, slot, about):
+    async def _call_many(self, feed, calls):
+        """Several of ``feed``'s chunks in one message; each one's outcome once they all ran."""
+        outcomes = None
+        if not feed.lost:
+            try:
+                chunks = [(index, ToPickle(work), ToPickle(slot), about) for _, _, index, work, slot, about in calls]
+                replies = await self._ask(feed.address, CHUNKS_OP, None, feed=feed.id, chunks=chunks)
+                if not isinstance(replies, (list, tuple)) or len(replies) != len(calls):
+                    raise RuntimeError(f"worker {feed.address} did not run the chunks: {replies!r}"[:500])
+                outcomes = [FeedOutcome(ticket, index, feed.address, reply["ok"], _unwrap(reply["value"]),
+                                        reply["start"], reply["stop"])
+                            for (_, ticket, index, *_), reply in zip(calls, replies)]
+            except OSError as err:  # its worker went away (or froze): so did every feed on it
+                _worker_left(self.client, feed.address, err)
+            except Exception as err:  # noqa: BLE001  the worker refused them: this feed is lost, maybe not the others
+                self._lose(feed, err)
+        if outcomes is None:  # what waits for them is lost with it: the dispatcher runs them elsewhere
+            outcomes = [FeedOutcome(ticket, index, feed.address, False, feed.error, 0.0, 0.0, lost=True)
+                        for _, ticket, index, *_ in calls]
+        for outcome in outcomes:
+            self._answered(feed, outcome)
+        feed.calling -= 1
+        self._pump(feed)
+
+    async def _call(self, call):
+        feed, ticket, index, work, slot, about = call
         outcome = None
         if not feed.lost:  # a lost feed's chunk runs again at once, without trying its worker
             try:
@@ -289,6 +329,10 @@ class Feeds:
 
     def _answered(self, feed, outcome):
         feed.sent -= 1
+        if outcome.ok and outcome.stop >= outcome.start > 0:  # recent chunks' time, for how many to batch
+            seconds = outcome.stop - outcome.start
+            feed.chunk_seconds = seconds if feed.chunk_seconds == float("inf") else \
+                0.5 * feed.chunk_seconds + 0.5 * seconds
         outcome.ticket.status = "finished" if outcome.ok else "error"
         self.put(outcome)
 

@@ -33,6 +33,7 @@ from dsched.worker.chunk import _compute, _initialise
 __all__ = ["FeedPlugin", "run_feed", "RETIRED"]
 
 CHUNK_OP, STOP_OP, PARK_OP, REARM_OP = "dsched_feed_chunk", "dsched_feed_stop", "dsched_feed_park", "dsched_feed_rearm"
+CHUNKS_OP = "dsched_feed_chunks"  # several chunks in one message, their outcomes in one reply
 # With the dashboard on the scheduler, a feed tells it of each chunk as it starts and ends:
 # (phase "start", "done" or "failed", run id, client id, device, items, worker address, chunk key, start, stop).
 _POLL = 0.05  # seconds between an idle feed's checks that its task is still wanted and nobody waits for it
@@ -191,6 +192,18 @@ def _chunk_handler(worker):
     return receive_chunk
 
 
+def _chunks_handler(worker):
+    receive_chunk = _chunk_handler(worker)
+
+    async def receive_chunks(feed=None, chunks=()):
+        """RPC handler: several chunks (``[(index, work, slot, about)]``) queued at once; their outcomes, in order,
+        once they all ran. A deep backlog of small chunks pays one message's cost, not one per chunk."""
+        return await asyncio.gather(*(receive_chunk(feed, index, work, slot, about)
+                                      for index, work, slot, about in chunks))
+
+    return receive_chunks
+
+
 async def _receive_stop(feed=None):
     """RPC handler: the run is over; the feed returns once its inbox is empty (at once if it has retired)."""
     _inbox(feed).stop()
@@ -219,6 +232,7 @@ class FeedPlugin(WorkerPlugin):
 
     def setup(self, worker):
         worker.handlers[CHUNK_OP] = _chunk_handler(worker)
+        worker.handlers[CHUNKS_OP] = _chunks_handler(worker)
         worker.handlers[STOP_OP] = _receive_stop
         worker.handlers[PARK_OP] = _receive_park
         worker.handlers[REARM_OP] = _receive_rearm

@@ -545,6 +545,8 @@ def _targets(results) -> dict:
     return {
         "dsched hybrid efficiency >= 0.95": hybrid["dsched"]["efficiency"] >= 0.95,
         "async overhead per chunk <= client.map (+ gather) per task": best_async <= reference,
+        "async overhead per chunk, all in flight, <= 0.25 x client.map (+ gather) per task":
+            overhead["async, all in flight"]["s_per_chunk"] <= 0.25 * reference,
         "sync overhead < 50 us per chunk": overhead["sync"]["s_per_chunk"] < 50e-6,
     }
 
