@@ -1,7 +1,7 @@
-"""The NEML2 adapter against NEML2 itself, on the input files of tests/data.
+"""The NEML2 adapter against NEML2 itself.
 
-neml2_elastic.i is linear isotropic elasticity; neml2_viscoplastic.i is
-Perzyna J2 viscoplasticity with an implicit update (NEML2's own Newton
+tests/data/neml2_elastic.i is linear isotropic elasticity; the package's
+dsched/models/scenarios/viscoplastic.i (VISCOPLASTIC_INPUT) is Perzyna J2 viscoplasticity with an implicit update (NEML2's own Newton
 solve). Every result is compared with NEML2 called directly on the same
 points. Skipped, with the reason, where neml2 is not installed.
 """
@@ -13,12 +13,13 @@ import pytest
 
 import dsched
 from dsched.models import NEML2ConvergenceError, NEML2Model
+from dsched.models.neml2_scenarios import VISCOPLASTIC_INPUT
 
 neml2 = pytest.importorskip("neml2", reason="neml2 is not installed (pip install 'dsched[neml2]')")
 torch = pytest.importorskip("torch")
 
 DATA = Path(__file__).parent / "data"
-ELASTIC, VISCOPLASTIC = DATA / "neml2_elastic.i", DATA / "neml2_viscoplastic.i"
+ELASTIC, VISCOPLASTIC = DATA / "neml2_elastic.i", VISCOPLASTIC_INPUT
 
 
 def _strain(n, seed=0):
@@ -107,7 +108,7 @@ def test_torch_and_neml2_inputs_come_back_as_their_types(hybrid_client):
 
 def test_a_failed_newton_solve_is_recoverable():
     model = NEML2Model(VISCOPLASTIC, "model", overrides=["Solvers/newton/max_its:=1"])
-    with pytest.raises(NEML2ConvergenceError, match=r"NEML2 model 'model' \(neml2_viscoplastic.i\): .*MAXITER") as info:
+    with pytest.raises(NEML2ConvergenceError, match=r"NEML2 model 'model' \(viscoplastic.i\): .*MAXITER") as info:
         model.dispatch(_viscoplastic_inputs(10), scheduler=dsched.SimpleScheduler("cpu", 5), mode="sync")
     assert info.value.recoverable and isinstance(info.value, dsched.RecoverableError)
 

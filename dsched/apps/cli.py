@@ -10,7 +10,9 @@ import time
 
 from dsched.apps.bench.batch import format_load_steps, run_batch_benchmarks
 from dsched.apps.bench.data import format_data_table, run_data_benchmarks
-from dsched.apps.bench.neml2 import VISCOPLASTIC_INPUT, format_result, measure
+from dsched.apps.bench.neml2 import add_arguments as add_neml2_arguments
+from dsched.apps.bench.neml2 import format_neml2_table, run_neml2_benchmarks
+from dsched.apps.bench.neml2 import options as neml2_options
 from dsched.apps.bench.policy import format_policy_table, run_policy_benchmarks
 from dsched.apps.bench.scheduling import format_table, run_benchmarks
 from dsched.apps.job import format_report, graph_cluster, run_graph
@@ -329,15 +331,17 @@ def _add_bench(subparsers):
             "dsched run in-process against one NumPy call and a thread pool, scheduler bytes per chunk, the "
             "client's peak memory, and dsched run --output of a large batch. 'policy': the performance-model "
             "policy against StaticHybridScheduler and plain Dask (emulated devices). 'batch': J2 load steps on a "
-            "resident batch against re-dispatching every step and NumPy. 'neml2': a NEML2 viscoplastic model "
-            "through dispatch against a direct chunked loop (needs the neml2 extra). Prints tables; --json writes "
-            "the numbers."
+            "resident batch against re-dispatching every step and NumPy. 'neml2': four of NEML2's benchmark "
+            "scenarios (elasticity, radret, isoharden, chaboche2) through NEML2Model.dispatch, a resident Batch and "
+            "a TransientDriver, against NEML2's own driver on 1 and 2 threads and the two-worker limit (needs the "
+            "neml2 extra). Prints tables; --json writes the numbers."
         ),
     )
     bench.add_argument("--quick", action="store_true", help="small sizes (a minute or two)")
     bench.add_argument("--only", choices=SUITES, help="run one suite (default: all)")
     bench.add_argument("--json", help="write the results to this JSON file")
     bench.add_argument("--processes", action="store_true", help="scheduling suite: device workers in processes")
+    add_neml2_arguments(bench)
     bench.set_defaults(handler=_bench)
 
 
@@ -350,7 +354,9 @@ def _bench(args) -> int:
         return 2
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     command = " ".join(["dsched bench", *(["--quick"] if args.quick else []),
-                        *([f"--only {args.only}"] if args.only else []), *(["--processes"] if args.processes else [])])
+                        *([f"--only {args.only}"] if args.only else []), *(["--processes"] if args.processes else []),
+                        *(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                          if k.startswith("neml2_") and v is not None and not (k == "neml2_steps" and v == 10))])
     results, tables = {"command": command}, []
     for suite in SUITES:
         if args.only in (None, suite):
@@ -388,13 +394,16 @@ def _bench_batch(args, say):
 def _bench_neml2(args, say):
     import importlib.util
 
-    if importlib.util.find_spec("neml2") is None or not os.path.exists(VISCOPLASTIC_INPUT):
-        reason = "neml2 is not installed (pip install 'dsched[neml2]')" if importlib.util.find_spec(
-            "neml2") is None else f"its input file {VISCOPLASTIC_INPUT} is not here (a source checkout has it)"
+    if importlib.util.find_spec("neml2") is None:
+        reason = "neml2 is not installed (pip install 'dsched[neml2]')"
         say(f"neml2: skipped: {reason}")
         return {"skipped": reason}, f"neml2 suite skipped: {reason}"
-    results = measure(points=40_000 if args.quick else 200_000, repeats=1 if args.quick else 3)
-    return results, format_result(results)
+    try:
+        options = neml2_options(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    results = run_neml2_benchmarks(**options, progress=say)
+    return results, format_neml2_table(results)
 
 
 _BENCH_SUITES = {"scheduling": _bench_scheduling, "data": _bench_data, "policy": _bench_policy,

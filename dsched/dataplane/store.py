@@ -296,12 +296,14 @@ class _Lease:
     @classmethod
     def of(cls, segment, base):
         lease = cls(segment.token, segment.path, segment.buffer)
+        POOL.lend(segment.token, segment.path)  # unlinked at exit if its arrays outlive the pool
         weakref.finalize(base, lease.end)  # base: the array every view of the segment derives from
         return lease
 
     def revoke(self):
         """Never recycle it (its run did not end cleanly): unlink its name now."""
         self.revoked = True
+        POOL.forget(self.token)
         _unlink(self.token, self.path)
 
     def end(self):
@@ -407,7 +409,7 @@ def resolve_work(work, pinned=False):
 
 
 def _shareable(array) -> bool:
-    return (isinstance(array, np.ndarray) and not array.dtype.hasobject) or _torch_cpu(array)
+    return (isinstance(array, np.ndarray) and not array.dtype.hasobject) or _torch_cpu(array) or _neml2_cpu(array)
 
 
 def _torch_cpu(array) -> bool:
@@ -415,9 +417,19 @@ def _torch_cpu(array) -> bool:
         and array.device.type == "cpu" and type(array).__name__ == "Tensor"
 
 
+def _neml2_cpu(array) -> bool:
+    """A NEML2 typed tensor (or dynamic-base Tensor) on the CPU whose batch axes lead its data (no K axes)."""
+    return type(array).__module__.partition(".")[0] == "neml2" and backends.backend_of(array, strict=False) \
+        is backends.NEML2 and _torch_cpu(array.data) and getattr(array, "k_ndim", 0) == 0
+
+
 def _host_and_template(array, axis):
-    """A NumPy view of a shareable array, and (for torch) the template its rows are rebuilt from."""
-    if not _torch_cpu(array):
+    """A NumPy view of a shareable array, and (torch, NEML2) the template its rows are rebuilt from.
+
+    The template is empty and owns its storage: a chunk carries its rows, by
+    reference, and nothing of the batch (a view's pickle holds its whole storage).
+    """
+    if isinstance(array, np.ndarray):
         return array, None
     return backends.host_view(array), backends.template(array, axis)
 

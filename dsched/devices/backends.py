@@ -143,6 +143,10 @@ class Backend:
     def detach(self, x):
         return x
 
+    def template(self, x, axis):
+        """``x`` with no items along the batch ``axis``; see :func:`template`."""
+        return self.detach(self.take(x, axis, 0, 0))
+
     def __repr__(self):
         return f"<dsched backend {self.name}>"
 
@@ -271,6 +275,12 @@ class TorchBackend(Backend):
     def detach(self, x):
         return x.detach()
 
+    def template(self, x, axis):
+        # A fresh empty tensor: a view (even of no items) would pickle its whole storage.
+        import torch
+
+        return torch.empty(_shape_with(x.shape, axis, 0), dtype=x.dtype, device=x.device)
+
 
 class NEML2Backend(Backend):
     """NEML2's typed tensors (``SR2``, ``Scalar``, ...: ``TensorWrapper``) and its dynamic-base ``Tensor``.
@@ -330,6 +340,9 @@ class NEML2Backend(Backend):
 
     def detach(self, x):
         return self._rewrap(x, x.data.detach())
+
+    def template(self, x, axis):
+        return self._rewrap(x, TORCH.template(x.data, self._data_axis(x, axis)))
 
 
 class StreamedBackend(Backend):
@@ -489,12 +502,20 @@ def template(x, axis: int = 0):
 
     The data plane shares ``host_view(x)`` in shared memory and sends
     ``template(x)``; a worker rebuilds the user's type around its rows with
-    ``from_host(rows, template)``.
+    ``from_host(rows, template)``. A torch or NEML2 template owns a storage of
+    its own, empty: a view of ``x``, even of no items, would pickle all of
+    ``x``'s storage (one step of a strain history: the whole history).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> template(np.zeros((5, 6))).shape
+    (0, 6)
     """
     backend = _require(x, "template")
     if len(backend.batch_shape(x)) <= axis:
         return backend.detach(x)  # no batch axis: the whole (batch-independent) value
-    return backend.detach(backend.take(x, axis, 0, 0))
+    return backend.template(x, axis)
 
 
 def array_module(device=None):

@@ -32,7 +32,6 @@ import numpy as np
 
 from dsched.devices import backends
 from dsched.devices.per_thread import PerThread
-from dsched.devices.threads import limit_this_thread
 from dsched.dispatch.front import dispatch
 from dsched.errors import NEML2ConvergenceError, as_recoverable  # noqa: F401  (as_recoverable: its old home)
 from dsched.models.j2 import loading_strain
@@ -92,6 +91,10 @@ class NEML2Model:
             raise ValueError(f"model: cannot load {self.model!r} from {self.input}: {err}") from None
         self.input_names = list(probe.input_spec)
         self.output_names = list(probe.output_spec)
+        #: Every variable's base shape (``(6,)`` for an ``SR2``, ``()`` for a ``Scalar``), inputs and outputs.
+        self.base_shapes = {name: tuple(getattr(kind, "BASE_SHAPE", ())) for spec in (
+            probe.input_spec, probe.output_spec) for name, kind in spec.items()}
+        self.all_output_names = list(self.output_names)
         if outputs is not None:
             unknown = [o for o in outputs if o not in self.output_names]
             if unknown:
@@ -99,6 +102,12 @@ class NEML2Model:
             self.output_names = list(outputs)
         self.derivatives, self.keep_grad = bool(derivatives), bool(keep_grad)
         self._per_thread = PerThread(self._build)
+        self._probes = {}  # what a one-item call returned, per kind and shapes of inputs (see probe_outputs)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_probes"] = {}  # learned on the client, for the client
+        return state
 
     #: dispatch() hands the inputs over as they are (NumPy stays NumPy on a GPU chunk): this model
     #: moves them to its torch device itself, so CuPy is never needed.
@@ -128,12 +137,13 @@ class NEML2Model:
         import torch
 
         self.check_inputs(inputs)
-        limit_this_thread()
         device = backends.torch_device()
-        model = self._per_thread.get()
+        model = self._per_thread.get()  # gives this thread the worker's share of torch threads, once
         kind = _kind_of(inputs.values())
         spec = model.input_spec
         state = {name: _as_neml2_value(value, spec[name], device, torch) for name, value in inputs.items()}
+        # NumPy's, not torch's: torch.broadcast_shapes imports torch._refs on its first call (a second, per worker)
+        batch = np.broadcast_shapes(*(tuple(value.dynamic_batch_shape) for value in state.values()))
         neml2 = _import_neml2()
         try:
             if self.derivatives:
@@ -142,7 +152,7 @@ class NEML2Model:
                 values, jacobian = model.call_by_name(state), None
         except neml2.solvers.ConvergenceError as err:
             raise NEML2ConvergenceError(f"NEML2 model {self.model!r} ({self.input.name}): {err}") from None
-        outputs = {name: self._returned(values[name], kind) for name in self.output_names}
+        outputs = {name: self._returned(_batched(values[name], batch), kind) for name in self.output_names}
         if jacobian is None:
             return outputs
         derivatives = {
@@ -160,6 +170,26 @@ class NEML2Model:
             return value.data
         return backends.host_view(backends.to_host(value.data))
 
+    @property
+    def probe_outputs(self):
+        """What :func:`dsched.dispatch` calls on the client to learn the outputs' layout (one item).
+
+        NEML2's floor per call is paid once per input kind and shapes: the
+        outputs of that first one-item call are kept and returned again, so
+        a solver calling :meth:`dispatch` every step does not run NEML2 on
+        the client every step (263 ms for chaboche2). With ``derivatives``
+        the model itself is called.
+        """
+        return True if self.derivatives else self._probe
+
+    def _probe(self, inputs):
+        key = (_kind_of(inputs.values()), tuple(sorted((name, tuple(np.shape(v))[1:]) for name, v in inputs.items()
+                                                       if backends.is_array(v))))
+        result = self._probes.get(key)
+        if result is None:
+            result = self._probes[key] = self(inputs)
+        return result
+
     def dispatch(self, inputs, *, scheduler, **options):
         """:func:`dsched.dispatch` of this model over ``inputs``, its variable names checked first."""
         self.check_inputs(inputs)
@@ -167,6 +197,13 @@ class NEML2Model:
 
     def __repr__(self):
         return f"NEML2Model({str(self.input)!r}, {self.model!r})"
+
+
+def _batched(value, batch):
+    """An output over the chunk's whole batch: NEML2 leaves one unbatched where nothing varied (zero strain)."""
+    if tuple(value.dynamic_batch_shape) == tuple(batch):
+        return value
+    return value.dynamic_batch.expand(*batch)
 
 
 def _kind_of(values) -> str:
@@ -181,12 +218,15 @@ def _as_neml2_value(value, variable_type, device, torch):
     backend = backends.backend_of(value)
     if backend is None:
         base = tuple(getattr(variable_type, "BASE_SHAPE", ()))
-        return torch.full(base, float(value), dtype=torch.float64, device=device)
-    if backend.name == "numpy":
-        return backends.TORCH.from_host(np.ascontiguousarray(value), None).to(device)
-    if backend.name == "cupy":
-        return torch.as_tensor(value, device=device)  # through __cuda_array_interface__, no host copy
-    return value.to(device)  # torch tensors and NEML2's typed tensors alike
+        return variable_type(torch.full(base, float(value), dtype=torch.float64, device=device))
+    if backend is backends.NEML2:
+        return value if value.device == device else value.to(device)
+    if backend.name == "numpy":  # any strides torch takes: a row slice of a history is not copied
+        value = np.asarray(value)
+        value = backends.TORCH.from_host(value if min(value.strides, default=0) >= 0 else value.copy(), None)
+    elif backend.name == "cupy":
+        value = torch.as_tensor(value, device=device)  # through __cuda_array_interface__, no host copy
+    return variable_type(value if value.device == device else value.to(device))
 
 
 # --- graph files ---------------------------------------------------------------

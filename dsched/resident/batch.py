@@ -26,7 +26,17 @@ How it maps onto Dask:
   (:mod:`dsched.store`): shared memory that worker processes on this host map,
   read by reference. They stay until :meth:`Batch.close`, so a lost worker's
   chunks are rebuilt from lineage (those values plus the updates applied) on
-  the worker that takes over its device.
+  the worker that takes over its device. On the host a chunk's first version
+  *is* that memory (a read-only view, copied by an in-place update on its first
+  write); arrays already in shared memory (:func:`dsched.shared_empty`) are
+  not copied at all, so they must not change while the batch is open;
+- updates pushed faster than a chunk runs them (queued behind ``lookahead``)
+  are handed to Dask together, as one task that runs them in order
+  (:func:`~dsched.resident.tasks._run_fused`): one round trip per burst, not
+  per update. Updates fused so succeed or fail together: a failure rolls the
+  chunk back to its version before the burst's task;
+- what an update returns stays as it is where it lives (torch tensors stay
+  tensors, on their device, between updates).
 """
 
 from __future__ import annotations
@@ -42,15 +52,27 @@ import numpy as np
 from dsched.blocks.planning import plan
 from dsched.checks import check_positive_int
 from dsched.dataplane.outputs import ZarrTarget, check_out_path
-from dsched.dataplane.store import RunStore, SliceRef, classify_workers
+from dsched.dataplane.store import (
+    ArrayRef,
+    RunStore,
+    SliceRef,
+    classify_workers,
+    find_shared,
+)
 from dsched.devices.device import device_resource
-from dsched.devices.ownership import check_devices_owned, device_owners
+from dsched.devices.ownership import check_devices_owned, cluster_info, device_owners
 from dsched.resident.engine import Engine
+from dsched.resident.fields import _check_fields, _check_inputs, _names
 from dsched.resident.tasks import (
     Update,
     _Chunk,
+    _client,
+    _fused_call,
+    _handed,
     _item_layout,
+    _item_layouts,
     _load,
+    _on_loop_thread,
     _ordered,
     _partial,
     _resolve,
@@ -58,14 +80,19 @@ from dsched.resident.tasks import (
     _update,
     _UpdateSpec,
     _Version,
+    _wait,
     _wait_all,
     _wait_tasks,
     _write,
+    _write_many,
 )
 
 __all__ = ["Batch", "Update"]
 
 _batch_ids = itertools.count()
+MAX_FUSED = 64  # updates of one chunk handed to Dask as one task, at most
+# Operations that may share a task: updates (a load fused with a failing update would roll back to nothing).
+_FUSABLE = (_update,)
 
 
 class Batch:
@@ -98,14 +125,15 @@ class Batch:
         self.client = _client(client)
         check_positive_int(lookahead, "lookahead", integers=int, below=None)
         self.lookahead = lookahead
-        check_devices_owned(self.client, scheduler)
+        workers = cluster_info(self.client)["workers"]  # one question to the scheduler for both checks
+        check_devices_owned(self.client, scheduler, workers)
         self.chunks = []
         start = 0
         for index, (device, size) in enumerate(plan(self.n, scheduler)):
             self.chunks.append(_Chunk(index, device, start, start + size))
             start += size
         self.devices = list(dict.fromkeys(c.device for c in self.chunks))
-        owners = device_owners(self.client, self.devices)
+        owners = device_owners(self.client, self.devices, workers)
         kinds = classify_workers(self.client, {a for addrs in owners.values() for a in addrs})
         if any(kind == "remote" for kind in kinds.values()):
             raise ValueError("client: a worker owning one of the devices is on another host; resident batches "
@@ -123,6 +151,9 @@ class Batch:
         self._queued = {c.index: collections.deque() for c in self.chunks}
         self._in_dask = {c.index: 0 for c in self.chunks}
         self._submit_lock = threading.Lock()
+        self._inputs = []  # (store, tasks) of updates' own inputs: released once their tasks have ended
+        # The first values wait for the first operation, to go to Dask with it (one message, one task).
+        self._held = True
         self._load_values(arrays, "init")
 
     # --- the public API -----------------------------------------------------------
@@ -131,7 +162,8 @@ class Batch:
     def fields(self) -> list:
         return sorted({field for field, _ in self._vars})
 
-    def update(self, fn, reads=(), writes=(), outputs=(), *, label=None, inplace=False, kwargs=None) -> Update:
+    def update(self, fn, reads=(), writes=(), outputs=(), *, label=None, inplace=False, kwargs=None, inputs=None,
+               axis=0, out=None) -> Update:
         """Run ``fn`` on every chunk where it lives; returns at once with an :class:`Update` handle.
 
         ``fn(**{field: chunk array for field in reads}, **kwargs)`` returns a
@@ -143,8 +175,22 @@ class Batch:
         place and return it (the engine runs it only after the earlier reads of
         that field finished). A failed in-place update may leave what ``fn``
         wrote before it failed.
+
+        ``inputs`` are arrays of this update only, ``{name: array}`` with the
+        batch's items along ``axis``: each chunk's ``fn`` gets its own items as
+        the keyword ``name`` (read-only), and nothing of them is kept. They
+        are read by reference where they lie in shared memory
+        (:func:`dsched.shared_empty`), else copied there once for all chunks.
+        A history of ``(steps, items, ...)`` goes whole with ``axis=1``: a
+        chunk then reads step ``k`` of its items as ``name[k]``, without a copy.
+
+        ``out`` are arrays in shared memory (:func:`dsched.shared_empty`, or
+        with in-process workers any array), ``{name: array}`` of the batch's
+        items along axis 0: each chunk's ``fn`` gets its own rows, writable, as
+        the keyword ``name``, and what it writes there is in the array once the
+        update is done (results straight to the client, no :meth:`get` after).
         """
-        self._check_open()
+        self._check_open(flush=False)  # the first values go with this update
         if not callable(fn):
             raise ValueError(f"fn: expected a callable, got {fn!r}")
         reads, writes, outputs = (_names(v, n) for v, n in ((reads, "reads"), (writes, "writes"),
@@ -160,13 +206,23 @@ class Batch:
             raise ValueError("writes: an update must write at least one field (reduce() computes values)")
         label = label or getattr(fn, "__name__", "update")
         spec = _UpdateSpec(fn, label, reads, written, bool(inplace), dict(kwargs or {}))
+        arrays = _check_inputs(inputs, axis, self.n, reads)
+        targets = self._out_refs(out, set(reads) | set(arrays))
         tasks = []
         with self._lock:
             self._rollback_failed()
+            self._release_inputs()
+            store, refs = self._share_inputs(arrays)
             step = next(self._ops)
             for chunk in self.chunks:
                 versions = {f: (self._version(f, chunk), f) for f in reads}
-                tasks.append(self._push(chunk, reads, written, f"{label}-{step}", _update, spec, chunk, versions))
+                rows = {name: SliceRef(ref, axis, chunk.start, chunk.stop) for name, ref in refs.items()} or None
+                into = {name: SliceRef(ref, 0, chunk.start, chunk.stop) for name, ref in targets.items()} or None
+                tasks.append(self._push(chunk, reads, written, f"{label}-{step}", _update, spec, chunk, versions,
+                                        rows, into, pump=False))
+            if store is not None:
+                self._inputs.append((store, tasks))
+        self._flush(everywhere=True)
         return Update(label, tasks)
 
     def set(self, field, values) -> Update:
@@ -186,6 +242,53 @@ class Batch:
             layout, tasks, view = self._write_out(field, lambda shape, dtype: store.allocate(shape, dtype))
             _wait_tasks(tasks)
         return view
+
+    def get_many(self, fields, layouts=None) -> dict:
+        """Several fields at once, ``{field: array}``: one task per chunk writes them all.
+
+        ``layouts`` (``{field: (item_shape, dtype)}``) saves the round trip that
+        learns them, for a caller that knows what its updates make.
+
+        Examples
+        --------
+        >>> batch.get_many(["stress", "alpha"], layouts={"stress": ((6,), "f8")})  # doctest: +SKIP
+        {'stress': array(...), 'alpha': array(...)}
+        """
+        self._check_open()
+        fields = _names(fields, "fields")
+        for field in fields:
+            self._check_field(field)
+        known = {f: (tuple(shape), np.dtype(dtype).str) for f, (shape, dtype) in dict(layouts or {}).items()}
+        missing = [f for f in fields if f not in known]
+        if missing:
+            known.update(self._layouts(missing))
+        store = RunStore(shared=self._shared)
+        clean = False
+        try:  # the arrays' segment goes back to the pool once they are gone (a next get pays no page faults)
+            placed = store.allocate_many([((self.n, *known[f][0]), known[f][1]) for f in fields], handed_out=True)
+            targets = [ref for ref, _ in placed]
+            with self._lock:
+                self._rollback_failed()
+                step = next(self._ops)
+                tasks = [self._push(chunk, fields, (), f"get-{step}", _write_many,
+                                    {f: self._version(f, chunk) for f in fields}, targets, chunk,
+                                    [known[f] for f in fields]) for chunk in self.chunks]
+            _wait_tasks(tasks)
+            clean = True
+        finally:
+            store.close(clean=clean)
+        return {field: view for field, (_, view) in zip(fields, placed)}
+
+    def _layouts(self, fields) -> dict:
+        """``{field: (item_shape, dtype)}`` of chunk 0's current versions: one task where it lives."""
+        with self._lock:
+            self._rollback_failed()
+            first = {f: self._vars[(f, 0)].last_write for f in fields}
+        future = self.client.submit(_item_layouts, {f: _handed(op) for f, op in first.items()},
+                                    key=f"{self._id}-layout-{next(self._ops)}",
+                                    resources={device_resource(self.chunks[0].device): 1})
+        _wait_all([future])
+        return future.result()
 
     def reduce(self, fn, field, combine=sum):
         """``combine([fn(chunk) for each chunk of field])``, in dispatch order: the batch's one global synchronisation.
@@ -247,13 +350,13 @@ class Batch:
                     queue.clear()
             pending = [var.last_write.payload.future for var in self._vars.values()
                        if var.last_write.payload.future is not None]
+            pending += [t.future for _, tasks in self._inputs for t in tasks if t.future is not None]
             self._vars.clear()
         try:
-            from distributed import wait
-
-            wait(pending)
+            _wait(pending)
         finally:
             del pending
+        self._release_inputs(everything=True)
         self._store.close()
 
     def __enter__(self):
@@ -268,8 +371,8 @@ class Batch:
 
     # --- internals ----------------------------------------------------------------
 
-    def _push(self, chunk, reads, writes, key, func, *args):
-        """Push one chunk's operation to the engine and submit its task after its predecessors."""
+    def _push(self, chunk, reads, writes, key, func, *args, pump=True):
+        """Push one chunk's operation to the engine and submit its task after its predecessors (``pump``)."""
         variables = {}
         for field in reads + tuple(writes):
             var = self._vars.get((field, chunk.index))
@@ -283,40 +386,73 @@ class Batch:
         op.payload = _Task(call, previous if writes else None)
         with self._submit_lock:
             self._queued[chunk.index].append(op)
-        self._pump(chunk)
+        if pump and not self._held:
+            self._pump(chunk)
         return op.payload
+
+    def _flush(self, everywhere=False):
+        """Hand over what waits: the batch's first values (until its first operation) and, with
+        ``everywhere``, every chunk's queue.
+
+        From the client's event loop, so that the chunks' tasks leave in one message: Dask's client
+        sends at most one message every 10 ms, and a second task submitted a moment after the first
+        would wait for the next one.
+        """
+        if not (self._held or everywhere):
+            return
+        self._held = False
+
+        async def pump_all():
+            for chunk in self.chunks:
+                self._pump(chunk)
+
+        if _on_loop_thread(self.client):
+            for chunk in self.chunks:
+                self._pump(chunk)
+        else:
+            self.client.sync(pump_all)
 
     def _pump(self, chunk):
         """Hand the chunk's queued operations to Dask, in program order, while fewer than ``lookahead`` are there.
 
         Its predecessors are earlier operations on the same chunk, so they were handed over before it.
+        Updates queued one after another (pushed faster than the chunk runs them) go as one task
+        (:func:`_run_fused`): a Dask round trip per burst, not per update.
         """
         while True:
             with self._submit_lock:
                 queue = self._queued[chunk.index]
                 if not queue or self._in_dask[chunk.index] >= self.lookahead:
                     return
-                op = queue.popleft()
+                ops = [queue.popleft()]
+                while ops[-1].payload.call[0] in _FUSABLE and queue and queue[0].payload.call[0] in _FUSABLE \
+                        and len(ops) < MAX_FUSED:
+                    ops.append(queue.popleft())
                 self._in_dask[chunk.index] += 1
-            self._submit(chunk, op)
+            self._submit(chunk, ops)
 
-    def _submit(self, chunk, op):
-        task = op.payload
-        func, args, key, resources = task.call
-        task.call = None
-        # The data a task reads travels in its arguments; its other predecessors (the earlier reads of
-        # what it writes) are passed too, only so that Dask runs it after them.
-        after = [o.payload.future for o in op.after]
-        future = self.client.submit(_ordered, func, after, *_resolve(args), key=key, resources=resources,
-                                    pure=False)
-        task.future = future
-        task.submitted.set()
+    def _submit(self, chunk, ops):
+        if len(ops) == 1:
+            func, args, key, resources = ops[0].payload.call
+            # The data a task reads travels in its arguments; its other predecessors (the earlier reads of
+            # what it writes) are passed too, only so that Dask runs it after them.
+            after = [o.payload.future for o in ops[0].after]
+            args = _resolve(args)
+        else:
+            func, args, key, resources, after = _fused_call(ops)
+        future = self.client.submit(_ordered, func, after, *args, key=key, resources=resources, pure=False)
+        for index, op in enumerate(ops):
+            op.payload.call = None
+            op.payload.future = future
+            op.payload.member = index if len(ops) > 1 else None
+            op.payload.submitted.set()
         engine = self._engine
 
         def finished(f):
-            if f.status == "finished":
-                task.previous = None  # the replaced versions are no longer needed for rollback
-            engine.complete(op)
+            for op in ops:
+                if f.status == "finished":
+                    op.payload.previous = None  # the replaced versions are no longer needed for rollback
+                engine.complete(op)
             with self._submit_lock:
                 self._in_dask[chunk.index] -= 1
             if not self._closed:
@@ -334,6 +470,58 @@ class Batch:
                                         {name: SliceRef(ref, 0, chunk.start, chunk.stop)}))
         return Update(label, tasks)
 
+    def _share_inputs(self, arrays):
+        """An update's ``inputs`` where workers read them: ``(store or None, {name: reference})``.
+
+        Arrays already in shared memory are referenced where they are (no store);
+        the others are copied once into a store of the update's own.
+        """
+        if not arrays:
+            return None, {}
+        if self._shared:
+            found = {name: find_shared(a) for name, a in arrays.items()}
+            if all(ref is not None for ref in found.values()):
+                return None, found
+        store = RunStore(shared=self._shared)
+        return store, dict(zip(arrays, store.share_many(list(arrays.values()))))
+
+    def _out_refs(self, out, taken) -> dict:
+        """References to an update's ``out`` arrays; a ValueError naming the entry that workers cannot write."""
+        if out is None:
+            return {}
+        if not isinstance(out, dict):
+            raise ValueError(f"out: expected a dict of name -> array, got {type(out).__name__}")
+        refs = {}
+        for name, value in out.items():
+            if not isinstance(name, str) or name in taken:
+                raise ValueError(f"out: {name!r} is not a name of its own (a string naming no field read, no input)")
+            if isinstance(value, ArrayRef):  # the data plane's own (a store's allocation)
+                ref = value
+            elif not isinstance(value, np.ndarray):
+                raise ValueError(f"out[{name!r}]: expected a NumPy array, got {type(value).__name__}")
+            elif self._shared:
+                ref = find_shared(value)
+                if ref is None:
+                    raise ValueError(f"out[{name!r}]: worker processes write only into shared memory; "
+                                     f"allocate it with dsched.shared_empty")
+            else:
+                ref = self._store.register(value)
+            if not ref.shape or ref.shape[0] != self.n:
+                raise ValueError(f"out[{name!r}]: shape {ref.shape} has no {self.n} items along axis 0")
+            refs[name] = ref
+        return refs
+
+    def _release_inputs(self, everything=False):
+        """Release the stores of updates' inputs whose tasks have all ended (``everything``: all of them)."""
+        kept = []
+        for store, tasks in self._inputs:
+            futures = [t.future for t in tasks]
+            if everything or all(f is not None and f.done() for f in futures):
+                store.close(clean=all(f is not None and f.status == "finished" for f in futures))
+            else:
+                kept.append((store, tasks))
+        self._inputs = kept
+
     def _version(self, field, chunk):
         """The current version of ``field`` on ``chunk``: its op's result, once handed to Dask."""
         return _Version(self._vars[(field, chunk.index)].last_write, field)
@@ -343,8 +531,8 @@ class Batch:
         self._check_field(field)
         with self._lock:
             self._rollback_failed()
-            first = self._vars[(field, 0)].last_write.payload
-        layout_future = self.client.submit(_item_layout, first.result(), field, key=f"{self._id}-layout-{next(self._ops)}",
+            first = self._vars[(field, 0)].last_write
+        layout_future = self.client.submit(_item_layout, _handed(first), field, key=f"{self._id}-layout-{next(self._ops)}",
                                            resources={device_resource(self.chunks[0].device): 1})
         _wait_all([layout_future])
         item_shape, dtype = layout_future.result()
@@ -378,50 +566,8 @@ class Batch:
         if field not in self.fields:
             raise ValueError(f"field: no field {field!r} in this batch (fields: {', '.join(self.fields)})")
 
-    def _check_open(self):
+    def _check_open(self, flush=True):
         if self._closed:
             raise RuntimeError("this Batch is closed")
-
-
-def _names(value, field) -> tuple:
-    if isinstance(value, str):
-        value = [value]
-    names = tuple(value)
-    for name in names:
-        if not isinstance(name, str):
-            raise ValueError(f"{field}: expected field names, got {name!r}")
-    return names
-
-
-def _check_fields(fields, n=None) -> dict:
-    """The fields as NumPy arrays of one length along axis 0; a ValueError naming the field otherwise."""
-    if not isinstance(fields, dict) or not fields:
-        raise ValueError(f"fields: expected a non-empty dict of name -> array, got {type(fields).__name__}")
-    arrays = {}
-    for name, value in fields.items():
-        if not isinstance(name, str):
-            raise ValueError(f"fields: names must be strings, got {name!r}")
-        array = np.asarray(value)
-        if array.ndim == 0:
-            raise ValueError(f"fields[{name!r}]: a scalar has no items (axis 0)")
-        if array.dtype.hasobject:
-            raise ValueError(f"fields[{name!r}]: dtype {array.dtype} cannot live on a device")
-        if n is None:
-            n = len(array)
-        if len(array) != n:
-            raise ValueError(f"fields[{name!r}]: {len(array)} items along axis 0; the batch has {n}")
-        if n == 0:
-            raise ValueError(f"fields[{name!r}]: no items")
-        arrays[name] = array
-    return arrays
-
-
-def _client(client):
-    if client is not None:
-        return client
-    from distributed import default_client
-
-    try:
-        return default_client()
-    except ValueError:
-        raise ValueError("client: no Dask client given and none is current; pass client=Client(cluster)") from None
+        if flush:
+            self._flush()

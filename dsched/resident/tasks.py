@@ -17,6 +17,7 @@ import numpy as np
 
 from dsched.dataplane.outputs import ChunkResultError, write_rows
 from dsched.dataplane.store import SliceRef
+from dsched.devices import backends
 from dsched.devices.backends import array_module
 from dsched.devices.context import running_on, selected
 from dsched.errors import AggregateError
@@ -43,11 +44,12 @@ class _Task:
     """An engine op's payload: its task until it is handed to Dask, then its future; the versions it replaces
     until it succeeds (for rollback)."""
 
-    __slots__ = ("future", "previous", "submitted", "call")
+    __slots__ = ("future", "previous", "submitted", "call", "member")
 
     def __init__(self, call, previous):
         self.call, self.previous = call, previous  # call: (func, args, key, resources) until submitted
         self.future = None
+        self.member = None  # in a fused task (see _run_fused): its index there
         self.submitted = threading.Event()
 
     def result(self):
@@ -85,17 +87,32 @@ def _read_only(array):
     return array
 
 
-def _on_device(array, device):
-    """``array`` in the device's memory: a private copy (NumPy on the CPU and emulated devices, CuPy on a GPU)."""
+def _on_device(array, device, copy=False):
+    """``array`` in the device's memory: CuPy on a GPU; on the CPU and emulated devices the array itself.
+
+    On the host, shared memory (the batch's lineage, kept until it closes) is
+    already where the chunk computes: the version is a read-only view of it,
+    copied only by an in-place update, on its first write. ``copy``: the
+    caller's own array (in-process workers), copied so the batch owns it.
+    """
     xp = array_module(device)
-    return np.array(array, copy=True) if xp is np else xp.asarray(array)
+    if xp is not np:
+        return xp.asarray(array)
+    return np.array(array, copy=True) if copy else array
 
 
 def _load(chunk, refs):
-    """A chunk's first (or set) version of some fields: copied from the data plane into the device's memory."""
+    """A chunk's first (or set) version of some fields: the data plane's rows, on the device."""
     with running_on(chunk.device), selected(chunk.device):
-        return {name: _on_device(ref.resolve() if isinstance(ref, SliceRef) else ref, chunk.device)
-                for name, ref in refs.items()}
+        return {name: _on_device(ref.resolve(), chunk.device, copy=not ref.ref.shared) if isinstance(ref, SliceRef)
+                else _on_device(ref, chunk.device) for name, ref in refs.items()}
+
+
+def _writable(array):
+    """``array`` to mutate in place: itself, or a private copy of a read-only (data-plane) NumPy version."""
+    if isinstance(array, np.ndarray) and not array.flags.writeable:
+        return array.copy()
+    return array
 
 
 def _ordered(func, after, *args):
@@ -104,12 +121,20 @@ def _ordered(func, after, *args):
     return func(*args)
 
 
-def _update(spec, chunk, versions):
-    """One chunk of an update: ``fn`` on the chunk's fields where they live; the written fields' new versions."""
+def _update(spec, chunk, versions, inputs=None, out=None):
+    """One chunk of an update: ``fn`` on the chunk's fields where they live; the written fields' new versions.
+
+    ``inputs`` are the update's own arrays (its ``inputs=``): the chunk's rows, by reference;
+    ``out`` its ``out=`` arrays: the chunk's rows, writable, where the client reads them.
+    """
     arrays = {}
     for field, (value, name) in versions.items():
-        array = value[name]
-        arrays[field] = array if (spec.inplace and field in spec.writes) else _read_only(array)
+        array = _pick(value)[name]
+        arrays[field] = _writable(array) if (spec.inplace and field in spec.writes) else _read_only(array)
+    for name, ref in (inputs or {}).items():
+        arrays[name] = ref.resolve() if isinstance(ref, SliceRef) else ref
+    for name, ref in (out or {}).items():
+        arrays[name] = ref.ref.rows(ref.start, ref.stop, writable=True)
     with running_on(chunk.device), selected(chunk.device):
         result = spec.fn(**arrays, **spec.kwargs)
         where = f"update {spec.label!r}: {chunk}"
@@ -131,32 +156,47 @@ def _update(spec, chunk, versions):
                 got = "no batch axis" if not shape else f"{shape[0]} items (shape {tuple(shape)})"
                 raise ChunkResultError(f"{where}: field {field!r} has {got}; expected {chunk.size} items along "
                                        f"axis 0 (the chunk's size)")
-            out[field] = value if array_module(chunk.device) is not np else np.asarray(value)
+            # Arrays stay as fn made them (torch tensors stay tensors: no round trip through NumPy per step).
+            out[field] = value if backends.backend_of(value, strict=False) is not None else np.asarray(value)
         return out
 
 
-def _to_host(array):
-    return array.get() if hasattr(array, "__cuda_array_interface__") else np.asarray(array)
+def _to_host(array) -> np.ndarray:
+    """A version in host memory, as NumPy (CuPy, torch and NEML2 tensors alike)."""
+    if backends.backend_of(array, strict=False) is None:
+        return np.asarray(array)
+    return backends.host_view(backends.to_host(array))
 
 
 def _item_layout(value, name):
-    array = value[name]
+    array = _to_host(_pick(value)[name])
     return tuple(array.shape[1:]), np.dtype(array.dtype).str
 
 
 def _write(value, name, target, chunk, layout, field):
     """Write a chunk's version of ``field`` into rows ``start:stop`` of ``target`` (shared memory or Zarr)."""
-    array = value[name]
+    array = _to_host(_pick(value)[name])
     if (tuple(array.shape[1:]), np.dtype(array.dtype).str) != layout:
         raise ChunkResultError(f"field {field!r}: {chunk} holds items of shape {tuple(array.shape[1:])} and dtype "
                                f"{array.dtype}; chunk 0 holds {layout[0]}, {np.dtype(layout[1])}")
-    write_rows(target, 0, chunk.start, chunk.stop, _to_host(array))
+    write_rows(target, 0, chunk.start, chunk.stop, array)
+
+
+def _item_layouts(values):
+    """``{field: (item shape, dtype)}`` of one chunk's versions (``values``: field -> its op's result)."""
+    return {field: _item_layout(value, field) for field, value in values.items()}
+
+
+def _write_many(values, targets, chunk, layouts):
+    """:func:`_write` of several fields of one chunk (``values``: field -> its op's result), in one task."""
+    for (field, value), target, layout in zip(values.items(), targets, layouts):
+        _write(value, field, target, chunk, layout, field)
 
 
 def _partial(fn, value, name, chunk):
     """``fn`` on a chunk's version of a field, where it lives; a device result comes back to the host."""
     with running_on(chunk.device), selected(chunk.device):
-        result = fn(_read_only(value[name]))
+        result = fn(_read_only(_pick(value)[name]))
     return result.get() if hasattr(result, "__cuda_array_interface__") else result
 
 
@@ -204,10 +244,17 @@ def _raise_failures(futures):
         raise AggregateError.of(errors)
 
 
-def _wait_all(futures):
-    from distributed import wait
+def _wait(futures):
+    """Wait until every future is done, on the futures' own client (``distributed.wait`` asks the default
+    client, which is another one, on another event loop, when a process holds two)."""
+    if futures:
+        from distributed.client import _wait
 
-    wait(futures)
+        futures[0].client.sync(_wait, list(futures))
+
+
+def _wait_all(futures):
+    _wait(futures)
     _raise_failures(futures)
 
 
@@ -216,12 +263,122 @@ def _wait_tasks(tasks):
     _wait_all([task.result() for task in tasks])
 
 
-def _resolve(args):
-    """Task arguments with every :class:`_Version` replaced by its op's future (nested in tuples and dicts)."""
+def _resolve(args, local=None, used=None):
+    """Task arguments with every :class:`_Version` replaced by its op's future (nested in tuples and dicts).
+
+    A version made by a fused task is ``(_MEMBER, its future, its index there)``; one made earlier in the
+    same fused task (``local``: op -> index) is a :class:`_Local`, whose index is added to ``used``.
+    """
     if isinstance(args, _Version):
-        return args.op.payload.future
+        op = args.op
+        if local is not None and op in local:
+            used.add(local[op])
+            return _Local(local[op])
+        task = op.payload
+        return task.future if task.member is None else (_MEMBER, task.future, task.member)
     if isinstance(args, tuple):
-        return tuple(_resolve(a) for a in args)
+        return tuple(_resolve(a, local, used) for a in args)
     if isinstance(args, dict):
-        return {k: _resolve(v) for k, v in args.items()}
+        return {k: _resolve(v, local, used) for k, v in args.items()}
     return args
+
+
+# --- fused tasks: several updates of one chunk in one task ---------------------------
+
+_MEMBER = "dsched-fused-member"  # marks a version made by a fused task: (_MEMBER, the task's results, index)
+
+
+@dataclass(frozen=True)
+class _Local:
+    """In a fused task's arguments: the result of its member ``index``, computed earlier in the same task."""
+
+    index: int
+
+
+def _pick(value):
+    """A version's op result, as it came or picked out of a fused task's results."""
+    if isinstance(value, tuple) and len(value) == 3 and value[0] == _MEMBER:
+        return value[1][value[2]]
+    return value
+
+
+def _locals(args, results):
+    if isinstance(args, _Local):
+        return results[args.index]
+    if isinstance(args, tuple):
+        return tuple(_locals(a, results) for a in args)
+    if isinstance(args, dict):
+        return {k: _locals(v, results) for k, v in args.items()}
+    return args
+
+
+def _run_fused(entries, keep, last_use):
+    """Several operations of one chunk, one after another, in one task: ``{index: result}`` of the members
+    whose versions outlive it (``keep``: index -> the fields to keep).
+
+    ``entries`` are ``(func, args)`` in program order; ``last_use[i]`` is the last member that reads
+    member ``i``'s result: it is dropped after that one, so the chunk holds one version at a time.
+    """
+    results = {}
+    for j, (func, args) in enumerate(entries):
+        results[j] = func(*_locals(args, results))
+        for i in [i for i in results if last_use.get(i, -1) <= j]:  # no later member reads it
+            if keep.get(i):
+                results[i] = {field: value for field, value in results[i].items() if field in keep[i]}
+            else:
+                del results[i]
+    return results
+
+
+# --- the client's helpers ------------------------------------------------------------------
+
+def _fused_call(ops):
+    """``(func, args, key, resources, after)`` of one task running ``ops`` (updates of one chunk) in order.
+
+    A member keeps, for after the task, the fields no later member writes; it is dropped on the
+    worker once no later member reads it. Members succeed or fail (and roll back) together.
+    """
+    local = {op: index for index, op in enumerate(ops)}
+    entries, after, last_use = [], {}, {}
+    for index, op in enumerate(ops):
+        func, args, key, resources = op.payload.call
+        used = set()
+        entries.append((func, _resolve(args, local, used)))
+        for earlier in used:
+            last_use[earlier] = index
+        for o in op.after:
+            if o not in local:
+                after[o.payload.future.key] = o.payload.future
+    keep = {}
+    for index, op in enumerate(ops):
+        later = {var.name[0] for o in ops[index + 1:] for var in o.writes}
+        keep[index] = tuple(var.name[0] for var in op.writes if var.name[0] not in later)
+    first = ops[0].payload.call[2]
+    return _run_fused, (entries, keep, last_use), f"{first}-fused-{len(ops)}", resources, list(after.values())
+
+
+def _on_loop_thread(client) -> bool:
+    """Whether this thread runs ``client``'s event loop (a Dask callback): it can submit directly."""
+    import asyncio
+
+    try:
+        return asyncio.get_running_loop() is client.loop.asyncio_loop
+    except RuntimeError:
+        return False
+
+
+def _handed(op):
+    """An op's result in a task's arguments, once it was handed to Dask (waits for that)."""
+    op.payload.result()
+    return _resolve(_Version(op, None))
+
+
+def _client(client):
+    if client is not None:
+        return client
+    from distributed import default_client
+
+    try:
+        return default_client()
+    except ValueError:
+        raise ValueError("client: no Dask client given and none is current; pass client=Client(cluster)") from None

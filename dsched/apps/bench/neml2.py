@@ -1,126 +1,349 @@
-"""CPU targets of NEML2 dispatch: a viscoplastic model on 200,000 points against a direct chunked loop.
+"""NEML2's own benchmark scenarios through dsched, against NEML2's driver and the two-worker limit, in one run.
 
-``python -m dsched.neml2_bench [--points N] [--batch-size B] [--repeats R]``
-prints one table:
+``dsched bench --only neml2 [--quick] [--neml2-benchmarks PATH] [--neml2-scenarios a,b]``
+(or ``python -m dsched.apps.bench.neml2``) runs four of NEML2's benchmark
+scenarios (:data:`dsched.models.neml2_scenarios.SCENARIOS`: elasticity on
+500,000 points, radret on 10,000, isoharden on 4,000, chaboche2 on 1,000),
+the first ``--steps`` (10) of their 100 strain steps, the old state carried
+from step to step as NEML2's ``TransientDriver`` carries it. The models are
+dsched's copies of NEML2's files (``dsched/models/scenarios``), or NEML2's
+own files and histories with ``--neml2-benchmarks`` (a checkout's
+``benchmark/`` folder). The histories are built once, in shared memory.
 
-- **loop**: NEML2 called directly, one thread (``torch.set_num_threads(1)``),
-  chunk after chunk of ``B`` points on the calling thread: what a NEML2 user
-  writes without a dispatcher. The reference.
-- **processes**: :meth:`NEML2Model.dispatch` on two single-thread worker
-  processes, ``cpu`` and an emulated ``cuda:0`` (a second CPU worker that
-  claims a CUDA device; placement only, not a GPU measurement). Target
-  >= 1.6 x the loop.
-- **in-process**: the same dispatch on in-process workers (threads of this
-  process, sharing its GIL). Target >= 0.95 x the loop.
+Rows, in points x steps per second (the best of ``--repeats`` rounds after a
+warm-up round; the rows of a round run one after another):
 
-Every row is the best of ``R`` runs after one warm-up (worker start-up,
-imports and the model's first load are not timed). Results are checked
-against the loop's. The model is tests/data/neml2_viscoplastic.i (Perzyna
-J2 viscoplasticity, NEML2's own Newton solve), one step of 1 s from rest.
+- **NEML2, 1 thread / 2 threads**: NEML2's ``TransientDriver`` on the whole
+  batch, in this process, with one or two torch threads. The reference.
+- **limit**: NEML2's driver on each half of the points, one thread, one half
+  after the other; two such halves side by side are what two single-thread
+  workers can reach: ``points x steps / slower half``.
+- **side by side**: the same two halves run at once, one in each worker
+  process: what the hardware gives two single-thread workers (they share
+  caches and memory bandwidth: a memory-bound model such as elasticity does
+  not double), measured rather than assumed.
+- **dispatch, NumPy**: :meth:`NEML2Model.dispatch` once per step on NumPy
+  inputs, the state carried on the client (what a user writes by hand).
+- **dispatch, typed**: the same on NEML2's typed tensors (``SR2``, ``Scalar``).
+- **Batch**: a :class:`dsched.Batch` with one update per step, whose function
+  calls the model where the chunk lives (:class:`~dsched.resident.driver.TransientDriver`
+  with ``steps_per_update=1``): the state stays on the workers as torch tensors.
+- **driver**: :class:`~dsched.resident.driver.TransientDriver` with every step
+  in one update of each chunk.
+
+The dsched rows run on two single-thread worker processes, ``cpu`` and an
+emulated ``cuda:0`` (a second CPU worker: placement only, not a GPU), each
+given one half of the points (a ``StaticHybridScheduler`` of two halves).
+Every dsched result is compared with NEML2's driver run on the same two
+halves (equal, bit for bit where the arithmetic is the same) and with the
+whole batch (radret's Newton tolerance is tightened on both sides: at NEML2's
+default, its convergence test over the whole batch makes the two differ).
+
+Targets (ratios within the run): every scenario and form >= 0.8 x the limit;
+the median of all forms and scenarios >= 1.0 x NEML2 on 2 threads; the typed
+form within 1.2 x the NumPy form's time; a resident Batch at least as fast
+as dispatching every step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
+import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
 import dsched
 from dsched.models.neml2 import NEML2Model
+from dsched.models.neml2_scenarios import (
+    SCENARIOS,
+    checkout_scenario,
+    model_overrides,
+    run_neml2_driver,
+)
+from dsched.resident.driver import TransientDriver, neml2_feedback
 
-__all__ = ["measure", "main", "VISCOPLASTIC_INPUT"]
+__all__ = ["FORMS", "TARGETS", "run_neml2_benchmarks", "measure_scenario", "format_neml2_table", "main"]
 
-VISCOPLASTIC_INPUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "neml2_viscoplastic.i"
-
-
-def _inputs(n):
-    strain = np.random.default_rng(0).uniform(-4e-3, 4e-3, size=(n, 6))
-    return {"E": strain, "E~1": np.zeros((1, 6)), "t": 1.0, "t~1": 0.0,
-            "stress~1": np.zeros((1, 6)), "equivalent_plastic_strain~1": 0.0}
+FORMS = ("numpy", "typed", "batch", "driver")
+FORM_TITLES = {"numpy": "dispatch, NumPy", "typed": "dispatch, typed", "batch": "Batch", "driver": "driver"}
+TARGETS = {"limit": 0.8, "median_vs_neml2_2": 1.0, "typed_vs_numpy": 1.2, "batch_vs_numpy": 1.0}
+QUICK_DIVISOR = 10  # --quick: a tenth of the points
 
 
-def _direct_loop(path, inputs, batch_size):
-    """NEML2 on one thread, chunk after chunk, as a user would write it."""
-    import neml2
+# --- the dsched forms ---------------------------------------------------------------
+
+def dispatch_steps(model, histories, scheduler, client, *, typed=False):
+    """NEML2Model.dispatch once per step, the old state carried on the client as NEML2's driver carries it.
+
+    ``histories`` maps each prescribed input (``"t"``, ``"strain"``) to its
+    history ``(steps + 1, points, *base)``. Returns the last step's outputs.
+    """
+    wrap = _typed_wrappers(model) if typed else None
+    feedback = neml2_feedback(model.input_names, model.all_output_names)
+    prescribed = {name: h for name, h in histories.items() if name in model.input_names}
+    if wrap:
+        import torch
+
+        prescribed = {name: torch.from_numpy(h) for name, h in prescribed.items()}
+    before, outputs = {name: h[0] for name, h in prescribed.items()}, {}
+    steps = len(next(iter(prescribed.values()))) - 1
+    for step in range(1, steps + 1):
+        inputs = {}
+        for name in model.input_names:
+            if name in prescribed:
+                inputs[name] = prescribed[name][step]
+            else:  # the old state: an output of the step before, else an input of it, else zero (NEML2's rule)
+                source = feedback.get(name)
+                inputs[name] = outputs.get(source, before.get(source, 0.0))
+        if wrap:
+            inputs = {name: wrap[name](v) if not isinstance(v, float) and not hasattr(v, "base_shape") else v
+                      for name, v in inputs.items()}
+        outputs = model.dispatch(inputs, scheduler=scheduler, client=client)
+        before = inputs
+    return {name: _numpy(v) for name, v in outputs.items()}
+
+
+_WRAPPERS = {}  # (input, model, overrides) -> {input: NEML2 type}: read once, not in any timed run
+
+
+def _typed_wrappers(model):
+    from dsched.models.neml2 import _import_neml2
+
+    key = (str(model.input), model.model, model.overrides)
+    if key not in _WRAPPERS:
+        _WRAPPERS[key] = dict(_import_neml2().load_input(str(model.input), additional_args=list(
+            model.overrides)).get_model(model.model).input_spec)
+    return _WRAPPERS[key]
+
+
+def _numpy(value):
+    return value.data.detach().numpy() if hasattr(value, "base_shape") else np.asarray(value)
+
+
+def driver_steps(model, histories, scheduler, client, *, steps_per_update=None):
+    """A :class:`TransientDriver` over the histories; the last step's outputs."""
+    with TransientDriver(model, scheduler, client=client) as driver:
+        driver.run(histories, steps_per_update=steps_per_update)
+        return driver.get_many()
+
+
+# --- one scenario ----------------------------------------------------------------
+
+def _halves(points):
+    first = (points + 1) // 2
+    return [first, points - first]
+
+
+def _forms(model, histories, scheduler, client):
+    return {
+        "numpy": lambda: dispatch_steps(model, histories, scheduler, client),
+        "typed": lambda: dispatch_steps(model, histories, scheduler, client, typed=True),
+        "batch": lambda: driver_steps(model, histories, scheduler, client, steps_per_update=1),
+        "driver": lambda: driver_steps(model, histories, scheduler, client),
+    }
+
+
+def measure_scenario(scenario, client, *, points=None, steps=10, repeats=3, forms=FORMS, progress=None) -> dict:
+    """Every row of one scenario: ``{"rate": {row: points x steps / s}, "seconds", "error", ...}``."""
+    say = progress or (lambda line: None)
+    histories = scenario.histories(points, steps, allocate=dsched.shared_empty)
+    n = histories.points
+    prescribed = {"t": histories.time, **histories.prescribed}
+    model = NEML2Model(scenario.input, scenario.model, overrides=model_overrides(scenario, n))
+    halves = _halves(n)
+    scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], halves)
+    runs = _forms(model, prescribed, scheduler, client)
+    runs = {form: runs[form] for form in forms}
+    seconds = {row: [] for row in ("neml2_1", "neml2_2", "limit", "side_by_side", *runs)}
+    results, whole, halved = {}, None, None
+    for round_ in range(repeats + 1):  # round 0 warms up: imports, model loads, first calls
+        whole, [t1] = run_neml2_driver(scenario, histories, threads=1)
+        _, [t2] = run_neml2_driver(scenario, histories, threads=2)
+        halved, per_half = run_neml2_driver(scenario, histories, chunks=halves, threads=1)
+        side = _side_by_side(client, scenario, n, steps, halves)
+        if round_:
+            seconds["neml2_1"].append(t1)
+            seconds["neml2_2"].append(t2)
+            seconds["limit"].append(max(per_half))
+            seconds["side_by_side"].append(side)
+        for form, run in runs.items():
+            start = time.perf_counter()
+            results[form] = run()
+            if round_:
+                seconds[form].append(time.perf_counter() - start)
+        say(f"neml2 {scenario.name}: round {round_}/{repeats} done" + (" (warm-up)" if not round_ else ""))
+    best = {row: min(values) for row, values in seconds.items()}
+    rate = {row: n * steps / s for row, s in best.items()}
+    return {"scenario": scenario.name, "source": scenario.source, "points": n, "steps": steps, "repeats": repeats,
+            "halves": halves, "seconds": best, "rate": rate,
+            "efficiency": {form: rate[form] / rate["limit"] for form in runs},
+            "vs_side_by_side": {form: rate[form] / rate["side_by_side"] for form in runs},
+            "vs_neml2_2": {form: rate[form] / rate["neml2_2"] for form in runs},
+            "error": {form: _errors(results[form], halved, whole) for form in runs}}
+
+
+def _side_by_side(client, scenario, points, steps, halves) -> float:
+    """Seconds of NEML2's driver on each half in the two workers at once (the slower half): what the hardware
+    gives two single-thread workers side by side (shared caches and memory bandwidth), measured."""
+    import uuid
+
+    from dsched.devices.device import device_resource
+
+    token = uuid.uuid4().hex
+    bounds = [(0, halves[0]), (halves[0], points)]
+    futures = [client.submit(_neml2_half, scenario, points, steps, a, b, f"{token}-{i}", f"{token}-{1 - i}",
+                             resources={device_resource(device): 1}, pure=False)
+               for i, (device, (a, b)) in enumerate(zip(["cpu", "cuda:0"], bounds))]
+    return max(client.gather(futures))
+
+
+def _neml2_half(scenario, points, steps, start, stop, mine, other):
+    """On a worker: NEML2's driver on points ``start:stop``, started when the other half's worker is ready too."""
+    from distributed import Event
+
+    whole = scenario.histories(points, steps)
+    part = dataclasses.replace(whole, time=whole.time[:, start:stop].copy(),
+                               prescribed={k: v[:, start:stop].copy() for k, v in whole.prescribed.items()})
+    del whole
+    run_neml2_driver(scenario, part, threads=1)  # this worker's first call: imports and loads
+    Event(mine).set()
+    Event(other).wait(timeout=600)
+    return run_neml2_driver(scenario, part, threads=1)[1][0]
+
+
+def _errors(result, halved, whole) -> dict:
+    """The largest difference from NEML2 on the same halves (``same_chunks``) and on the whole batch."""
+    same = max(float(np.max(np.abs(result[k] - halved[k]), initial=0.0)) for k in result)
+    scale = max(float(np.max(np.abs(whole[k]), initial=0.0)) for k in result) or 1.0
+    full = max(float(np.max(np.abs(result[k] - whole[k]), initial=0.0)) for k in result)
+    return {"same_chunks": same, "whole_batch": full, "whole_batch_relative": full / scale}
+
+
+# --- the suite ---------------------------------------------------------------------
+
+def _scenarios(names, benchmarks, quick):
+    chosen = []
+    for name in names:
+        scenario = checkout_scenario(benchmarks, name) if benchmarks else SCENARIOS.get(name)
+        if scenario is None:
+            raise ValueError(f"neml2_scenarios: no scenario {name!r} (there are {', '.join(SCENARIOS)})")
+        if quick:
+            scenario = dataclasses.replace(scenario, points=max(8, scenario.points // QUICK_DIVISOR))
+        chosen.append(scenario)
+    return chosen
+
+
+def run_neml2_benchmarks(*, quick=False, steps=10, repeats=None, scenarios=None, benchmarks=None,
+                         forms=FORMS, progress=None) -> dict:
+    """Every scenario on one cluster (two single-thread worker processes); the results and the targets' verdicts."""
     import torch
-
-    torch.set_num_threads(1)
-    model = neml2.load_model(str(path), "model")
-    n = len(inputs["E"])
-    pieces = []
-    for start in range(0, n, batch_size):
-        state = {k: torch.as_tensor(v[start:start + batch_size] if k == "E" else np.asarray(v, dtype=np.float64))
-                 for k, v in inputs.items()}
-        out = model.call_by_name(state)
-        pieces.append(out["stress"].data.detach().numpy())
-    return np.concatenate(pieces)
-
-
-def _best(fn, repeats):
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), result
-
-
-def _dispatch_row(model, inputs, batch_size, repeats, processes):
     from distributed import Client
 
-    scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [batch_size, batch_size])
-    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=processes, threads_per_worker=1,
+    repeats = (1 if quick else 3) if repeats is None else repeats
+    chosen = _scenarios(scenarios or list(SCENARIOS), benchmarks, quick)
+    threads = torch.get_num_threads()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    measured = []
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
                                    dashboard_address=None) as cluster, Client(cluster) as client:
-        warm = _inputs(2 * batch_size)
-        model.dispatch(warm, scheduler=scheduler, client=client)  # imports, model loads: not timed
-        return _best(lambda: model.dispatch(inputs, scheduler=scheduler, client=client)["stress"], repeats)
+        for scenario in chosen:
+            measured.append(measure_scenario(scenario, client, steps=steps, repeats=repeats, forms=forms,
+                                             progress=progress))
+    torch.set_num_threads(threads)
+    return {"scenarios": measured, "steps": steps, "repeats": repeats, "quick": quick,
+            "benchmarks": str(benchmarks) if benchmarks else None, "forms": list(forms),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "load": {"before": load, "after": os.getloadavg() if load is not None else None},
+            "targets": verdicts(measured, forms)}
 
 
-def measure(points=200_000, batch_size=20_000, repeats=3, path=VISCOPLASTIC_INPUT) -> dict:
-    """``{row: seconds}`` for the loop and both dispatches, with the speed-ups and a result check."""
-    inputs = _inputs(points)
-    model = NEML2Model(path, "model", outputs=["stress"])
-    _direct_loop(path, _inputs(batch_size), batch_size)  # warm-up: first-call costs are not timed
-    loop, reference = _best(lambda: _direct_loop(path, inputs, batch_size), repeats)
-    rows = {"loop": loop}
-    for name, processes in (("processes", True), ("in-process", False)):
-        seconds, stress = _dispatch_row(model, inputs, batch_size, repeats, processes)
-        np.testing.assert_allclose(stress, reference, rtol=1e-8, atol=1e-9)
-        rows[name] = seconds
-    return {"points": points, "batch_size": batch_size, "repeats": repeats, "seconds": rows,
-            "speedup": {name: loop / seconds for name, seconds in rows.items() if name != "loop"}}
+def verdicts(measured, forms=FORMS) -> dict:
+    """The issue's targets over the measured scenarios: ``{target: (value, threshold, met)}``."""
+    out = {}
+    lowest = min(s["efficiency"][f] for s in measured for f in forms)
+    out["every form >= 0.8 x the limit"] = (lowest, TARGETS["limit"], lowest >= TARGETS["limit"])
+    median = statistics.median(s["vs_neml2_2"][f] for s in measured for f in forms)
+    out["median >= 1.0 x NEML2 on 2 threads"] = (median, TARGETS["median_vs_neml2_2"],
+                                                  median >= TARGETS["median_vs_neml2_2"])
+    if {"numpy", "typed"} <= set(forms):
+        worst = max(s["seconds"]["typed"] / s["seconds"]["numpy"] for s in measured)
+        out["typed within 1.2 x NumPy (time)"] = (worst, TARGETS["typed_vs_numpy"], worst <= TARGETS["typed_vs_numpy"])
+    if "numpy" in forms:
+        for form in ("batch", "driver"):
+            if form in forms:
+                worst = min(s["rate"][form] / s["rate"]["numpy"] for s in measured)
+                out[f"{FORM_TITLES[form]} >= dispatch every step"] = (worst, TARGETS["batch_vs_numpy"],
+                                                                       worst >= TARGETS["batch_vs_numpy"])
+    return out
 
 
-TARGETS = {"processes": 1.6, "in-process": 0.95}
+def _rate(value) -> str:
+    return f"{value / 1e6:.2f} M" if value >= 1e6 else f"{value / 1e3:.1f} k"
 
 
-def format_result(result) -> str:
-    lines = [
-        f"NEML2 viscoplastic model (neml2_viscoplastic.i), {result['points']:,} points, "
-        f"batch size {result['batch_size']:,}, best of {result['repeats']}; "
-        f"{platform.machine()}, {os.cpu_count()} cores; cuda:0 is emulated (a CPU worker: placement only)",
-        f"{'row':<12} {'seconds':>8} {'points/s':>10} {'x loop':>7}  target",
-    ]
-    for name, seconds in result["seconds"].items():
-        speedup = result["speedup"].get(name)
-        target = TARGETS.get(name)
-        verdict = "" if target is None else f">= {target}: {'met' if speedup >= target else 'MISSED'}"
-        lines.append(f"{name:<12} {seconds:>8.2f} {result['points'] / seconds:>10,.0f} "
-                     f"{'' if speedup is None else f'{speedup:.2f}':>7}  {verdict}")
+def format_neml2_table(results) -> str:
+    """The table of the issue: rates per row, efficiency vs the limit, and the targets."""
+    forms = results["forms"]
+    load = results["load"]
+    head = (f"NEML2 scenarios, {results['steps']} steps, best of {results['repeats']}; {results['machine']}; load "
+            f"average {load['before'][0]:.2f} before, {load['after'][0]:.2f} after; cuda:0 is emulated (a CPU worker)"
+            if load and load["before"] else f"NEML2 scenarios, {results['steps']} steps")
+    if results.get("benchmarks"):
+        head += f"; NEML2's files from {results['benchmarks']}"
+    columns = ["NEML2 1 thr", "NEML2 2 thr", "limit", "side by side"] + [FORM_TITLES[f] for f in forms]
+    lines = [head, f"{'scenario (points)':<22}" + "".join(f"{c:>16}" for c in columns)
+             + "  efficiency vs limit / vs side by side (" + " / ".join(FORM_TITLES[f] for f in forms) + ")"]
+    for s in results["scenarios"]:
+        rows = ["neml2_1", "neml2_2", "limit", "side_by_side", *forms]
+        lines.append(f"{s['scenario'] + ' (' + format(s['points'], ',') + ')':<22}"
+                     + "".join(f"{_rate(s['rate'][r]):>16}" for r in rows)
+                     + "  " + " / ".join(f"{s['efficiency'][f]:.2f}" for f in forms)
+                     + "  |  " + " / ".join(f"{s['vs_side_by_side'][f]:.2f}" for f in forms))
+    lines.append("points x steps per second. Largest difference from NEML2 on the same halves: "
+                 + ", ".join(f"{s['scenario']} {max(e['same_chunks'] for e in s['error'].values()):.1e}"
+                             for s in results["scenarios"])
+                 + "; from the whole batch (relative): "
+                 + ", ".join(f"{s['scenario']} {max(e['whole_batch_relative'] for e in s['error'].values()):.1e}"
+                             for s in results["scenarios"]))
+    for name, (value, threshold, met) in results["targets"].items():
+        lines.append(f"target {name}: {value:.2f} (threshold {threshold}): {'met' if met else 'MISSED'}")
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--points", type=int, default=200_000)
-    parser.add_argument("--batch-size", type=int, default=20_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    add_arguments(parser)
+    parser.add_argument("--quick", action="store_true", help="a tenth of the points, one round")
     args = parser.parse_args(argv)
-    print(format_result(measure(args.points, args.batch_size, args.repeats)))
+    print(format_neml2_table(run_neml2_benchmarks(**options(args), progress=print)))
+
+
+def add_arguments(parser):
+    """The suite's options (``dsched bench`` adds them too)."""
+    parser.add_argument("--neml2-benchmarks", metavar="PATH",
+                        help="neml2 suite: a NEML2 checkout's benchmark/ folder (its model.i files and histories)")
+    parser.add_argument("--neml2-scenarios", metavar="NAMES",
+                        help=f"neml2 suite: comma-separated scenarios (default {','.join(SCENARIOS)})")
+    parser.add_argument("--neml2-steps", type=int, default=10, help="neml2 suite: steps of each scenario (default 10)")
+    parser.add_argument("--neml2-repeats", type=int, help="neml2 suite: measured rounds (default 3, 1 with --quick)")
+
+
+def options(args) -> dict:
+    """``run_neml2_benchmarks`` keywords from parsed arguments; a ValueError naming the option."""
+    benchmarks = args.neml2_benchmarks
+    if benchmarks is not None and not os.path.isdir(benchmarks):
+        raise ValueError(f"--neml2-benchmarks: {benchmarks} is not a folder")
+    names = args.neml2_scenarios.split(",") if args.neml2_scenarios else None
+    if args.neml2_steps < 1:
+        raise ValueError(f"--neml2-steps: expected a positive number of steps, got {args.neml2_steps}")
+    if args.neml2_repeats is not None and args.neml2_repeats < 1:
+        raise ValueError(f"--neml2-repeats: expected at least 1 round, got {args.neml2_repeats}")
+    return {"quick": args.quick, "steps": args.neml2_steps, "repeats": args.neml2_repeats, "scenarios": names,
+            "benchmarks": benchmarks}
 
 
 if __name__ == "__main__":

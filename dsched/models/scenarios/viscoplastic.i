@@ -1,6 +1,6 @@
 # Perzyna J2 viscoplasticity with linear isotropic hardening, integrated by backward Euler:
 # an implicit update (ImplicitUpdate, Newton with a dense LU) of stress and equivalent plastic strain.
-# Written for dsched's tests; inputs E, E~1, t, t~1, stress~1, equivalent_plastic_strain~1.
+# Written for dsched (tests, examples, the bench); inputs E, E~1, t, t~1, stress~1, equivalent_plastic_strain~1.
 [Models]
   [mandel_stress]
     type = IsotropicMandelStress

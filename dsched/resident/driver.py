@@ -1,0 +1,388 @@
+"""NEML2's ``TransientDriver`` on a resident batch: prescribed histories in, the old state kept where it lives.
+
+NEML2's driver steps a model through prescribed histories (time, strain),
+feeding each step's outputs back as the next step's old state
+(``stress~1 <- stress``, ``t~1 <- t``, ``t~2 <- t~1``). :class:`TransientDriver`
+does the same over a :class:`~dsched.Batch`: each chunk of points lives on
+its device, its state stays there as torch tensors between steps (no NumPy
+round trip, nothing sent back), and the histories are read by reference
+from shared memory, one step's rows at a time.
+
+>>> model = dsched.models.NEML2Model("radret.i", "model")               # doctest: +SKIP
+>>> with TransientDriver(model, scheduler, client=client) as driver:   # doctest: +SKIP
+...     driver.run({"t": time, "strain": strain})  # (steps + 1, points, ...), time leading
+...     stress = driver.get("stress")
+
+The model is any callable on a dict of named inputs that returns a dict of
+named outputs (torch tensors in, torch tensors out) and says its
+``input_names``, ``output_names`` (those kept), ``all_output_names`` and
+``base_shapes`` (each variable's shape per point): a
+:class:`~dsched.models.NEML2Model` does.
+
+The feedback is declared once. By default it is NEML2's own rule
+(:func:`neml2_feedback`): every input ``X~k`` takes, from the step before,
+``X`` (for ``k = 1``) or ``X~(k-1)``, an output if the model has one of that
+name, else the input. An input with no history and no feedback is zero, as
+in NEML2. Several steps run in one task per chunk (by default all of a
+:meth:`TransientDriver.run`), so a step costs what NEML2 costs, not a round trip.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dsched.dataplane.store import RunStore
+from dsched.devices.backends import TORCH, torch_device
+from dsched.resident.batch import Batch
+
+__all__ = ["TransientDriver", "TransientSteps", "neml2_feedback"]
+
+HISTORY = "history/"  # an update's inputs: the prescribed histories, time leading
+FINAL = "final/"  # an update's out arrays: the outputs after its last step, one row per point
+RECORD = "record/"  # an update's out arrays: recorded outputs at every step of the run, (points, steps, *base)
+
+
+def neml2_feedback(input_names, output_names) -> dict:
+    """NEML2's old-state rule: ``{history input: its source}`` (the source's value of the step before).
+
+    Examples
+    --------
+    >>> neml2_feedback(["strain", "t", "t~1", "t~2", "stress~1"], ["stress"])
+    {'t~1': 't', 't~2': 't~1', 'stress~1': 'stress'}
+    """
+    feedback = {}
+    for name in input_names:
+        base, lag = _lag(name)
+        if lag:
+            feedback[name] = base if lag == 1 else f"{base}~{lag - 1}"
+    return feedback
+
+
+def _lag(name):
+    base, _, lag = name.rpartition("~")
+    return (base, int(lag)) if base and lag.isdigit() and int(lag) > 0 else (name, 0)
+
+
+class TransientSteps:
+    """A :meth:`Batch.update <dsched.Batch.update>` function: steps ``first`` to ``last`` of a history on one chunk.
+
+    It reads the chunk's old state (its fields, one per feedback source) and
+    the histories (the update's inputs, ``history/<name>``, time leading),
+    runs the model step after step where the chunk lives, and returns the new
+    state as torch tensors. Into the update's ``out`` arrays it writes the
+    recorded outputs of every step (``record/<name>``) and, with ``final``,
+    the outputs after the last step (``final/<name>``).
+
+    Parameters
+    ----------
+    model : NEML2Model
+        The model (see the module docs).
+    feedback : dict
+        ``{history input: source}``, as :func:`neml2_feedback` makes.
+    first, last : int
+        The history entries to step to (entry 0 is the starting point).
+    keep : tuple of str
+        The state to return: every source, and the outputs kept.
+    constants : dict
+        Numbers for inputs with neither history nor feedback (zero otherwise).
+    """
+
+    def __init__(self, model, feedback, first, last, keep, constants=None):
+        self.model, self.feedback = model, dict(feedback)
+        self.first, self.last, self.keep = int(first), int(last), tuple(keep)
+        self.constants = dict(constants or {})
+        self.__name__ = f"steps-{self.first}-{self.last}"
+
+    def __call__(self, **arrays):
+        import torch
+
+        histories, out, state = {}, {}, {}
+        for name, value in arrays.items():
+            if name.startswith(HISTORY):
+                histories[name[len(HISTORY):]] = value
+            elif name.startswith((FINAL, RECORD)):
+                out[name] = value
+            else:
+                state[name] = _tensor(value, torch)
+        rows = next(iter(histories.values())).shape[1]  # (entries, rows, *base): the chunk's items on axis 1
+        # The starting point: the prescribed values of the entry before the first step.
+        state.update({name: _tensor(h[self.first - 1], torch) for name, h in histories.items() if name in self.keep})
+        outputs = self.model.output_names
+        for step in range(self.first, self.last + 1):
+            inputs = {}
+            for name in self.model.input_names:
+                if name in histories:
+                    inputs[name] = _tensor(histories[name][step], torch)
+                else:
+                    inputs[name] = state.get(self.feedback.get(name), self.constants.get(name, 0.0))
+            values = self.model(inputs)
+            state = {source: values[source] if source in outputs else inputs[source] for source in self.keep}
+            for name in outputs:
+                if RECORD + name in out:
+                    _copy_into(out[RECORD + name][:, step - 1], values[name], torch)
+        for name in outputs:
+            if FINAL + name in out:
+                _copy_into(out[FINAL + name], state[name], torch)
+        # Inputs kept as state may be views of a history (released after the update): the chunk copies them.
+        return {name: self._rows(value, name, rows, torch, copy=name not in outputs) for name, value in state.items()}
+
+    def _rows(self, value, name, rows, torch, copy=False):
+        """``value`` over the chunk's rows (NEML2 leaves unchanged values unbatched; a number is a zero)."""
+        base = self.model.base_shapes[name]
+        if not isinstance(value, torch.Tensor):  # on the chunk's device, as the model's outputs are
+            return torch.full((rows, *base), float(value), dtype=torch.float64, device=torch_device())
+        if tuple(value.shape) != (rows, *base):
+            return value.expand(rows, *base).clone()
+        return value.clone() if copy else value
+
+
+def _tensor(value, torch):
+    """A chunk's array as a torch tensor (NumPy shares its memory); numbers and tensors as they are."""
+    if isinstance(value, np.ndarray):
+        return TORCH.from_host(value, None)
+    return value
+
+
+def _copy_into(target, value, torch):
+    """Write ``value`` (a tensor, on any device) into the NumPy rows ``target``, broadcasting an unbatched one."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    np.copyto(target, value)
+
+
+class TransientDriver:
+    """NEML2's ``TransientDriver`` over a resident :class:`~dsched.Batch` of material points.
+
+    Parameters
+    ----------
+    model : NEML2Model
+        The model (its ``outputs`` are the outputs kept and returned; see the module docs).
+    scheduler : WorkScheduler
+        Cuts the points into chunks and places them (one chunk per device is
+        best: NEML2's floor per call is paid per chunk and step).
+    client : distributed.Client, optional
+        The cluster (default: the current client).
+    feedback : dict, optional
+        ``{history input: source}`` overriding NEML2's rule
+        (:func:`neml2_feedback`) for those inputs; a source of ``None`` feeds
+        nothing back (the input is then zero, or its constant).
+    initial : dict, optional
+        The state before the first step (NEML2's initial conditions): a
+        number, or an array of one value per point, per source (``stress``);
+        zero otherwise.
+    constants : dict, optional
+        Numbers for inputs with neither a history nor a feedback (zero otherwise).
+    record : tuple of str
+        Outputs whose value at every step :meth:`history` returns.
+    time : str
+        The model's time input (NEML2's ``time`` option), fed back like any other.
+
+    Examples
+    --------
+    >>> with TransientDriver(model, scheduler, client=client) as driver:  # doctest: +SKIP
+    ...     driver.run({"t": time, "strain": strain})    # (steps + 1, points, ...) each
+    ...     stress = driver.get("stress")
+    """
+
+    def __init__(self, model, scheduler, *, client=None, feedback=None, initial=None, constants=None, record=(),
+                 time="t"):
+        self.model, self.scheduler, self.client, self.time = model, scheduler, client, str(time)
+        self.feedback = _check_feedback(model, feedback)
+        sources = tuple(dict.fromkeys(s for s in self.feedback.values() if s is not None))
+        self.keep = tuple(dict.fromkeys(sources + tuple(model.output_names)))
+        self.initial = _check_named(initial, sources, "initial")
+        self.constants = _check_named(constants, model.input_names, "constants", numbers_only=True)
+        self.record = tuple(record)
+        unknown = [name for name in self.record if name not in model.output_names]
+        if unknown:
+            raise ValueError(f"record: {unknown} are not outputs kept by the model (it keeps {model.output_names})")
+        self.batch = None
+        self.steps_done = 0
+        self._runs = []  # per run: (its last update, its store, {out name: array}), the arrays written by its updates
+
+    def run(self, prescribed, *, steps_per_update=None):
+        """Step through ``prescribed`` histories: ``{input: array of (steps + 1, points, *base)}``, time leading.
+
+        Entry 0 of each history is the starting point (its values are the
+        ``~1`` of the first step, as in NEML2); steps ``1..steps`` call the
+        model. Returns at once (the steps are pushed to the batch); :meth:`get`
+        waits for them. ``steps_per_update`` (default: all) runs that many
+        steps per task of each chunk. Histories in shared memory
+        (:func:`dsched.shared_empty`) are read where they are; others are
+        copied there once.
+        """
+        histories, steps = self._check_prescribed(prescribed)
+        per_update = steps if steps_per_update is None else steps_per_update
+        if isinstance(per_update, bool) or not isinstance(per_update, int) or per_update < 1:
+            raise ValueError(f"steps_per_update: expected a positive number of steps, got {steps_per_update!r}")
+        if self.batch is None:
+            self._start(histories)
+        store, finals, records = self._allocate(steps)
+        inputs = {f"{HISTORY}{name}": value for name, value in histories.items()}
+        update = None
+        for first in range(1, steps + 1, per_update):
+            last = min(first + per_update - 1, steps)
+            fn = TransientSteps(self.model, self.feedback, first, last, self.keep, self.constants)
+            out = {**records, **(finals if last == steps else {})}
+            fields = self.batch.fields
+            update = self.batch.update(fn, reads=[f for f in self.keep if f in fields],
+                                       writes=[f for f in self.keep if f in fields],
+                                       outputs=[f for f in self.keep if f not in fields],
+                                       inputs=inputs, axis=1, out={n: ref for n, (ref, _) in out.items()},
+                                       label=fn.__name__)
+        self._runs.append((update, store, {name: view for name, (_, view) in {**finals, **records}.items()}))
+        self.steps_done += steps
+        return self
+
+    def get(self, name) -> np.ndarray:
+        """The value of ``name`` (an output kept, or a source) after the last step, one row per point."""
+        return self.get_many([name])[name]
+
+    def get_many(self, names=None) -> dict:
+        """Several values after the last step (default: the outputs kept), ``{name: array}``.
+
+        The outputs kept are already in this process's memory once the last
+        step is done (the steps wrote them there); a source is fetched from
+        where it lives.
+        """
+        names = list(self.model.output_names if names is None else names)
+        unknown = [name for name in names if name not in self.keep]
+        if unknown:
+            raise ValueError(f"names: {unknown} are not kept by this driver (it keeps {list(self.keep)})")
+        self._check_started()
+        written = self._finish()[-1]
+        values = {name: written[FINAL + name] for name in names if FINAL + name in written}
+        rest = [name for name in names if name not in values]
+        if rest:
+            layouts = {name: (self.model.base_shapes[name], "<f8") for name in rest}
+            values.update(self.batch.get_many(rest, layouts=layouts))
+        return {name: values[name] for name in names}
+
+    def history(self, name) -> np.ndarray:
+        """A recorded output at every step run, ``(steps, points, *base)`` (time leading, as NEML2's driver)."""
+        if name not in self.record:
+            raise ValueError(f"name: {name!r} is not recorded (record: {list(self.record)})")
+        self._check_started()
+        pieces = [written[RECORD + name] for written in self._finish()]
+        return np.moveaxis(pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1), 1, 0)
+
+    def close(self):
+        """Release the batch (every chunk's state) and the arrays of runs nobody asked for."""
+        if self.batch is not None:
+            try:
+                self._finish(raise_errors=False)  # a failed run says so where its results are asked for
+            finally:
+                self.batch.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<TransientDriver of {self.model!r}: {self.steps_done} steps, feedback {self.feedback}>"
+
+    # --- internals ---------------------------------------------------------------
+
+    def _start(self, histories):
+        n = next(iter(histories.values())).shape[1]
+        fields = {}
+        for name, value in self.initial.items():
+            fields[name] = np.broadcast_to(np.asarray(value, dtype=np.float64), (n, *self.model.base_shapes[name]))
+        if not fields:  # a batch holds at least one field: each point's first history value
+            name = self.time if self.time in histories else next(iter(histories))
+            fields["dsched/points"] = np.ascontiguousarray(histories[name][0]).reshape(n, -1)[:, :1]
+        self.batch = Batch({k: np.ascontiguousarray(v) for k, v in fields.items()}, self.scheduler,
+                           client=self.client)
+
+    def _allocate(self, steps):
+        """This run's arrays written by its steps: the outputs after the last step, and the recorded outputs."""
+        n, base = self.batch.n, self.model.base_shapes
+        final = list(self.model.output_names)
+        specs = [((n, *base[name]), np.float64) for name in final]
+        specs += [((n, steps, *base[name]), np.float64) for name in self.record]
+        store = RunStore(shared=self.batch._shared)
+        placed = store.allocate_many(specs, handed_out=True)  # back to the pool once the arrays are gone
+        finals = {FINAL + name: placed[i] for i, name in enumerate(final)}
+        records = {RECORD + name: placed[len(final) + i] for i, name in enumerate(self.record)}
+        return store, finals, records
+
+    def _finish(self, raise_errors=True) -> list:
+        """Wait for every run's steps; the arrays they wrote, per run (their stores released)."""
+        done = []
+        for i, (update, store, written) in enumerate(self._runs):
+            if store is not None:
+                ok = False
+                try:
+                    update.wait()
+                    ok = True
+                except Exception:  # noqa: BLE001  raised below, as often as the results are asked for
+                    pass
+                finally:  # a failed run's arrays may still be written by a chunk: not pooled
+                    store.close(clean=ok)
+                    self._runs[i] = (update, None, written)
+            if raise_errors:
+                update.wait()  # a failed run's error
+            done.append(written)
+        return done
+
+    def _check_prescribed(self, prescribed):
+        if not isinstance(prescribed, dict) or not prescribed:
+            raise ValueError("prescribed: expected a dict of input name -> history (steps + 1, points, ...)")
+        histories, shape = {}, None
+        for name, value in prescribed.items():
+            if name not in self.model.input_names:
+                if name == self.time:
+                    continue  # a time the model does not take (elasticity): nothing to feed
+                raise ValueError(f"prescribed: {name!r} is not an input of {self.model.model!r} "
+                                 f"(inputs: {self.model.input_names})")
+            array = np.asarray(value, dtype=np.float64) if not isinstance(value, np.ndarray) else value
+            base = self.model.base_shapes[name]
+            if array.ndim != 2 + len(base) or tuple(array.shape[2:]) != base or array.shape[0] < 2:
+                raise ValueError(f"prescribed[{name!r}]: expected (steps + 1, points, *{base}) with at least two "
+                                 f"entries, got shape {array.shape}")
+            if shape is not None and array.shape[:2] != shape:
+                raise ValueError(f"prescribed[{name!r}]: {array.shape[:2]} entries and points; "
+                                 f"the others have {shape}")
+            shape = array.shape[:2]
+            histories[name] = array
+        if not histories:
+            raise ValueError(f"prescribed: no input of {self.model.model!r} among {list(prescribed)}")
+        if self.batch is not None and shape[1] != self.batch.n:
+            raise ValueError(f"prescribed: {shape[1]} points; this driver's batch has {self.batch.n}")
+        return histories, shape[0] - 1
+
+    def _check_started(self):
+        if self.batch is None:
+            raise RuntimeError("this driver has run no step yet (call run() first)")
+
+
+def _check_feedback(model, feedback) -> dict:
+    rule = neml2_feedback(model.input_names, model.all_output_names)
+    if feedback is None:
+        return rule
+    if not isinstance(feedback, dict):
+        raise ValueError(f"feedback: expected a dict of history input -> source, got {type(feedback).__name__}")
+    known = set(model.input_names) | set(model.all_output_names)
+    for name, source in feedback.items():
+        if name not in model.input_names:
+            raise ValueError(f"feedback: {name!r} is not an input of {model.model!r} (inputs: {model.input_names})")
+        if source is not None and source not in known:
+            raise ValueError(f"feedback[{name!r}]: {source!r} is neither an input nor an output of {model.model!r}")
+    merged = {**rule, **feedback}
+    kept_outputs = [s for s in merged.values() if s in model.all_output_names and s not in model.output_names]
+    if kept_outputs:
+        raise ValueError(f"feedback: the sources {kept_outputs} are outputs this model does not keep "
+                         f"(NEML2Model(..., outputs=...) must keep them)")
+    return merged
+
+
+def _check_named(values, names, field, numbers_only=False) -> dict:
+    values = dict(values or {})
+    for name, value in values.items():
+        if name not in names:
+            raise ValueError(f"{field}: {name!r} is not one of {list(names)}")
+        if numbers_only and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{field}[{name!r}]: expected a number, got {value!r}")
+    return values

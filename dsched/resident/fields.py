@@ -1,0 +1,64 @@
+"""A resident batch's arguments checked on the client: fields, names and an update's own inputs.
+
+Every check raises a one-line ``ValueError`` naming the argument (and the
+entry) at fault, before anything is placed or submitted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _names(value, field) -> tuple:
+    if isinstance(value, str):
+        value = [value]
+    names = tuple(value)
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"{field}: expected field names, got {name!r}")
+    return names
+
+
+def _check_fields(fields, n=None) -> dict:
+    """The fields as NumPy arrays of one length along axis 0; a ValueError naming the field otherwise."""
+    if not isinstance(fields, dict) or not fields:
+        raise ValueError(f"fields: expected a non-empty dict of name -> array, got {type(fields).__name__}")
+    arrays = {}
+    for name, value in fields.items():
+        if not isinstance(name, str):
+            raise ValueError(f"fields: names must be strings, got {name!r}")
+        array = np.asarray(value)
+        if array.ndim == 0:
+            raise ValueError(f"fields[{name!r}]: a scalar has no items (axis 0)")
+        if array.dtype.hasobject:
+            raise ValueError(f"fields[{name!r}]: dtype {array.dtype} cannot live on a device")
+        if n is None:
+            n = len(array)
+        if len(array) != n:
+            raise ValueError(f"fields[{name!r}]: {len(array)} items along axis 0; the batch has {n}")
+        if n == 0:
+            raise ValueError(f"fields[{name!r}]: no items")
+        arrays[name] = array
+    return arrays
+
+
+def _check_inputs(inputs, axis, n, reads) -> dict:
+    """An update's ``inputs`` as NumPy arrays of ``n`` items along ``axis``; a ValueError naming the entry otherwise."""
+    if inputs is None:
+        return {}
+    if not isinstance(inputs, dict):
+        raise ValueError(f"inputs: expected a dict of name -> array, got {type(inputs).__name__}")
+    if isinstance(axis, bool) or not isinstance(axis, int) or axis < 0:
+        raise ValueError(f"axis: expected an integer >= 0, got {axis!r}")
+    arrays = {}
+    for name, value in inputs.items():
+        if not isinstance(name, str) or name in reads:
+            raise ValueError(f"inputs: {name!r} is not a name of its own (a string that names no field read)")
+        array = np.asarray(value)
+        if array.ndim <= axis or array.shape[axis] != n:
+            raise ValueError(f"inputs[{name!r}]: shape {array.shape} has no {n} items along axis {axis} "
+                             f"(the batch's size)")
+        if array.dtype.hasobject:
+            raise ValueError(f"inputs[{name!r}]: dtype {array.dtype} cannot be shared with the workers")
+        arrays[name] = array
+    return arrays

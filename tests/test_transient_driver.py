@@ -1,0 +1,251 @@
+"""TransientDriver (NEML2's driver over a resident Batch) and the Batch features it stands on.
+
+The driver against NEML2's own ``TransientDriver`` on the same chunks (the
+isoharden and radret scenarios, a few dozen points): continuing runs, steps
+per update, recorded outputs, initial conditions, and errors that name their
+field. Then the Batch features, on any model: per-update ``inputs`` (a
+history, time leading), ``out`` arrays written where the client reads them,
+``get_many``, torch tensors kept as versions, and versions that read shared
+memory without a copy until an in-place update writes them.
+"""
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+import dsched
+from dsched.models.neml2_scenarios import SCENARIOS, run_neml2_driver
+from dsched.resident.driver import TransientDriver, neml2_feedback
+
+neml2 = pytest.importorskip("neml2", reason="neml2 is not installed (pip install 'dsched[neml2]')")
+torch = pytest.importorskip("torch")
+
+from dsched.models import NEML2Model  # noqa: E402
+
+
+def _scenario(name, points, steps):
+    scenario = dataclasses.replace(SCENARIOS[name], points=points)
+    histories = scenario.histories(steps=steps, allocate=dsched.shared_empty)
+    halves = [(points + 1) // 2, points // 2]
+    model = NEML2Model(scenario.input, scenario.model, overrides=scenario.overrides)
+    return scenario, histories, model, dsched.StaticHybridScheduler(["cpu", "cuda:0"], halves), halves
+
+
+def _prescribed(histories, start=0, stop=None):
+    return {"t": histories.time[start:stop], **{k: v[start:stop] for k, v in histories.prescribed.items()}}
+
+
+def test_nemls_feedback_rule():
+    assert neml2_feedback(["strain", "strain~1", "t", "t~1", "t~2", "gamma~2", "stress~1"], ["stress", "gamma"]) \
+        == {"strain~1": "strain", "t~1": "t", "t~2": "t~1", "gamma~2": "gamma~1", "stress~1": "stress"}
+
+
+def test_runs_continue_and_steps_per_update_change_nothing(process_client):
+    scenario, histories, model, scheduler, halves = _scenario("radret", 40, 4)  # gamma~2, t~2: lags of two
+    reference, _ = run_neml2_driver(scenario, histories, chunks=halves)
+    with TransientDriver(model, scheduler, client=process_client) as driver:
+        driver.run(_prescribed(histories, 0, 3))  # steps 1-2
+        driver.run(_prescribed(histories, 2), steps_per_update=1)  # steps 3-4, from entry 2
+        assert driver.steps_done == 4
+        for name, value in driver.get_many().items():
+            np.testing.assert_array_equal(value, reference[name], err_msg=name)
+    with TransientDriver(model, scheduler, client=process_client) as driver:
+        driver.run(_prescribed(histories), steps_per_update=3)
+        np.testing.assert_array_equal(driver.get("gamma"), reference["gamma"])
+
+
+def test_recorded_outputs_are_nemls_every_step(process_client):
+    scenario, histories, model, scheduler, halves = _scenario("isoharden", 30, 3)
+    drivers = []
+    for a, b in zip([0, halves[0]], [halves[0], 30]):
+        part = dataclasses.replace(histories, time=histories.time[:, a:b],
+                                   prescribed={"strain": histories.prescribed["strain"][:, a:b]})
+        drivers.append(_nemls_driver(scenario, part))
+    with TransientDriver(model, scheduler, client=process_client, record=["stress"]) as driver:
+        driver.run(_prescribed(histories, 0, 3))
+        driver.run(_prescribed(histories, 2))
+        history = driver.history("stress")
+    assert history.shape == (3, 30, 6)
+    for step in range(1, 4):
+        expected = np.concatenate([np.broadcast_to(d.result_out[step]["stress"].data.detach().numpy(), (n, 6))
+                                   for d, n in zip(drivers, halves)])
+        np.testing.assert_array_equal(history[step - 1], expected)
+
+
+def _nemls_driver(scenario, histories, ics=None):
+    model = neml2.load_model(str(scenario.input), scenario.model)
+    driver = neml2.TransientDriver(model, neml2.types.Scalar(torch.from_numpy(np.ascontiguousarray(histories.time))),
+                                   "t", {"strain": neml2.types.SR2(torch.from_numpy(
+                                       np.ascontiguousarray(histories.prescribed["strain"])))}, ics or {})
+    driver.run()
+    return driver
+
+
+def test_initial_conditions_are_nemls(process_client):
+    scenario, histories, model, scheduler, halves = _scenario("isoharden", 20, 2)
+    stress0 = np.random.default_rng(1).uniform(-3.0, 3.0, (20, 6))
+    with TransientDriver(model, scheduler, client=process_client, initial={"stress": stress0}) as driver:
+        driver.run(_prescribed(histories))
+        stress = driver.get("stress")
+    expected = []
+    for a, b in zip([0, halves[0]], [halves[0], 20]):
+        part = dataclasses.replace(histories, time=histories.time[:, a:b],
+                                   prescribed={"strain": histories.prescribed["strain"][:, a:b]})
+        ics = {"stress": neml2.types.SR2(torch.from_numpy(stress0[a:b].copy()))}
+        expected.append(_nemls_driver(scenario, part, ics).result_out[-1]["stress"].data.detach().numpy())
+    np.testing.assert_array_equal(stress, np.concatenate(expected))
+
+
+def test_driver_errors_name_the_field(process_client):
+    scenario, histories, model, scheduler, _ = _scenario("isoharden", 10, 2)
+    with pytest.raises(ValueError, match=r"feedback: 'stress' is not an input of 'model'"):
+        TransientDriver(model, scheduler, feedback={"stress": "stress~1"})
+    with pytest.raises(ValueError, match=r"feedback\['stress~1'\]: 'sigma' is neither an input nor an output"):
+        TransientDriver(model, scheduler, feedback={"stress~1": "sigma"})
+    with pytest.raises(ValueError, match=r"record: \['gamma'\] are not outputs kept by the model"):
+        TransientDriver(model, scheduler, record=["gamma"])
+    with pytest.raises(ValueError, match=r"initial: 'gamma' is not one of"):
+        TransientDriver(model, scheduler, initial={"gamma": 0.0})
+    with pytest.raises(ValueError, match=r"constants\['t'\]: expected a number, got 'x'"):
+        TransientDriver(model, scheduler, constants={"t": "x"})
+    driver = TransientDriver(model, scheduler, client=process_client)
+    with pytest.raises(RuntimeError, match=r"has run no step yet"):
+        driver.get("stress")
+    with pytest.raises(ValueError, match=r"prescribed\['strain'\]: expected \(steps \+ 1, points, \*\(6,\)\)"):
+        driver.run({"t": histories.time, "strain": histories.prescribed["strain"][:, :, :3]})
+    with pytest.raises(ValueError, match=r"prescribed: 'E' is not an input of 'model'"):
+        driver.run({"E": histories.prescribed["strain"]})
+    with pytest.raises(ValueError, match=r"steps_per_update: expected a positive number of steps, got 0"):
+        driver.run(_prescribed(histories), steps_per_update=0)
+    with driver:
+        driver.run(_prescribed(histories))
+        with pytest.raises(ValueError, match=r"names: \['gamma'\] are not kept by this driver"):
+            driver.get("gamma")
+        with pytest.raises(ValueError, match=r"prescribed: 4 points; this driver's batch has 10"):
+            driver.run(_prescribed(dataclasses.replace(histories, time=histories.time[:, :4], prescribed={
+                "strain": histories.prescribed["strain"][:, :4]})))
+
+
+def test_no_feedback_is_zero_like_nemls_default(process_client):
+    """A source of None feeds nothing back: stress~1 is zero at every step, the rest is fed back as NEML2 does."""
+    scenario, histories, model, scheduler, halves = _scenario("isoharden", 12, 2)
+    driver = TransientDriver(model, scheduler, client=process_client, feedback={"stress~1": None})
+    assert "stress~1" not in driver.feedback.values() and driver.feedback["stress~1"] is None
+    with driver:
+        driver.run(_prescribed(histories))
+        stress = driver.get("stress")
+    expected = []
+    for a, b in zip([0, halves[0]], [halves[0], 12]):  # the same chunks, by hand (on copies: NEML2's model
+        t, e = histories.time[:, a:b].copy(), histories.prescribed["strain"][:, a:b].copy()  # keeps its inputs)
+        first = model({"strain": e[1], "strain~1": e[0], "t": t[1], "t~1": t[0], "stress~1": 0.0,
+                       "equivalent_plastic_strain~1": 0.0})
+        second = model({"strain": e[2], "strain~1": e[1], "t": t[2], "t~1": t[1], "stress~1": 0.0,
+                        "equivalent_plastic_strain~1": first["equivalent_plastic_strain"]})
+        expected.append(second["stress"])
+    np.testing.assert_array_equal(stress, np.concatenate(expected))
+
+
+# --- the Batch features the driver stands on ------------------------------------------
+
+
+def _accumulate(total, history, *, step):
+    """total += history[step], as torch: the version stays a tensor on the worker."""
+    total = total if isinstance(total, torch.Tensor) else torch.tensor(total)
+    return {"total": total + torch.tensor(history[step])}
+
+
+def _is_tensor(total):
+    return {"kind": np.full(len(total), isinstance(total, torch.Tensor))}
+
+
+@pytest.mark.parametrize("client_name", ["process_client", "hybrid_client"])
+def test_batch_inputs_out_get_many_and_tensor_versions(client_name, request):
+    client = request.getfixturevalue(client_name)
+    n, steps = 10, 4
+    history = dsched.shared_empty((steps, n))
+    history[:] = np.arange(steps * n, dtype=float).reshape(steps, n)
+    scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [6, 4])
+    out = dsched.shared_empty((n,))
+    with dsched.Batch({"total": np.zeros(n)}, scheduler, client=client) as batch:
+        for step in range(steps):
+            batch.update(_accumulate, reads=["total"], writes=["total"], inputs={"history": history}, axis=1,
+                         kwargs={"step": step})
+        batch.update(_is_tensor, reads=["total"], outputs=["kind"])
+        batch.update(lambda total, done: {"copy": np.asarray(total) * 1.0, "done": done.__setitem__(
+            slice(None), np.asarray(total)) or np.asarray(total)}, reads=["total"], outputs=["copy", "done"],
+            out={"done": out}).wait()
+        got = batch.get_many(["total", "kind"], layouts={"total": ((), "f8")})
+    np.testing.assert_array_equal(got["total"], history.sum(axis=0))
+    assert got["kind"].all()  # the versions stayed torch tensors between updates
+    np.testing.assert_array_equal(out, history.sum(axis=0))  # written straight into the client's array
+
+
+def test_batch_input_and_out_errors_name_the_entry(process_client):
+    scheduler = dsched.SimpleScheduler("cpu", 5)
+    with dsched.Batch({"x": np.zeros(5)}, scheduler, client=process_client) as batch:
+        with pytest.raises(ValueError, match=r"inputs\['h'\]: shape \(3, 4\) has no 5 items along axis 1"):
+            batch.update(lambda x, h: {"x": x}, reads=["x"], writes=["x"], inputs={"h": np.zeros((3, 4))}, axis=1)
+        with pytest.raises(ValueError, match=r"inputs: 'x' is not a name of its own"):
+            batch.update(lambda x: {"x": x}, reads=["x"], writes=["x"], inputs={"x": np.zeros(5)})
+        with pytest.raises(ValueError, match=r"out\['y'\]: worker processes write only into shared memory"):
+            batch.update(lambda x, y: {"x": x}, reads=["x"], writes=["x"], out={"y": np.zeros(5)})
+
+
+def _add_in_place(x):
+    x += 1.0
+    return {"x": x}
+
+
+def test_loaded_versions_read_shared_memory_and_copy_on_their_first_write(process_client):
+    values = dsched.shared_empty((8,))
+    values[:] = 1.0
+    with dsched.Batch({"x": values}, dsched.StaticHybridScheduler(["cpu", "cuda:0"], [4, 4]),
+                      client=process_client) as batch:
+        batch.update(_add_in_place, reads=["x"], writes=["x"], inplace=True)
+        np.testing.assert_array_equal(batch.get("x"), 2.0)
+    np.testing.assert_array_equal(values, 1.0)  # the caller's array (the lineage) is untouched
+
+
+def _step(x, *, k, fail_at=None, sleep=0.0):
+    time.sleep(sleep)  # the chunk stays busy while the next updates are pushed: they queue behind it
+    if k == fail_at:
+        raise ValueError(f"step {k} fails")
+    return {"x": x + k}
+
+
+def test_updates_pushed_in_a_burst_run_as_one_task_per_chunk(process_client):
+    """Updates queued behind the lookahead go to Dask together: one round trip per burst, the same results;
+    a failure fails (and rolls back) the updates fused with it, and the batch stays usable."""
+    scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [3, 3])
+    with dsched.Batch({"x": np.zeros(6)}, scheduler, client=process_client, lookahead=1) as batch:
+        handles = [batch.update(_step, reads=["x"], writes=["x"], kwargs={"k": k, "sleep": 0.3 * (k == 1)})
+                   for k in range(1, 11)]
+        np.testing.assert_array_equal(batch.get("x"), 55.0)
+        keys = {f.key for h in handles for f in h.futures}
+        assert len(keys) < 2 * len(handles) and any("-fused-" in key for key in keys)
+        batch.update(_step, reads=["x"], writes=["x"], kwargs={"k": 100}).wait()  # 155 from here
+        burst = [batch.update(_step, reads=["x"], writes=["x"], kwargs={"k": k, "fail_at": 3, "sleep": 0.3 * (k == 1)})
+                 for k in range(1, 6)]
+        with pytest.raises(ValueError, match="step 3 fails"):
+            burst[-1].wait()
+        # Steps 2-5 (or 1-5, had the chunk not yet heard that its previous task ended) went as one task, which
+        # failed at step 3: they roll back together, to the version before that task (after step 1, or 100).
+        after = batch.get("x")
+        assert set(after.tolist()) <= {155.0, 156.0}
+        batch.update(_step, reads=["x"], writes=["x"], kwargs={"k": 1000})
+        np.testing.assert_array_equal(batch.get("x"), after + 1000)
+
+
+def test_a_failed_newton_solve_fails_the_run_where_its_results_are_asked_for(process_client):
+    scenario, histories, model, scheduler, _ = _scenario("isoharden", 10, 2)
+    failing = NEML2Model(scenario.input, "model", overrides=["Solvers/newton/max_its:=1"])
+    from dsched.models import NEML2ConvergenceError
+
+    with TransientDriver(failing, scheduler, client=process_client) as driver:
+        driver.run(_prescribed(histories))
+        for _ in range(2):  # every time
+            with pytest.raises((NEML2ConvergenceError, dsched.AggregateError)) as info:
+                driver.get("stress")
+            assert info.value.recoverable
