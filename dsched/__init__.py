@@ -26,6 +26,7 @@ from dsched.errors import AggregateError, ChunkTimeoutError, DispatchError, Reco
 from dsched.observe.hooks import RunObserver
 from dsched.observe.report import ChunkRecord, RunReport
 from dsched.resident.batch import Batch
+from dsched.resident.driver import TransientDriver
 from dsched.schedulers import (
     DeviceStatus,
     PerformanceModelScheduler,
@@ -47,7 +48,7 @@ __all__ = [
     "DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError", "ChunkResultError",
     "LocalHybridCluster", "PerThread",
     "plan", "as_batched", "map_blocks", "register", "PlacementWarning",
-    "Batch",
+    "Batch", "TransientDriver",
 ]
 
 

@@ -323,7 +323,7 @@ def _add_bench(subparsers):
         "bench",
         help="benchmark scheduling (emulated devices) and the data plane (J2 on real arrays) against their peers",
         description=(
-            "Two suites, each measured against its peers in the same run. 'scheduling': emulated devices of known "
+            "Five suites, each measured against its peers in the same run (targets are information: set on a 2-core reference machine, not pass or fail on yours). 'scheduling': emulated devices of known "
             "speed (each serial, sleeping t0 + n/rate per chunk): hybrid efficiency of StaticHybridScheduler "
             "against plain client.map and a thread-per-device loop, and dispatch overhead per chunk (sync, async) "
             "against client.map per task; sleeping emulates the devices, so this measures scheduling, not a GPU. "

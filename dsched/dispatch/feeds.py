@@ -59,7 +59,6 @@ import collections
 import dataclasses
 import functools
 import hashlib
-import itertools
 import threading
 import time
 import weakref
@@ -72,6 +71,7 @@ from dsched.dataplane.store import classify_workers
 from dsched.devices.device import device_resource, placement_device
 from dsched.devices.ownership import cluster_info, device_owners
 from dsched.dispatch.completion import ask_worker, notify_when_done, until_done, watch_worker
+from dsched.dispatch.parking import _GONE_FOR, _is_gone, _park, _parked, _state, _take_parked, release_parked
 from dsched.names import CHUNK_EVENT_TOPIC, DASHBOARD_PLUGIN, is_feed_key
 from dsched.worker.feed import CHUNK_OP, CHUNKS_OP, PARK_OP, REARM_OP, STOP_OP, FeedPlugin, _unwrap, run_feed
 
@@ -83,28 +83,8 @@ WINDOW = 2  # messages of one feed on its worker at a time (one running, one que
 MAX_BATCH = 64  # chunks in one message at most, where the backlog is deep (``dsched.feed-batch``)
 BATCH_SECONDS = 0.002  # a message's chunks run this long at most: their outcomes wait for the last one
 LINGER = 2.0  # seconds a feed waits, parked, for the same client's next run on that thread (``dsched.feed-linger``)
-_REUSE_MARGIN = 0.5  # a parked feed is reused only this long before its worker would end it
 _ANSWER_WAIT = 5.0  # seconds a worker has to answer a rearm, stop or park (a frozen worker never does)
 _END_WAIT = 10.0  # with the dashboard, seconds a run's end waits for its stopped feeds' tasks to end
-_GONE_FOR = 30.0  # seconds a worker that failed a feed's message is avoided (a restarted one has a new address)
-
-
-class _ProcessState:
-    """What the client's side keeps for the whole process, across runs and clients (one instance: :data:`_state`).
-
-    A client's parked feeds and running :class:`Feeds` are kept on the client
-    (:func:`_parked`, :func:`_running`); the lock here guards them.
-    """
-
-    def __init__(self):
-        self.calls = set()  # RPCs under way: asyncio keeps only weak references to tasks
-        self.feed_numbers = itertools.count()  # the <n> of feed ids (_new_feed_id)
-        self.parked_lock = threading.Lock()  # held while a client's parked pool or running runs are read or changed
-        self.registered = set()  # ids of the clients' schedulers that have the plugin
-        self.gone = {}  # worker address -> time.monotonic() when a message to it failed, or it left the cluster
-
-
-_state = _ProcessState()
 
 
 @dataclass
@@ -524,12 +504,6 @@ def _spawn(coroutine):
 
 # --- workers that leave ---------------------------------------------------------------
 
-def _is_gone(address) -> bool:
-    """Whether the worker at ``address`` left, or failed a message, in the last :data:`_GONE_FOR` seconds."""
-    since = _state.gone.get(address)
-    return since is not None and time.monotonic() - since < _GONE_FOR
-
-
 def _worker_left(client, address, error):
     """The worker at ``address`` is gone (on the event loop): the client's parked feeds on it are released, and
     the feeds of its runs on it lost."""
@@ -560,68 +534,6 @@ def _new_feed_id(client) -> str:
     several threads are told apart, as they were when feeds ended with their runs."""
     token = hashlib.sha1(f"{client.id}-{threading.get_ident()}".encode()).hexdigest()[:16]
     return f"dsched-feed-{token}-{next(_state.feed_numbers)}"
-
-
-def _parked(client) -> dict:
-    """The client's parked feeds: ``{(calling thread, worker address, device, items held): [_Feed]}``."""
-    return client.__dict__.setdefault("_dsched_parked_feeds", {})
-
-
-def _sweep(pool, now):
-    """Let go of the pool's feeds past their time, whose task ended or whose worker is gone (any key: a run may
-    never ask for it again, its worker restarted elsewhere or its batch size changed)."""
-    for key, feeds in list(pool.items()):
-        keep = [f for f in feeds if now < f.reuse_until and f.future.status == "pending" and not _is_gone(key[1])]
-        for feed in feeds:
-            if feed not in keep:
-                feed.future.release()  # its task ends (or has)
-        if keep:
-            pool[key] = keep
-        else:
-            del pool[key]
-
-
-def _park(client, feeds, linger) -> list:
-    """Keep ``feeds`` for the client's next run; the park messages to send, ``(address, feed id, epoch)``."""
-    now = time.monotonic()
-    messages = []
-    with _state.parked_lock:
-        pool = _parked(client)
-        _sweep(pool, now)
-        for feed in feeds:
-            feed.epoch += 1
-            feed.reuse_until = now + linger - _REUSE_MARGIN
-            pool.setdefault((threading.get_ident(), feed.address, str(feed.device), feed.holds), []).append(feed)
-            messages.append((feed.address, feed.id, feed.epoch))
-    return messages
-
-
-def release_parked(client):
-    """Let go of ``client``'s parked feeds now: their tasks end, and their workers' threads are free at once.
-
-    For a benchmark that must start from idle workers, or a program about to
-    hand its devices to someone else; otherwise parked feeds end by themselves.
-    """
-    with _state.parked_lock:
-        feeds = [f for fs in _parked(client).values() for f in fs]
-        _parked(client).clear()
-    for feed in feeds:
-        feed.future.release()
-
-
-def _take_parked(client, address, device, holds):
-    """A parked feed of this thread's runs of the client on ``address`` for ``device``, its task still running,
-    made ready for a new run (which sends it its program); ``None`` if there is none."""
-    with _state.parked_lock:
-        pool = _parked(client)
-        _sweep(pool, time.monotonic())
-        waiting = pool.get((threading.get_ident(), address, str(device), holds))
-        if not waiting:
-            return None
-        feed = waiting.pop()
-        feed.epoch += 1
-        feed.sent, feed.calling, feed.backlog = 0, 0, collections.deque()
-        return feed
 
 
 def register_plugin(client, scheduler_id):
