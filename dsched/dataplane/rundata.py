@@ -229,8 +229,8 @@ class RunData:
     def fill_undispatched(self, records):
         """Rows of items no chunk was dispatched for (a run that stopped early): NaN in floating outputs, 0 in
         others, since a reused segment holds a past call's values there."""
-        if self.targets is None:
-            return
+        if self.targets is None or not self.store.reused_outputs:
+            return  # fresh segments read as zeros, as they always have; the user's arrays are theirs
         for start, stop in _gaps(self.total, [(r.offset, r.offset + r.size) for r in records]):
             for leaf, target in zip(self.layout.leaves, self.targets):
                 if target is BY_VALUE:

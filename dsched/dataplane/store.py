@@ -179,6 +179,7 @@ class RunStore:
         self.shared = shared
         self._segments: list[_Segment] = []  # inputs: kept for the next call after a clean run
         self._leases: list[_Lease] = []  # outputs: kept once the arrays handed out over them are gone
+        self.reused_outputs = False  # whether an output segment came from the pool (a fresh one reads as zeros)
         self._tokens: list[str] = []
         if shared:
             sweep_stale_segments()
@@ -243,9 +244,11 @@ class RunStore:
         for shape, dtype in specs:
             offsets.append(end)
             end += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // 64) * 64  # 64-byte aligned
-        segment = POOL.take(end) or _Segment(round_to_pages(end))
+        reused = POOL.take(end)
+        segment = reused or _Segment(round_to_pages(end))
         base = np.frombuffer(segment.buffer, np.uint8)
         if handed_out:
+            self.reused_outputs |= reused is not None  # a past call's values in rows no chunk writes
             self._leases.append(_Lease.of(segment, base))
         else:
             self._segments.append(segment)
