@@ -12,7 +12,7 @@ from __future__ import annotations
 __all__ = [
     "RESOURCE_PREFIX", "EMULATED_RESOURCE",
     "DASHBOARD_PLUGIN", "PLACEMENT_PLUGIN", "DEVICE_WORKER_PLUGIN", "FEED_WORKER_PLUGIN", "WORKER_METRICS_PLUGIN",
-    "CHUNK_EVENT_TOPIC", "PLACEMENT_EVENT_TOPIC", "PREDICTION_EVENT_TOPIC",
+    "CHUNK_EVENT_TOPIC", "PLACEMENT_EVENT_TOPIC", "PREDICTION_EVENT_TOPIC", "RUN_EVENT_TOPIC",
     "ITEMS_ANNOTATION", "DEVICE_ANNOTATION", "RELAXED_ANNOTATION",
     "FEED_KEY_MARK", "is_feed_key", "SEGMENT_PREFIX",
 ]
@@ -36,6 +36,8 @@ WORKER_METRICS_PLUGIN = "dsched-metrics"
 CHUNK_EVENT_TOPIC = "dsched-chunks"
 #: a planned block was placed, or placed elsewhere than planned
 PLACEMENT_EVENT_TOPIC = "dsched-placement"
+#: (client id, total items) of a run about to start, sent by the client: the page's progress and ETA
+RUN_EVENT_TOPIC = "dsched-runs"
 #: (device, worker, predicted, measured) chunk times of a performance-model run, sent by the client
 PREDICTION_EVENT_TOPIC = "dsched-predictions"
 

@@ -64,7 +64,10 @@ def test_dispatcher_without_a_client_starts_and_closes_its_own_cluster():
 
 @pytest.mark.skipif(not NO_GPU, reason="a GPU is present")
 def test_missing_gpu_without_emulation():
-    with pytest.raises(ValueError, match=r"devices: cuda:0 is not present on this machine \(visible GPUs: none\); pass emulate=True"):
+    with pytest.raises(ValueError, match=r"devices: cuda:0 is not present on this machine \(visible GPUs: none\); "
+                       r"to rehearse without it \(for testing, not measuring\), emulate it: "
+                       r"LocalHybridCluster\(\['cpu', 'cuda:0'\], emulate=True\), and pass that cluster's Client "
+                       r"to dispatch\(client=\.\.\.\)"):
         LocalHybridCluster(["cpu", "cuda:0"])
 
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -847,3 +848,43 @@ async def _devtools_page(profile, url, browser, deadline):
         assert time.monotonic() < deadline, "Chromium opened no page"
         await asyncio.sleep(0.05)
     return await websocket_connect(pages[0]["webSocketDebuggerUrl"], max_message_size=2**26)
+
+
+def test_a_plain_dispatch_tells_the_page_its_total(dashboard_cluster):
+    """No track_run: dispatch() itself says how many items its run has, so the page shows progress, not
+    'total unknown'."""
+    client, base = dashboard_cluster
+    x = np.arange(777.0)
+    scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[4, 8], capacities=[8, 16])
+    np.testing.assert_array_equal(dispatch(np.negative, x, scheduler=scheduler, client=client), -x)
+    deadline = time.monotonic() + 10
+    while True:  # the chunk events reach the scheduler after the run returns, within moments
+        run = get_json(base + JSON_ROUTE)["run"]
+        if run["items_done"] == 777 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert (run["total"], run["items_done"], run["fraction"]) == (777, 777, 1.0)
+
+
+def test_dsched_run_keeps_serving_its_page_after_the_run_for_its_linger(tmp_path):
+    """The link dsched run --dashboard prints still answers once the run is over, until the linger ends."""
+    graph = tmp_path / "j2.toml"
+    graph.write_text(GRAPH)
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "dsched", "run", str(graph), "--no-progress", "--dashboard",
+                                f"127.0.0.1:{port}", "--dashboard-linger", "4"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in process.stdout:  # the report, then the linger line; the cluster is still up
+            lines.append(line)
+            if "keeps serving" in line:
+                break
+        assert "dashboard: the run is over; the page keeps serving until 4 s or Ctrl-C\n" in lines, lines
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{PAGE_ROUTE}", timeout=10) as response:
+            assert response.status == 200
+        assert get_json(f"http://127.0.0.1:{port}{JSON_ROUTE}")["run"]["items_done"] == 60000
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)

@@ -10,6 +10,7 @@ import time
 
 from dsched.apps.bench.batch import format_load_steps, run_batch_benchmarks
 from dsched.apps.bench.data import format_data_table, run_data_benchmarks
+from dsched.apps.bench.figures import machine_info
 from dsched.apps.bench.neml2 import add_arguments as add_neml2_arguments
 from dsched.apps.bench.neml2 import format_neml2_table, run_neml2_benchmarks
 from dsched.apps.bench.neml2 import options as neml2_options
@@ -70,6 +71,9 @@ def _add_run(subparsers):
     run.add_argument("--dashboard", nargs="?", const=DEFAULT_DASHBOARD, metavar="HOST:PORT",
                      help=f"serve the Dask dashboard (default {DEFAULT_DASHBOARD}, loopback) and print the link to "
                           "its dsched page; on --scheduler-address/--scheduler-file, print that cluster's link")
+    run.add_argument("--dashboard-linger", type=float, metavar="SECONDS",
+                     help="with --dashboard, keep serving the page this long after the run (default: until Ctrl-C "
+                          "at a terminal, not at all otherwise)")
     run.set_defaults(handler=_run)
 
 
@@ -111,9 +115,30 @@ def _run(args) -> int:
         if dashboard is not None and client is not None:
             _show_dashboard(stack, client, graph)
         result = run_graph(graph, client=client, progress=not args.no_progress)
-    print(f"graph: {graph.source}  model: {graph.model}  batch: {graph.batch_size:,}")
-    print(format_report(result))
+        print(f"graph: {graph.source}  model: {graph.model}  batch: {graph.batch_size:,}")
+        print(format_report(result), flush=True)
+        if dashboard is not None and client is not None and not remote:
+            _linger(args.dashboard_linger)  # the cluster (and its page) closes when this block does
     return 0
+
+
+def _linger(seconds):
+    """Keep the dashboard of a cluster ``dsched run`` started serving: ``seconds``, or until Ctrl-C.
+
+    By default, until Ctrl-C where a person is at the terminal, not at all otherwise (a script, a test).
+    """
+    import time
+
+    if seconds is None:
+        seconds = float("inf") if sys.stdin.isatty() else 0.0
+    if seconds <= 0:
+        return
+    until = "Ctrl-C" if seconds == float("inf") else f"{seconds:g} s or Ctrl-C"
+    print(f"dashboard: the run is over; the page keeps serving until {until}", flush=True)
+    try:
+        time.sleep(seconds if seconds != float("inf") else 10**9)
+    except KeyboardInterrupt:
+        pass
 
 
 def _dashboard_option(value, graph) -> str | None:
@@ -136,7 +161,8 @@ def _show_dashboard(stack, client, graph):
     if link is None:
         print("dashboard: the cluster serves no dashboard", flush=True)
         return
-    print(f"dashboard: {link} (open it while the run goes on; a cluster dsched run started closes with the run)",
+    print(f"dashboard: {link} (open it while the run goes on; a cluster dsched run started serves it after the "
+          "run until Ctrl-C, or --dashboard-linger SECONDS)",
           flush=True)
     stack.enter_context(dashboard.track_run(client, graph.batch_size, name=f"{graph.model} ({graph.source})"))
 
@@ -357,7 +383,7 @@ def _bench(args) -> int:
                         *([f"--only {args.only}"] if args.only else []), *(["--processes"] if args.processes else []),
                         *(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                           if k.startswith("neml2_") and v is not None and not (k == "neml2_steps" and v == 10))])
-    results, tables = {"command": command}, []
+    results, tables = {"command": command, "machine": machine_info()}, []
     for suite in SUITES:
         if args.only in (None, suite):
             results[suite], table = _BENCH_SUITES[suite](args, say)

@@ -13,7 +13,7 @@ from dsched.dataplane.loaders import SliceGenerator
 from dsched.dataplane.outputs import check_out_path
 from dsched.devices.context import emulating
 from dsched.devices.cuda import visible_gpus
-from dsched.devices.device import Device
+from dsched.devices.device import UNLIMITED_CAPACITY, Device
 from dsched.devices.ownership import emulated_devices
 from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.models import get_model
@@ -100,8 +100,13 @@ def graph_cluster(stack, graph, devices=None, dashboard_address=None):
     """
     from distributed import Client
 
+    scheduler = graph.build_scheduler()
+    # The workers hold what the graph's policy allows in flight, so the dashboard shows the graph's capacities.
+    capacities = {} if hasattr(scheduler, "observe") else {  # a learning policy sizes its chunks as it goes
+        s.device: s.capacity for s in scheduler.status() if s.capacity < UNLIMITED_CAPACITY}
     cluster = stack.enter_context(LocalHybridCluster(
-        devices if devices is not None else graph.build_scheduler().devices,
+        devices if devices is not None else scheduler.devices,
+        capacities={d: c for d, c in capacities.items() if devices is None or d in devices} or None,
         emulate=graph.emulate,
         threads_per_worker=graph.options.get("threads_per_worker", 2),
         processes=graph.options.get("processes"),

@@ -292,7 +292,9 @@ def _which_emulated(devices, present, emulate) -> dict:
         if missing and not emulate:
             raise ValueError(
                 f"devices: {device} is not present on this machine (visible GPUs: "
-                f"{', '.join(f'cuda:{i}' for i in present) or 'none'}); pass emulate=True to emulate it"
+                f"{', '.join(f'cuda:{i}' for i in present) or 'none'}); to rehearse without it (for testing, not "
+                f"measuring), emulate it: LocalHybridCluster({[str(d) for d in devices]}, emulate=True), and pass "
+                "that cluster's Client to dispatch(client=...) or WorkDispatcher(client=...)"
             )
         emulated[device] = missing
     return emulated

@@ -29,6 +29,7 @@ from dsched.devices.device import Device
 from dsched.devices.ownership import cluster_info, device_owners, wait_for_devices
 from dsched.dispatch.async_run import AsyncRun
 from dsched.errors import AggregateError, ChunkTimeoutError
+from dsched.observe.dashboard.client import RunTotal
 from dsched.observe.hooks import Observers, RunStart
 from dsched.observe.predictions import PredictionObserver
 from dsched.observe.progress import ChunkCallback
@@ -288,8 +289,10 @@ class WorkDispatcher:
         return report.results if self.reduce is None else self.reduce(report.results)
 
     def _run_observers(self) -> Observers:
-        """This run's observers: predictions (a policy that predicts), its trace, progress, then the dispatcher's own."""
-        observers = [PredictionObserver()] if PredictionObserver.applies_to(self.scheduler) else []
+        """This run's observers: its total for the page, predictions (a policy that predicts), its trace, progress,
+        then the dispatcher's own."""
+        observers = [RunTotal()] if self.mode == "async" else []  # the dashboard's progress and ETA
+        observers += [PredictionObserver()] if PredictionObserver.applies_to(self.scheduler) else []
         if self.trace_file is not None:
             observers.append(TraceObserver(self.trace_file))
         if self.on_chunk_done is not None:

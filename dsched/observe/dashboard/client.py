@@ -13,9 +13,11 @@ import contextlib
 
 from dsched.checks import check_positive_int
 from dsched.names import DASHBOARD_PLUGIN as PLUGIN_NAME
+from dsched.names import RUN_EVENT_TOPIC
+from dsched.observe.hooks import RunObserver
 from dsched.observe.dashboard.routes import scheduler_page_link
 
-__all__ = ["track_run", "dashboard_link"]
+__all__ = ["track_run", "dashboard_link", "RunTotal"]
 
 
 def _begin_run(client_id, name, total, dask_scheduler=None):
@@ -54,3 +56,16 @@ def track_run(client, total: int, name: str | None = None):
 def dashboard_link(client) -> str | None:
     """The address of the dsched page on ``client``'s scheduler, or ``None`` without a dashboard."""
     return client.run_on_scheduler(scheduler_page_link)
+
+
+class RunTotal(RunObserver):
+    """Tells the page each run's total as it starts, so that ``dispatch()`` runs show their progress and ETA.
+
+    One small event to the scheduler per run, not waited for (a :func:`track_run`
+    around the run, which names it too, takes precedence). Every async
+    :class:`~dsched.WorkDispatcher` run has one.
+    """
+
+    def run_started(self, run):
+        if run.client is not None and run.total > 0:
+            run.client.log_event(RUN_EVENT_TOPIC, (run.client.id, int(run.total)))

@@ -47,6 +47,7 @@ from dsched.names import (
     EMULATED_RESOURCE,
     ITEMS_ANNOTATION,
     RESOURCE_PREFIX,
+    RUN_EVENT_TOPIC,
     is_feed_key,
 )
 from dsched.observe.dashboard.gpu import WORKER_METRICS_PLUGIN, add_to_workers
@@ -273,6 +274,12 @@ class DashboardPlugin(SchedulerPlugin):
         """A chunk that a device feed (:mod:`dsched.feed`) started or finished, or the client's predictions."""
         if topic == PREDICTION_EVENT_TOPIC:
             self.predictions_heard(*msg)
+            return
+        if topic == RUN_EVENT_TOPIC:  # a run's total, from its dispatcher: unless track_run announced it already
+            client, total = msg
+            with self._lock:
+                if client not in self._announced:
+                    self._announced[client] = (None, total, time.time())
             return
         if topic != CHUNK_EVENT_TOPIC:
             return
