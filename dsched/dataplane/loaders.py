@@ -13,7 +13,7 @@ import numpy as np
 from dsched.dataplane.sources import as_streamed
 from dsched.devices.backends import UnsupportedArrayError, backend_of, batch_shape, take
 
-__all__ = ["WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader"]
+__all__ = ["uncovered", "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader"]
 
 
 class WorkGenerator(ABC):
@@ -197,3 +197,26 @@ class Ranges:
         else:
             self.offset = stop
         return stop - start, work
+
+
+def uncovered(ranges, done):
+    """The parts of ``ranges`` (sorted, disjoint ``(start, stop)``) not covered by ``done``.
+
+    Examples
+    --------
+    >>> uncovered([(0, 10)], [(2, 4), (6, 8)])
+    [(0, 2), (4, 6), (8, 10)]
+    """
+    left = []
+    done = sorted(done)
+    for start, stop in ranges:
+        position = start
+        for a, b in done:
+            if b <= position or a >= stop:
+                continue
+            if a > position:
+                left.append((position, a))
+            position = max(position, b)
+        if position < stop:
+            left.append((position, stop))
+    return left

@@ -24,6 +24,7 @@ import os
 
 import numpy as np
 
+from dsched.dataplane.loaders import uncovered
 from dsched.dataplane.outputs import (
     BY_VALUE,
     ChunkResultError,
@@ -231,7 +232,7 @@ class RunData:
         others, since a reused segment holds a past call's values there."""
         if self.targets is None or not self.store.reused_outputs:
             return  # fresh segments read as zeros, as they always have; the user's arrays are theirs
-        for start, stop in _gaps(self.total, [(r.offset, r.offset + r.size) for r in records]):
+        for start, stop in uncovered([(0, self.total)], [(r.offset, r.offset + r.size) for r in records]):
             for leaf, target in zip(self.layout.leaves, self.targets):
                 if target is BY_VALUE:
                     continue
@@ -316,18 +317,6 @@ def _probed(probe):
         return probe()
     except Exception:  # the model fails on its own, or on one item: its real chunks will say how, in context
         return None
-
-
-def _gaps(total, ranges):
-    """The ``(start, stop)`` parts of ``0:total`` no range covers."""
-    gaps, position = [], 0
-    for start, stop in sorted(ranges):
-        if start > position:
-            gaps.append((position, start))
-        position = max(position, stop)
-    if position < total:
-        gaps.append((position, total))
-    return gaps
 
 
 def _empty_rows(like, n, axis):

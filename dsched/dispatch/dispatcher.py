@@ -20,7 +20,7 @@ import weakref
 from distributed import Client, default_client
 
 from dsched.cluster.local import LocalHybridCluster
-from dsched.dataplane.loaders import Ranges
+from dsched.dataplane.loaders import Ranges, uncovered
 from dsched.dataplane.outputs import OutputLayout
 from dsched.dataplane.rundata import RunData, check_out, zarr_chunk_items
 from dsched.dataplane.store import resolve_work
@@ -327,7 +327,7 @@ class WorkDispatcher:
         if last is None or source is None:
             raise RuntimeError("run_failed: this dispatcher has not run yet")
         todo = source.ranges if isinstance(source, Ranges) else [(0, source.total)]
-        undone = _subtract(todo, [(r.offset, r.offset + r.size) for r in last.records if r.error is None])
+        undone = uncovered(todo, [(r.offset, r.offset + r.size) for r in last.records if r.error is None])
         source = source.source if isinstance(source, Ranges) else source
         if not undone:
             return last.output if self.join is not None else last.results
@@ -435,23 +435,6 @@ def _items(generator) -> int:
     if isinstance(generator, Ranges):
         return sum(stop - start for start, stop in generator.ranges)
     return generator.total - generator.offset
-
-
-def _subtract(ranges, done):
-    """The parts of ``ranges`` (sorted, disjoint ``(start, stop)``) not covered by ``done``."""
-    left = []
-    done = sorted(done)
-    for start, stop in ranges:
-        position = start
-        for a, b in done:
-            if b <= position or a >= stop:
-                continue
-            if a > position:
-                left.append((position, a))
-            position = max(position, b)
-        if position < stop:
-            left.append((position, stop))
-    return left
 
 
 def _close_client_and_cluster(client, cluster):
