@@ -397,6 +397,7 @@ def _check_served(sf, proc):
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/individual-dsched", timeout=10) as reply:
                 assert reply.status == 200  # the page was listed before the scheduler started
         _check_data_plane_on_mpi_ranks(client, scheduler)
+        _check_any_result_on_mpi_ranks(client, scheduler, sf.parent)
         client.shutdown()
 
 
@@ -420,6 +421,31 @@ def _check_data_plane_on_mpi_ranks(client, scheduler):
     assert all(result[k] is out[k] and np.array_equal(out[k], reference[k]) for k in reference)
     assert {str(r.device) for r in d.last_run.records} == {"cpu", "cuda:0"}
     assert set(os.listdir("/dev/shm")) <= before  # the run made no segment of its own: the arrays were shared
+
+
+def _check_any_result_on_mpi_ranks(client, scheduler, folder):
+    """On dask-mpi worker ranks too: object and string outputs come back by value beside numbers written in
+    place, inputs stream from a Zarr store and from a Dask array, and an empty batch returns its out= arrays."""
+    import dask.array as da
+    import zarr
+
+    import dsched
+
+    def labelled(a):  # defined here: pickled by value, so the ranks need not import this test module
+        labels = np.empty(len(a), dtype=object)
+        labels[:] = [("row", int(v)) for v in a[:, 0]]
+        return {"label": labels, "name": np.array([f"p{int(v)}" for v in a[:, 0]]), "twice": 2.0 * a}
+
+    x = np.arange(3000.0).reshape(1000, 3)
+    store = zarr.open_array(str(folder / "x.zarr"), mode="w", shape=x.shape, chunks=(128, 3), dtype="f8")
+    store[:] = x
+    for source in (x, store, da.from_array(x, chunks=(300, 3)) * 1.0):
+        out = dsched.dispatch(labelled, source, scheduler=scheduler, client=client)
+        assert out["label"].tolist() == [("row", int(v)) for v in x[:, 0]]
+        assert out["name"].tolist() == [f"p{int(v)}" for v in x[:, 0]]
+        np.testing.assert_array_equal(out["twice"], 2.0 * x)
+    empty = np.empty((0, 3))
+    assert dsched.dispatch(np.negative, np.zeros((0, 3)), scheduler=scheduler, client=client, out=empty) is empty
 
 
 def test_command_line_cluster_over_two_nodes_names_workers_by_node(tmp_path):
