@@ -8,7 +8,7 @@ device. Rank 0 gathers the blocks and checks them against a direct
 evaluation::
 
     mpiexec -n 2 python examples/mpi_host_app.py --devices cuda:0,cuda:1
-    mpiexec -n 2 python examples/mpi_host_app.py --devices cpu,cuda:0 --emulate   # no GPU here
+    mpiexec -n 2 python examples/mpi_host_app.py        # no GPU here: cuda:0 is emulated, and marked so
 
 ``--mode async`` (the default) starts a one-device Dask cluster inside each
 rank (workers in-process; a real GPU gets its pinned worker process);
@@ -79,9 +79,10 @@ def run_rank(args, comm) -> int:
     scheduler = SimpleMPIScheduler(args.devices.split(","), batch_sizes, comm=comm, allow_shared=args.allow_shared)
     start, stop = share(args.points, rank, size)
 
-    # An emulated device is a CUDA device this node lacks, run with NumPy on the CPU.
+    # An emulated device is a CUDA device this node lacks, run with NumPy on the CPU. In async mode this
+    # example emulates one by itself, so that it runs anywhere; its table says which ranks did.
     emulated = scheduler.device.is_cuda and scheduler.device.ordinal not in [d.ordinal for d in visible_gpus()]
-    cluster_options = {"emulate": args.emulate, "dashboard_address": None}
+    cluster_options = {"emulate": args.emulate or (emulated and args.mode == "async"), "dashboard_address": None}
     t0 = time.perf_counter()
     with WorkDispatcher(scheduler, j2_chunk, reduce=concat_reduce, mode=args.mode,
                         cluster_options=cluster_options) as dispatcher:
