@@ -121,4 +121,4 @@ def test_data_benchmarks_structure_and_honesty():
     assert out["output_run"]["points"] == 50_000 and out["output_run"]["stored_bytes"] >= 50_000 * 392
     assert out["client_rss"]["peak"] >= out["client_rss"]["before"] > 0
     table = format_data_table(out)
-    assert "emulated" in table and "target bytes through the scheduler per chunk <= 1 KiB: met" in table
+    assert "emulated" in table and "target bytes through the scheduler per chunk <= 1 KiB: reached" in table

@@ -394,6 +394,11 @@ def _bench(args) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     print("\n\n".join(tables))
+    machine = results["machine"]
+    print(f"\nmachine: {machine['cpus']} cores ({machine['cpu']}), {machine['memory_gib']} GiB, "
+          f"{machine['gpus'] or 'no GPU (CUDA devices emulated)'}, load {machine['load_average']} at the start. "
+          "Targets are information: they were set on a 2-core machine at full sizes; --quick sizes, other "
+          "machines and a busy machine read differently.")
     return 0
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 import dsched
 from dsched.models import j2_update, loading_strain
+from dsched.apps.bench.scheduling import verdict
 
 __all__ = ["j2_load_step", "final_strain", "measure_load_steps", "format_load_steps", "run_batch_benchmarks"]
 
@@ -379,7 +380,7 @@ def format_load_steps(result) -> str:
         lines.append(f"{name:<17}{row['wall_s']:>8.2f}{row['cpu_s']:>8.2f}"
                      f"{'' if diff is None else format(diff, '.2e'):>12}{ratios}")
     for target, met in result.get("targets", {}).items():
-        lines.append(f"target {target} (batch, in place): {'met' if met else 'NOT met'}")
+        lines.append(f"target {target} (batch, in place): {verdict(met)}")
     for name in ("batch", "batch, in place"):
         memory = rows[name]["memory"]
         phases = [("1-2", "after_2"), ("3-10", "steps_3_10"),

@@ -58,6 +58,7 @@ import dsched
 from dsched.apps.job import run_graph
 from dsched.apps.jobfile import AUTO_BATCH_SIZE, load_graph
 from dsched.models import j2_chunk, j2_update, loading_strain, write_j2_inputs
+from dsched.apps.bench.scheduling import verdict
 
 __all__ = ["run_data_benchmarks", "format_data_table", "j2_inputs"]
 
@@ -395,5 +396,5 @@ def format_data_table(results) -> str:
                  f"{run['stored_bytes'] / 2**30:.2f} GiB stored")
     lines.append("")
     for target, met in results["targets"].items():
-        lines.append(f"target {target}: {'met' if met else 'MISSED'}")
+        lines.append(f"target {target}: {verdict(met)}")
     return "\n".join(lines)

@@ -65,6 +65,7 @@ from dsched.models.neml2_scenarios import (
     run_neml2_driver,
 )
 from dsched.resident.driver import TransientDriver, neml2_feedback
+from dsched.apps.bench.scheduling import verdict
 
 __all__ = ["FORMS", "TARGETS", "run_neml2_benchmarks", "measure_scenario", "format_neml2_table", "main"]
 
@@ -310,7 +311,7 @@ def format_neml2_table(results) -> str:
                  + ", ".join(f"{s['scenario']} {max(e['whole_batch_relative'] for e in s['error'].values()):.1e}"
                              for s in results["scenarios"]))
     for name, (value, threshold, met) in results["targets"].items():
-        lines.append(f"target {name}: {value:.2f} (threshold {threshold}): {'met' if met else 'MISSED'}")
+        lines.append(f"target {name}: {value:.2f} (threshold {threshold}): {verdict(met)}")
     return "\n".join(lines)
 
 

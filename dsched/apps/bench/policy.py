@@ -52,6 +52,7 @@ from dsched.apps.bench.scheduling import (
 from dsched.cluster.local import LocalHybridCluster
 from dsched.schedulers import PerformanceModelScheduler, SimpleScheduler, StaticHybridScheduler
 from dsched.schedulers.model import wait_for_saves
+from dsched.apps.bench.scheduling import verdict
 
 __all__ = ["HYBRID_DEVICES", "FAST_PAIR", "run_policy_benchmarks", "format_policy_table"]
 
@@ -249,7 +250,7 @@ def format_policy_table(results) -> str:
               f"second run {learning['second_run_efficiency']:.3f} of the ideal  "
               f"(all: {', '.join(f'{x:.3f}' for x in learning['second_all'])}; models saved by the first)", ""]
     for target, met in results["targets"].items():
-        lines.append(f"target {target}: {'met' if met else 'MISSED'}")
+        lines.append(f"target {target}: {verdict(met)}")
     return "\n".join(lines)
 
 
