@@ -52,6 +52,14 @@ def _workers(client, workers):
     return cluster_info(client)["workers"] if workers is None else workers
 
 
+def _owning(client, workers=None):
+    """``(address, Device, worker info)`` for every worker that owns a device, read from its resources."""
+    for address, info in _workers(client, workers).items():
+        device = device_of_resources(info.get("resources"))
+        if device is not None:
+            yield address, device, info
+
+
 def device_owners(client, devices, workers=None) -> dict:
     """``{Device: [address of each worker that owns it]}`` for ``devices``.
 
@@ -60,9 +68,8 @@ def device_owners(client, devices, workers=None) -> dict:
     """
     wanted = {placement_device(d): Device(d) for d in devices}
     owners = {Device(d): [] for d in devices}
-    for address, info in _workers(client, workers).items():
-        device = device_of_resources(info.get("resources"))
-        if device is not None and device in wanted:
+    for address, device, _ in _owning(client, workers):
+        if device in wanted:
             owners[wanted[device]].append(address)
     return owners
 
@@ -70,11 +77,9 @@ def device_owners(client, devices, workers=None) -> dict:
 def device_capacities(client, workers=None) -> dict:
     """``{Device: smallest capacity in items among the workers that own it}``."""
     capacities = {}
-    for info in _workers(client, workers).values():
-        device = device_of_resources(info.get("resources"))
-        if device is not None:
-            amount = info["resources"][device_resource(device)]
-            capacities[device] = min(amount, capacities.get(device, amount))
+    for _, device, info in _owning(client, workers):
+        amount = info["resources"][device_resource(device)]
+        capacities[device] = min(amount, capacities.get(device, amount))
     return capacities
 
 
@@ -177,10 +182,8 @@ def wait_for_devices(client, scheduler, cluster, grace=None) -> dict:
 def device_threads(client, workers=None) -> dict:
     """``{Device: threads of all the workers that own it}``: how many of its chunks can run at once."""
     threads = {}
-    for info in _workers(client, workers).values():
-        device = device_of_resources(info.get("resources"))
-        if device is not None:
-            threads[device] = threads.get(device, 0) + int(info.get("nthreads", 1))
+    for _, device, info in _owning(client, workers):
+        threads[device] = threads.get(device, 0) + int(info.get("nthreads", 1))
     return threads
 
 
@@ -190,8 +193,6 @@ def emulated_devices(client) -> dict:
     A Device hashes like its string, so ``table.get("cuda:0")`` works too.
     """
     table = {}
-    for info in cluster_info(client)["workers"].values():
-        device = device_of_resources(info.get("resources"))
-        if device is not None:
-            table[device] = table.get(device, False) or EMULATED_RESOURCE in info["resources"]
+    for _, device, info in _owning(client):
+        table[device] = table.get(device, False) or EMULATED_RESOURCE in info["resources"]
     return table

@@ -41,7 +41,8 @@ class AsyncRun:
 
     Chunks travel by one of two transports: the run's device feeds
     (:mod:`dsched.dispatch.feeds`) for devices whose workers share this process or
-    host, one direct message each, whose replies are the completions; or tasks and
+    host, one direct message per chunk (or per batch of short ones), whose replies are
+    the completions; or tasks and
     packs (:mod:`dsched.dispatch.tasks`) for the others. Whatever watches the run
     (traces, progress, the dashboard) hangs off ``observers``
     (:mod:`dsched.observe.hooks`), not off branches in this loop.

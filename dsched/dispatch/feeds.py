@@ -164,6 +164,7 @@ class Feeds:
         self.client, self.program, self.run_id, self.owners, self.put = client, program, run_id, owners, put
         self.batch_sizes = batch_sizes
         self._linger = float(dask.config.get("dsched.feed-linger", LINGER))
+        self._batch = max(1, int(dask.config.get("dsched.feed-batch", MAX_BATCH)))  # read once, not per message
         self._feeds = {}  # Device -> [_Feed], from its first chunk on (lost ones included)
         self._workers = cluster["workers"]  # address -> its threads and resources, as the run last saw them
         self._events = None  # whether the scheduler has the dashboard, asked when a feed first starts
@@ -223,7 +224,7 @@ class Feeds:
         any of a feed whose chunks take longer, go one per message, each
         chunk's outcome as soon as it ran.
         """
-        limit = max(1, int(dask.config.get("dsched.feed-batch", MAX_BATCH)))
+        limit = self._batch
         if feed.chunk_seconds < BATCH_SECONDS:
             limit = min(limit, max(1, int(BATCH_SECONDS / max(feed.chunk_seconds, 1e-6))))
         else:
