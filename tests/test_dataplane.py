@@ -387,9 +387,13 @@ def test_outputs_beyond_a_memory_limit_go_to_disk(tmp_path):
     assert not np.isnan(stored["stress"][-10:]).any()
 
 
-def test_segments_of_a_dead_process_are_swept_by_the_next_run(tmp_path):
-    """A client killed together with its resource tracker leaves segments; the next run removes them."""
+def test_segments_of_a_dead_process_are_swept_by_the_next_run(tmp_path, monkeypatch):
+    """A client killed together with its resource tracker leaves segments; the next run removes them (a process's
+    runs sweep at most every ``SWEEP_INTERVAL`` seconds: this one is the first since that long)."""
+    from dsched.dataplane import segments
     from dsched.store import RunStore, sweep_stale_segments
+
+    monkeypatch.setattr(segments, "_last_sweep", [float("-inf")])
 
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(proc.stdout)
@@ -405,6 +409,11 @@ def test_segments_of_a_dead_process_are_swept_by_the_next_run(tmp_path):
         assert not os.path.exists(stale)
         assert os.path.exists(alive)  # a live process's segments are left alone
         assert sweep_stale_segments() == []
+        with open(stale, "wb") as f:  # left again right after: the next run does not list /dev/shm again
+            f.write(b"left behind")
+        with RunStore(shared=True):
+            pass
+        assert os.path.exists(stale)
     finally:
         for path in (stale, alive):
             if os.path.exists(path):

@@ -16,6 +16,7 @@ import mmap
 import os
 import secrets
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -23,7 +24,7 @@ import numpy as np
 from dsched.names import SEGMENT_PREFIX
 
 __all__ = ["SHM_DIR", "mapped_segment", "pinned_segment", "forget_vanished_segments", "sweep_stale_segments",
-           "shared_empty", "shared_copy", "SegmentPool", "POOL", "release_pool", "record_semaphores"]
+           "sweep_now_and_then", "shared_empty", "shared_copy", "SegmentPool", "POOL", "release_pool", "record_semaphores"]
 
 SHM_DIR = "/dev/shm"
 _PREFIX = SEGMENT_PREFIX
@@ -285,6 +286,23 @@ def _untrack(token):
     from multiprocessing import resource_tracker
 
     resource_tracker.unregister("/" + token, "shared_memory")
+
+
+SWEEP_INTERVAL = 30.0  # seconds: a process's runs sweep at most this often (its first run always does)
+_last_sweep = [float("-inf")]  # when this process last swept (time.monotonic)
+
+
+def sweep_now_and_then() -> list:
+    """:func:`sweep_stale_segments`, if this process has not swept in the last :data:`SWEEP_INTERVAL` seconds.
+
+    Runs call this: listing ``/dev/shm`` on every call costs more than a short
+    call itself does on a busy host, and what a dead process left waits a few seconds more.
+    """
+    now = time.monotonic()
+    if now - _last_sweep[0] < SWEEP_INTERVAL:
+        return []
+    _last_sweep[0] = now
+    return sweep_stale_segments()
 
 
 def sweep_stale_segments() -> list:

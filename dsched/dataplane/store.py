@@ -55,6 +55,7 @@ from dsched.dataplane.segments import (
     round_to_pages,
     shared_copy,
     shared_empty,
+    sweep_now_and_then,
     sweep_stale_segments,
 )
 from dsched.dataplane.sources import resolve_rows
@@ -182,7 +183,7 @@ class RunStore:
         self.reused_outputs = False  # whether an output segment came from the pool (a fresh one reads as zeros)
         self._tokens: list[str] = []
         if shared:
-            sweep_stale_segments()
+            sweep_now_and_then()
 
     def __enter__(self):
         return self

@@ -8,6 +8,7 @@ import time
 from dask import config
 
 from dsched.devices.device import EMULATED_RESOURCE, Device, device_of_resources, device_resource, placement_device
+from dsched.names import DASHBOARD_PLUGIN
 
 __all__ = ["cluster_info", "emulated_devices", "device_owners", "device_capacities", "device_threads", "check_devices_owned",
            "lost_device_timeout", "absent_since", "wait_for_devices"]
@@ -37,14 +38,21 @@ def cluster_info(client) -> dict:
     the client's cached copy instead, which the client's periodic refresh (every
     2 s, asking for no workers) can replace between the answer and the return: a
     cluster of workers then reads as one without any (seen in the suite).
+    The same answer says whether the scheduler has dsched's dashboard
+    (``info["dsched-dashboard"]``): a run asks the scheduler one question, not two.
     """
-    info = client.sync(client.scheduler.identity, n_workers=-1)
+    info = client.run_on_scheduler(_identity)
     owned = {device_of_resources(w.get("resources")) for w in info.get("workers", {}).values()} - {None}
     with _sightings.lock:  # a device seen owned is no longer away; it may be waited for if it goes
         _sightings.owned.setdefault(client.scheduler.address, set()).update(owned)
         for device in owned:
             _sightings.absent.pop((client.scheduler.address, device), None)
     return info
+
+
+def _identity(dask_scheduler=None) -> dict:
+    """The scheduler's identity with every worker, and whether it has dsched's dashboard (on the scheduler)."""
+    return {**dask_scheduler.identity(n_workers=-1), "dsched-dashboard": DASHBOARD_PLUGIN in dask_scheduler.plugins}
 
 
 def _workers(client, workers):

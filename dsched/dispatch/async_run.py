@@ -114,6 +114,8 @@ class AsyncRun:
                     break
                 record, work = self._dispatched(*chunk)
                 groups[self.watch.where(record.device)].append((record, work))
+            if self.feeds is not None:  # every device's feeds at once: one round trip for the parked ones
+                self.feeds.start(list(groups))
             for device, chunks in groups.items():
                 self._submit(device, chunks)
             if not self.in_flight:

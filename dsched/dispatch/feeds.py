@@ -72,7 +72,7 @@ from dsched.devices.device import device_resource, placement_device
 from dsched.devices.ownership import cluster_info, device_owners
 from dsched.dispatch.completion import ask_worker, notify_when_done, until_done, watch_worker
 from dsched.dispatch.parking import _GONE_FOR, _is_gone, _park, _parked, _state, _take_parked, release_parked
-from dsched.names import CHUNK_EVENT_TOPIC, DASHBOARD_PLUGIN, is_feed_key
+from dsched.names import CHUNK_EVENT_TOPIC, is_feed_key
 from dsched.worker.feed import CHUNK_OP, CHUNKS_OP, PARK_OP, REARM_OP, STOP_OP, FeedPlugin, _unwrap, run_feed
 
 # Also importable from here (the old path ``dsched.feed`` names this module): the worker's side and the names.
@@ -167,7 +167,7 @@ class Feeds:
         self._batch = max(1, int(dask.config.get("dsched.feed-batch", MAX_BATCH)))  # read once, not per message
         self._feeds = {}  # Device -> [_Feed], from its first chunk on (lost ones included)
         self._workers = cluster["workers"]  # address -> its threads and resources, as the run last saw them
-        self._events = None  # whether the scheduler has the dashboard, asked when a feed first starts
+        self._events = bool(cluster.get("dsched-dashboard"))  # whether the scheduler has the dashboard
         self._by_key = {}  # task key -> feed, for the tasks not yet ended
         register_plugin(client, cluster.get("id"))
         with _state.parked_lock:
@@ -341,25 +341,57 @@ class Feeds:
                 kinds = {}
             local = [a for a, kind in kinds.items() if kind != "remote"]
             if local:
-                self._open(device, local)
+                self._open({device: local})
+
+    def start(self, devices):
+        """Start the feeds of those of ``devices`` this run serves and has not started: the parked ones among them
+        are rearmed together, one round trip for all; if a worker turned out gone, on the workers that own it now."""
+        wanted = {}
+        for device in devices:
+            if device in self.owners and device not in self._feeds:
+                self._feeds[device] = []
+                wanted[device] = [a for a in self.owners[device] if a in self._workers and not _is_gone(a)]
+        if wanted and self._open(wanted):
+            self.follow(cluster_info(self.client)["workers"])
 
     def _start(self, device) -> list:
-        """Start ``device``'s feeds on its workers; if one turned out gone, on the workers that own it now."""
-        if self._events is None:
-            self._events = self.client.run_on_scheduler(_has_dashboard)
-        self._feeds[device] = []
-        addresses = [a for a in self.owners[device] if a in self._workers and not _is_gone(a)]
-        if self._open(device, addresses):
-            self.follow(cluster_info(self.client)["workers"])
+        self.start([device])
         return self._feeds[device]
 
-    def _open(self, device, addresses) -> bool:
-        """Add feeds for ``device`` on ``addresses``: per worker, as many as it has threads and room for chunks of
-        its batch size, parked ones first; whether a parked one's worker turned out gone.
+    def _open(self, wanted) -> bool:
+        """Add feeds for each device of ``wanted`` (``{Device: addresses}``) on its addresses: per worker, as many
+        as it has threads and room for chunks of its batch size, parked ones first; whether a parked one's worker
+        turned out gone.
 
         Each feed holds its share of the worker's device resource, so that feeds
         keep the bound a worker's capacity sets on the items it runs at once.
         """
+        parked = []
+        for device, addresses in wanted.items():
+            opened = self._lanes(device, addresses)
+            # Known to the run before anything can fail: an interrupted run cancels them (a rearmed feed
+            # would otherwise wait for chunks that never come).
+            self._feeds[device].extend(opened)
+            parked += [f for f in opened if f.future is not None]
+        # Parked feeds get the run's program before any chunk; one that ended meanwhile is replaced.
+        # Their tasks' notices come to this run from before the rearm: one that retires right after it
+        # gets its successor.
+        for f in parked:
+            self._by_key[f.future.key], f.owner = f, self
+        answers = self.client.sync(self._rearm_all, parked) if parked else []
+        for feed, answer in zip(parked, answers):
+            if answer != "OK":  # no scheduler round trip for the others: their tasks run already
+                self._replace(feed, answer)
+        for device in wanted:
+            for feed in self._feeds[device]:
+                if feed.future is None and not feed.lost:
+                    self._submit(feed, feed.id)
+        for address in {a for addresses in wanted.values() for a in addresses}:
+            watch_worker(self.client, address, _worker_left)  # after the tasks: a subscription first would
+        return "gone" in answers  # hold them back (tasks.py)
+
+    def _lanes(self, device, addresses) -> list:
+        """``device``'s feeds on ``addresses``, parked ones taken first (not started)."""
         resource = device_resource(device)
         items = self.batch_sizes.get(device, 1)
         opened = []
@@ -370,33 +402,20 @@ class Feeds:
             for _ in range(lanes):
                 opened.append(_take_parked(self.client, address, device, held / lanes)
                               or _Feed(_new_feed_id(self.client), device, address, None, held / lanes))
-        # Known to the run before anything can fail: an interrupted run cancels them (a rearmed feed
-        # would otherwise wait for chunks that never come).
-        feeds = self._feeds[device]
-        feeds.extend(opened)
-        # Parked feeds get the run's program before any chunk; one that ended meanwhile is replaced.
-        # Their tasks' notices come to this run from before the rearm: one that retires right after it
-        # gets its successor.
-        parked = [f for f in opened if f.future is not None]
-        for f in parked:
-            self._by_key[f.future.key], f.owner = f, self
-        answers = self.client.sync(self._rearm_all, parked) if parked else []
-        for feed, answer in zip(parked, answers):
-            if answer != "OK":  # no scheduler round trip for the others: their tasks run already
-                self._by_key.pop(feed.future.key, None)
-                feed.owner = None
-                feed.future.release()
-                position = feeds.index(feed)
-                if answer == "gone":  # a replacement goes where the device's worker is now (_start)
-                    del feeds[position]
-                else:  # its worker is there, the feed is not: a new one in its place
-                    feeds[position] = _Feed(_new_feed_id(self.client), device, feed.address, None, feed.holds)
-        for feed in feeds:
-            if feed.future is None and not feed.lost:
-                self._submit(feed, feed.id)
-        for address in addresses:  # after the tasks: a subscription first would hold them back (tasks.py)
-            watch_worker(self.client, address, _worker_left)
-        return "gone" in answers
+        return opened
+
+    def _replace(self, feed, answer):
+        """A parked feed the rearm did not take: ``"gone"`` (its worker: a replacement goes where the device's
+        worker is now, see :meth:`start`) or ``"ended"`` (a new feed in its place)."""
+        self._by_key.pop(feed.future.key, None)
+        feed.owner = None
+        feed.future.release()
+        feeds = self._feeds[feed.device]
+        position = feeds.index(feed)
+        if answer == "gone":
+            del feeds[position]
+        else:
+            feeds[position] = _Feed(_new_feed_id(self.client), feed.device, feed.address, None, feed.holds)
 
     async def _rearm_all(self, feeds) -> list:
         """Hand parked feeds this run's program, all at once: for each, ``"OK"``, ``"ended"`` (the feed had ended)
@@ -491,10 +510,6 @@ class Feeds:
         ends the wait for it, and no wait is longer than :data:`_END_WAIT`."""
         await self._stop(feeds, release=False)
         await until_done([f.future for f in feeds if not f.lost], _END_WAIT)
-
-
-def _has_dashboard(dask_scheduler=None) -> bool:
-    return DASHBOARD_PLUGIN in dask_scheduler.plugins
 
 
 def _spawn(coroutine):

@@ -14,7 +14,9 @@ Rows, timed in one run (repeats interleaved, median and best reported):
   strain, plastic_strain, alpha, scheduler=..., client=...)`` with a model that
   returns new arrays, NumPy inputs, nothing declared, on the two worker processes below;
 - ``ray, put and tasks`` (only where Ray is installed): ``ray.put`` of the inputs
-  once, a task per chunk on 2 Ray worker processes, results concatenated;
+  once, a task per chunk on 2 Ray worker processes, results concatenated. Ray
+  runs after the other rows, started for its row alone and stopped after it:
+  its own processes stay busy while it is up and would slow the rows beside it;
 - ``dispatch, processes``: a :class:`~dsched.WorkDispatcher` on two single-thread worker
   processes (cpu + emulated cuda:0), the cluster started beforehand; the
   inputs are private NumPy arrays, copied into shared memory by each call,
@@ -95,13 +97,22 @@ def _faults(client) -> tuple:
     return _minor_faults(), sum(client.run(_minor_faults).values())
 
 
-def _ray_rows(inputs, chunk):
-    """``[("ray, put and tasks", run)]`` with Ray started on 2 CPUs, or ``[]`` where Ray is not installed."""
+def _time_ray(inputs, chunk, repeats, procs_client, say) -> tuple:
+    """The ``ray, put and tasks`` row's ``(times, faults)`` (see :func:`_repeat`), Ray started for it alone and
+    stopped after it; ``({}, {})`` where Ray is not installed."""
     try:
         import ray
     except ImportError:
-        return []
+        return {}, {}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        return _repeat(_ray_rows(ray, inputs, chunk), repeats, procs_client, inputs[0].shape[0], say)
+    finally:
+        ray.shutdown()
+
+
+def _ray_rows(ray, inputs, chunk):
+    """``[("ray, put and tasks", run)]`` on the running Ray, warmed up."""
     task = ray.remote(num_cpus=1)(lambda s, e, a, start, stop: _j2(s[start:stop], e[start:stop], a[start:stop]))
     refs = [ray.put(a) for a in inputs]
 
@@ -285,17 +296,10 @@ def _time_rows(points, repeats, chunk, say) -> tuple:
                                    dashboard_address=None) as procs, Client(procs) as procs_client, \
             dsched.LocalHybridCluster(["cpu"], dashboard_address=None) as inproc, Client(inproc) as inproc_client:
         rows, shared_out = _warm_rows(procs_client, inproc_client, graph, inputs, points, chunk)
-        rows += _ray_rows(inputs, chunk)
-        times = {name: [] for name, _ in rows}
-        faults = {name: (0, 0) for name, _ in rows}
-        for _ in range(repeats):
-            for name, fn in rows:
-                before = _faults(procs_client)
-                seconds, _ = _timed(fn)
-                after = _faults(procs_client)
-                faults[name] = (after[0] - before[0], after[1] - before[1])  # the last repeat's
-                times[name].append(seconds)
-                say(f"data {name}: {points / seconds:,.0f} items/s")
+        times, faults = _repeat(rows, repeats, procs_client, points, say)
+        ray_times, ray_faults = _time_ray(inputs, chunk, repeats, procs_client, say)
+        times.update(ray_times)
+        faults.update(ray_faults)
         checked = _processes_dispatch(procs_client, inputs, _hybrid_scheduler(chunk), sizes)
         plain = _plain_call(procs_client, inputs, chunk)
         reference = _j2(*inputs)
@@ -304,6 +308,22 @@ def _time_rows(points, repeats, chunk, say) -> tuple:
                 if not np.array_equal(result[name], values):
                     raise AssertionError(f"{label}'s {name} differs from one NumPy call's")
     return times, sizes, faults
+
+
+def _repeat(rows, repeats, procs_client, points, say) -> tuple:
+    """``rows`` (``[(name, run)]``) each run ``repeats`` times, interleaved: ``({name: [seconds]}, {name: (client
+    faults, worker faults)})``, the faults of the last repeat."""
+    times = {name: [] for name, _ in rows}
+    faults = {name: (0, 0) for name, _ in rows}
+    for _ in range(repeats):
+        for name, fn in rows:
+            before = _faults(procs_client)
+            seconds, _ = _timed(fn)
+            after = _faults(procs_client)
+            faults[name] = (after[0] - before[0], after[1] - before[1])
+            times[name].append(seconds)
+            say(f"data {name}: {points / seconds:,.0f} items/s")
+    return times, faults
 
 
 def _warm_rows(procs_client, inproc_client, graph, inputs, points, chunk) -> tuple:

@@ -68,4 +68,7 @@ class RunTotal(RunObserver):
 
     def run_started(self, run):
         if run.client is not None and run.total > 0:
-            run.client.log_event(RUN_EVENT_TOPIC, (run.client.id, int(run.total)))
+            # Sent on the client's event loop, not waited for: the run's first chunks need not wait on it.
+            client = run.client
+            client.loop.add_callback(client.scheduler.log_event, topic=RUN_EVENT_TOPIC,
+                                     msg=(client.id, int(run.total)))
