@@ -2,6 +2,7 @@
 empty batches return empty outputs or say the batch is empty."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -91,3 +92,51 @@ def test_thirty_calls_with_object_outputs_reuse_their_segments_and_leak_none(pro
     del out
     release_pool()
     assert _segments() == before
+
+
+_PROBE_GATE = threading.Event()  # held closed: a probe of blocking() waits on it (each process has its own)
+_PROBE_THREADS = []  # the threads this process probed a model on
+
+
+def blocking(x):
+    """Twice ``x``; a one-item call (the layout probe: the chunks have 4 items) waits for the gate first."""
+    if len(x) == 1:
+        _PROBE_THREADS.append(threading.get_native_id())  # (an ident may be reused; a TID is not soon)
+        _PROBE_GATE.wait(30)
+    return x * 2
+
+
+def counted(x):
+    """``x + 1``; one-item calls (probes) note their thread."""
+    if len(x) == 1:
+        _PROBE_THREADS.append(threading.get_native_id())  # (an ident may be reused; a TID is not soon)
+    return x + 1
+
+
+def test_a_model_whose_first_item_blocks_does_not_hold_the_run_and_the_next_probe_still_runs(process_client):
+    """The layout probe (the model on the first item, on the client) gives up after ``dsched.probe-timeout``:
+    the run goes on, its results correct, and a probe left running does not stop the next call's."""
+    import dask
+
+    _PROBE_THREADS.clear()
+    scheduler = dsched.SimpleScheduler("cpu", 4)
+    try:
+        with dask.config.set({"dsched.probe-timeout": 0.1}):
+            first = dsched.dispatch(blocking, np.arange(8.0), scheduler=scheduler, client=process_client)
+            second = dsched.dispatch(blocking, np.arange(8.0), scheduler=scheduler, client=process_client)
+    finally:
+        _PROBE_GATE.set()
+    assert first.tolist() == second.tolist() == (np.arange(8.0) * 2).tolist()
+    assert len(_PROBE_THREADS) == 2 and _PROBE_THREADS[0] != _PROBE_THREADS[1]  # the first was still busy
+
+
+def test_consecutive_probes_run_on_one_thread_kept_for_them(process_client):
+    """(The probe runs where the outputs live in shared memory: on worker processes.)"""
+    scheduler = dsched.SimpleScheduler("cpu", 4)
+    dsched.dispatch(counted, np.arange(8.0), scheduler=scheduler, client=process_client)
+    _PROBE_THREADS.clear()
+    for _ in range(3):
+        assert dsched.dispatch(counted, np.arange(8.0), scheduler=scheduler, client=process_client).tolist() == \
+            list(range(1, 9))
+    assert len(_PROBE_THREADS) == 3 and len(set(_PROBE_THREADS)) == 1
+    assert threading.get_native_id() not in _PROBE_THREADS

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import queue
 import threading
 from dataclasses import dataclass
 
@@ -226,22 +227,38 @@ def _within(call, seconds):
 
     The call runs on a thread of its own, which is left to finish if it runs
     over: a model that waits for something (a file, an event, another process)
-    must not hold the run up before its first chunk is even sent.
+    must not hold the run up before its first chunk is even sent. The thread
+    waits for the next probe once done (starting one costs more than a cached probe).
     """
-    box = {}
+    box, done = {}, threading.Event()
+    try:
+        inbox = _idle_probe_threads.pop()
+    except IndexError:
+        inbox = queue.SimpleQueue()
+        threading.Thread(target=_probe_thread, args=(inbox,), name="dsched-layout-probe", daemon=True).start()
+    inbox.put((call, box, done))
+    done.wait(seconds)
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
 
-    def run():
+
+_idle_probe_threads = []  # the inboxes of probe threads waiting for a call (at most one is kept)
+
+
+def _probe_thread(inbox):
+    while True:
+        call, box, done = inbox.get()
         try:
             box["result"] = call()
         except BaseException as err:  # handed to the caller
             box["error"] = err
-
-    thread = threading.Thread(target=run, name="dsched-layout-probe", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if "error" in box:
-        raise box["error"]
-    return box.get("result")
+        keep = not _idle_probe_threads
+        if keep:  # before done is set: the caller's next probe finds this thread
+            _idle_probe_threads.append(inbox)
+        done.set()
+        if not keep:
+            return
 
 
 def _read_only_copy(value):
