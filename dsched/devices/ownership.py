@@ -10,8 +10,9 @@ from dask import config
 from dsched.devices.device import EMULATED_RESOURCE, Device, device_of_resources, device_resource, placement_device
 from dsched.names import DASHBOARD_PLUGIN
 
-__all__ = ["cluster_info", "emulated_devices", "device_owners", "device_capacities", "device_threads", "check_devices_owned",
-           "lost_device_timeout", "absent_since", "wait_for_devices"]
+__all__ = ["cluster_info", "has_dashboard", "dashboard_registered", "emulated_devices", "device_owners",
+           "device_capacities", "device_threads", "check_devices_owned", "lost_device_timeout", "absent_since",
+           "wait_for_devices"]
 
 LOST_DEVICE_TIMEOUT = 30.0  # ``dsched.lost-device-timeout``: seconds a device may be without a worker (a nanny restarts one)
 _POLL = 0.1  # seconds between looks at the cluster while a call waits for a device's worker
@@ -38,10 +39,11 @@ def cluster_info(client) -> dict:
     the client's cached copy instead, which the client's periodic refresh (every
     2 s, asking for no workers) can replace between the answer and the return: a
     cluster of workers then reads as one without any (seen in the suite).
-    The same answer says whether the scheduler has dsched's dashboard
-    (``info["dsched-dashboard"]``): a run asks the scheduler one question, not two.
+    ``info["dsched-dashboard"]`` says whether the scheduler has dsched's dashboard
+    (see :func:`has_dashboard`).
     """
-    info = client.run_on_scheduler(_identity)
+    info = client.sync(client.scheduler.identity, n_workers=-1)
+    info["dsched-dashboard"] = has_dashboard(client, info.get("id"))
     owned = {device_of_resources(w.get("resources")) for w in info.get("workers", {}).values()} - {None}
     with _sightings.lock:  # a device seen owned is no longer away; it may be waited for if it goes
         _sightings.owned.setdefault(client.scheduler.address, set()).update(owned)
@@ -50,9 +52,35 @@ def cluster_info(client) -> dict:
     return info
 
 
-def _identity(dask_scheduler=None) -> dict:
-    """The scheduler's identity with every worker, and whether it has dsched's dashboard (on the scheduler)."""
-    return {**dask_scheduler.identity(n_workers=-1), "dsched-dashboard": DASHBOARD_PLUGIN in dask_scheduler.plugins}
+DASHBOARD_RECHECK = 5.0  # seconds: how long "no dashboard" is believed before the scheduler is asked again
+_dashboards = {}  # scheduler id -> (has dsched's dashboard, time.monotonic() of the answer)
+
+
+def has_dashboard(client, scheduler_id=None) -> bool:
+    """Whether ``client``'s scheduler has dsched's dashboard plugin; runs tell it of their chunks if so.
+
+    Asked once per scheduler (a run's one question to the scheduler is the
+    cheap ``identity``; a remote function call costs twice that): a plugin
+    added later by :func:`dsched.observe.dashboard.plugin.register` is known at
+    once (:func:`dashboard_registered`), one added another way within
+    :data:`DASHBOARD_RECHECK` seconds.
+    """
+    known = _dashboards.get(scheduler_id)
+    if known is not None and (known[0] or time.monotonic() - known[1] < DASHBOARD_RECHECK):
+        return known[0]
+    present = bool(client.run_on_scheduler(_has_dashboard))
+    if scheduler_id is not None:
+        _dashboards[scheduler_id] = (present, time.monotonic())
+    return present
+
+
+def dashboard_registered(scheduler_id) -> None:
+    """The dashboard was just added to the scheduler ``scheduler_id``."""
+    _dashboards[scheduler_id] = (True, time.monotonic())
+
+
+def _has_dashboard(dask_scheduler=None) -> bool:
+    return DASHBOARD_PLUGIN in dask_scheduler.plugins
 
 
 def _workers(client, workers):

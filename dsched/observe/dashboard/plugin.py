@@ -41,6 +41,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dsched.checks import check_positive_int
 from dsched.devices.device import UNLIMITED_CAPACITY, Device, device_of_resources
+from dsched.devices.ownership import dashboard_registered
 from dsched.names import (
     CHUNK_EVENT_TOPIC,
     DASHBOARD_PLUGIN,
@@ -546,4 +547,5 @@ def dask_setup(scheduler):
 def register(client, window: float = 10.0) -> None:
     """Install the plugin and the JSON route on the running scheduler of ``client``."""
     client.register_plugin(DashboardPlugin(window), name=PLUGIN_NAME)
+    dashboard_registered(client.scheduler_info().get("id"))  # the next run tells it of its chunks
 
