@@ -72,7 +72,8 @@ def test_an_empty_batch_without_out_is_a_one_line_error(run):
 
 
 def _segments():
-    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith("dsched-"))
+    """This process's segments (other processes on the host, tests run beside these ones, make their own)."""
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(f"dsched-{os.getpid()}-"))
 
 
 def test_thirty_calls_with_object_outputs_reuse_their_segments_and_leak_none(process_client):

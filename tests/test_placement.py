@@ -12,6 +12,7 @@ from pathlib import Path
 import dask
 import numpy as np
 import pytest
+from dask.utils import key_split
 
 import dsched
 from dsched import PlacementWarning, StaticHybridScheduler, as_batched, current_device, map_blocks, plan
@@ -153,9 +154,15 @@ def test_cli_worker_rejects_a_bad_device_before_starting(options, message):
 # --- a worker killed mid-compute ------------------------------------------------------------
 
 def slow_code(a, event_name):
-    """Waits for the test's go, then returns [2a, device code] per item (``a`` is (m, 1))."""
-    from distributed import Event
+    """Waits for the test's go, then returns [2a, device code] per item (``a`` is (m, 1)).
 
+    It waits seceded, holding no worker thread: under Dask's expression engine the blocks' input chunks are
+    tasks of their own (not fused into the blocks), and blocks waiting on their threads (and on the
+    scheduler's queuing slots) would leave a chunk a cuda:0 block needs unrun until the go, which waits for
+    every cuda:0 block to be processing."""
+    from distributed import Event, secede
+
+    secede()
     Event(event_name).wait(timeout=60)
     return np.concatenate([2 * a, np.full((len(a), 1), DEVICE_CODE[str(current_device())])], axis=1)
 
@@ -205,8 +212,9 @@ def test_blocks_of_a_killed_worker_rerun_elsewhere_complete_and_correct(process_
     xb = batched(x[:, None], s)
     y = map_blocks(slow_code, xb, "dsched-test-go", scheduler=s, chunks=(xb.chunks[0], (2,)), meta=np.empty((0, 0)))
     future = client.compute(y)
-    wait_for(lambda: len(client.processing(workers=[gpu])[gpu]) == planned_on_gpu, 30,
-             "the cuda:0 blocks to reach their worker")
+    # The blocks only: an input chunk computing on cuda:0 is not one.
+    wait_for(lambda: sum(key_split(k) == "slow_code" for k in client.processing(workers=[gpu])[gpu]) == planned_on_gpu,
+             30, "the cuda:0 blocks to reach their worker")
     events_before = len(client.get_events("dsched-placement"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

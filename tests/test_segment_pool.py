@@ -102,3 +102,24 @@ def test_release_pool_unlinks_what_is_kept(process_client):
     assert held > 0 and segments()
     assert release_pool() == held
     assert segments() == set() and POOL.held() == 0
+
+
+def test_outputs_fed_back_as_inputs_travel_by_reference_step_after_step(process_client):
+    """A solver's loop: each call's output is the next call's input; none of it is copied into a new segment."""
+    from dsched.dataplane.store import find_shared
+
+    x = np.arange(3000.0).reshape(1000, 3)
+    state = dsched.dispatch(double, x, scheduler=scheduler(), client=process_client)["y"]
+    for step in range(4):
+        ref = find_shared(state)
+        assert ref is not None and ref.token in segments()
+        created = segments()
+        new = dsched.dispatch(double, state, scheduler=scheduler(), client=process_client)["y"]
+        np.testing.assert_array_equal(new, 2.0 ** (step + 2) * x)
+        # The new outputs' segment is the only new one from step 1 on (the old state's comes back to the pool
+        # once dropped, for the next step's outputs); no input segment was made for `state`.
+        assert len(segments() - created) <= 1
+        state = new
+    del state, new
+    gc.collect()
+    assert segments() and all(find_shared(np.frombuffer(b, np.uint8)) is None for *_, b in POOL._free)

@@ -24,7 +24,7 @@ import numpy as np
 from dsched.names import SEGMENT_PREFIX
 
 __all__ = ["SHM_DIR", "mapped_segment", "pinned_segment", "forget_vanished_segments", "sweep_stale_segments",
-           "sweep_now_and_then", "shared_empty", "shared_copy", "SegmentPool", "POOL", "release_pool", "record_semaphores"]
+           "sweep_now_and_then", "note_user_segment", "forget_user_segment", "shared_empty", "shared_copy", "SegmentPool", "POOL", "release_pool", "record_semaphores"]
 
 SHM_DIR = "/dev/shm"
 _PREFIX = SEGMENT_PREFIX
@@ -404,8 +404,23 @@ def record_semaphores(owner, names):
 
 # --- arrays that live in shared memory from the start ----------------------------
 
-_user_segments: dict = {}  # token -> (address, size) of this process's shared_empty arrays still alive
+# token -> (address, size) of the segments under arrays this process's user holds: shared_empty arrays,
+# and a run's outputs (their segments lent by the pool) while those arrays live. Fed back as inputs,
+# such arrays travel by reference.
+_user_segments: dict = {}
 _user_lock = threading.Lock()
+
+
+def note_user_segment(token, address, size):
+    """Arrays over the segment ``token`` (mapped at ``address``, ``size`` bytes) are the user's from now on."""
+    with _user_lock:
+        _user_segments[token] = (address, max(int(size), 1))
+
+
+def forget_user_segment(token):
+    """No array of the user's lies over the segment ``token`` any more (or its name is gone)."""
+    with _user_lock:
+        _user_segments.pop(token, None)
 
 
 def shared_empty(shape, dtype=float) -> np.ndarray:
@@ -430,8 +445,7 @@ def shared_empty(shape, dtype=float) -> np.ndarray:
     count = int(np.prod(shape, dtype=np.int64))
     segment = _Segment(count * dtype.itemsize)
     array = np.frombuffer(segment.buffer, dtype, count=count).reshape(shape)
-    with _user_lock:
-        _user_segments[segment.token] = (array.__array_interface__["data"][0], max(count * dtype.itemsize, 1))
+    note_user_segment(segment.token, array.__array_interface__["data"][0], count * dtype.itemsize)
     buffer, token, path = segment.buffer, segment.token, segment.path
     del segment  # the finalizer must not hold what holds the mapping, or the mapping would never be collected
     weakref.finalize(buffer, _release_user_segment, token, path)
@@ -447,8 +461,7 @@ def shared_copy(array) -> np.ndarray:
 
 
 def _release_user_segment(token, path):
-    with _user_lock:
-        _user_segments.pop(token, None)
+    forget_user_segment(token)
     _unlink(token, path)
 
 

@@ -50,7 +50,9 @@ from dsched.dataplane.segments import (
     _Segment,
     _shared_location,
     _unlink,
+    forget_user_segment,
     mapped_segment,
+    note_user_segment,
     pinned_segment,
     round_to_pages,
     shared_copy,
@@ -301,16 +303,21 @@ class _Lease:
     def of(cls, segment, base):
         lease = cls(segment.token, segment.path, segment.buffer)
         POOL.lend(segment.token, segment.path)  # unlinked at exit if its arrays outlive the pool
+        # The outputs handed out are found where they lie: fed back as a later call's inputs (a solver's
+        # state, step after step), they travel by reference, not copied into a new segment.
+        note_user_segment(segment.token, base.__array_interface__["data"][0], base.nbytes)
         weakref.finalize(base, lease.end)  # base: the array every view of the segment derives from
         return lease
 
     def revoke(self):
         """Never recycle it (its run did not end cleanly): unlink its name now."""
         self.revoked = True
+        forget_user_segment(self.token)  # workers could no longer open it by name
         POOL.forget(self.token)
         _unlink(self.token, self.path)
 
     def end(self):
+        forget_user_segment(self.token)  # before the pool may lend the segment again
         if not self.revoked:
             POOL.give(self.token, self.path, self.buffer)
         self.buffer = None
@@ -319,7 +326,8 @@ class _Lease:
 # --- arrays that live in shared memory from the start ----------------------------
 
 def find_shared(array):
-    """An :class:`ArrayRef` to ``array`` where it lies, if it is C-contiguous memory of a :func:`shared_empty` array."""
+    """An :class:`ArrayRef` to ``array`` where it lies, if it is C-contiguous memory of a :func:`shared_empty` array
+    or of a run's outputs (while the user holds them)."""
     if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.dtype.hasobject:
         return None
     found = _shared_location(array)
