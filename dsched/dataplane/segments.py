@@ -24,7 +24,8 @@ import numpy as np
 from dsched.names import SEGMENT_PREFIX
 
 __all__ = ["SHM_DIR", "mapped_segment", "pinned_segment", "forget_vanished_segments", "sweep_stale_segments",
-           "sweep_now_and_then", "note_user_segment", "forget_user_segment", "shared_empty", "shared_copy", "SegmentPool", "POOL", "release_pool", "record_semaphores"]
+           "sweep_now_and_then", "note_user_segment", "forget_user_segment", "shared_empty", "shared_copy",
+           "SegmentPool", "POOL", "release_pool", "record_semaphores"]
 
 SHM_DIR = "/dev/shm"
 _PREFIX = SEGMENT_PREFIX

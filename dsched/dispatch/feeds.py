@@ -386,9 +386,10 @@ class Feeds:
             for feed in self._feeds[device]:
                 if feed.future is None and not feed.lost:
                     self._submit(feed, feed.id)
+        # After the tasks: a subscription first would hold them back (tasks.py).
         for address in {a for addresses in wanted.values() for a in addresses}:
-            watch_worker(self.client, address, _worker_left)  # after the tasks: a subscription first would
-        return "gone" in answers  # hold them back (tasks.py)
+            watch_worker(self.client, address, _worker_left)
+        return "gone" in answers
 
     def _lanes(self, device, addresses) -> list:
         """``device``'s feeds on ``addresses``, parked ones taken first (not started)."""
