@@ -141,3 +141,23 @@ def test_consecutive_probes_run_on_one_thread_kept_for_them(process_client):
             list(range(1, 9))
     assert len(_PROBE_THREADS) == 3 and len(set(_PROBE_THREADS)) == 1
     assert threading.get_native_id() not in _PROBE_THREADS
+
+
+class _Scaled:
+    """A model object (a weak reference tells whether anything still holds it)."""
+
+    def __call__(self, x):
+        return 3.0 * x
+
+
+def test_the_kept_probe_thread_does_not_keep_the_last_model_alive(process_client):
+    import gc
+    import weakref
+
+    model = _Scaled()
+    out = dsched.dispatch(model, np.arange(8.0), scheduler=dsched.SimpleScheduler("cpu", 4), client=process_client)
+    assert out.tolist() == (3.0 * np.arange(8.0)).tolist()
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None

@@ -285,3 +285,43 @@ def test_load_steps_example_runs_and_checks_itself():
                            "--emulate", "--check"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step    2:" in done.stdout and "check: equal to the same steps in NumPy" in done.stdout
+
+
+def _twice(x):
+    return 2.0 * x
+
+
+def _held_until_go(x, *, event):
+    """Holds the chunk's worker until the test says go (so that the next update waits behind it)."""
+    from distributed import Event, secede
+
+    secede()
+    Event(event).wait(timeout=60)
+    return {"x": x}
+
+
+def _add_load(x, load):
+    return {"x": np.asarray(x) + load}
+
+
+def test_a_dispatch_output_given_as_an_update_input_is_kept_until_the_update_ran(process_client):
+    """A run's outputs lie in a pooled segment, read where they lie when given as an update's inputs: dropped by
+    the caller before the update ran, their memory must not go back to the pool (the next call would write it)."""
+    import gc
+    import uuid
+
+    n, event = 200, f"dsched-test-go-{uuid.uuid4().hex}"
+    scheduler = dsched.SimpleScheduler("cpu", 100)
+    load = dsched.dispatch(_twice, np.ones(n), scheduler=scheduler, client=process_client)
+    with Batch({"x": np.zeros(n)}, scheduler, client=process_client) as batch:
+        batch.update(_held_until_go, reads=["x"], writes=["x"], kwargs={"event": event})
+        added = batch.update(_add_load, reads=["x"], writes=["x"], inputs={"load": load})
+        del load
+        gc.collect()
+        other = dsched.dispatch(_twice, np.full(n, 7.0), scheduler=scheduler, client=process_client)
+        from distributed import Event
+
+        Event(event, client=process_client).set()
+        added.wait()
+        np.testing.assert_array_equal(batch.get("x"), np.full(n, 2.0))  # the load as it was, not 14 (or 7)
+    np.testing.assert_array_equal(other, np.full(n, 14.0))

@@ -190,7 +190,7 @@ class SegmentPool:
     def __init__(self):
         self._free = []  # (nbytes, token, path, buffer), oldest first
         self._lent = {}  # token -> path of segments under arrays handed out, to come back when those are gone
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a lease's end (a finalizer) may give back under it
 
     @staticmethod
     def capacity() -> int:
@@ -409,7 +409,7 @@ def record_semaphores(owner, names):
 # and a run's outputs (their segments lent by the pool) while those arrays live. Fed back as inputs,
 # such arrays travel by reference.
 _user_segments: dict = {}
-_user_lock = threading.Lock()
+_user_lock = threading.RLock()  # re-entrant: a lease's end (a finalizer) may run in a collection under it
 
 
 def note_user_segment(token, address, size):
@@ -470,7 +470,7 @@ def _shared_location(array):
     """``(token, offset)`` of ``array``'s bytes in one of this process's :func:`shared_empty` segments, or ``None``."""
     start = array.__array_interface__["data"][0]
     with _user_lock:
-        for token, (address, size) in _user_segments.items():
+        for token, (address, size) in list(_user_segments.items()):  # a finalizer may forget one meanwhile
             if address <= start and start + array.nbytes <= address + size:
                 return token, start - address
     return None

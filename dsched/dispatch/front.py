@@ -259,6 +259,7 @@ def _probe_thread(inbox):
         done.set()
         if not keep:
             return
+        call = box = done = None  # an idle thread must not keep the last probe's model (and its arrays) alive
 
 
 def _read_only_copy(value):

@@ -151,7 +151,7 @@ class Batch:
         self._queued = {c.index: collections.deque() for c in self.chunks}
         self._in_dask = {c.index: 0 for c in self.chunks}
         self._submit_lock = threading.Lock()
-        self._inputs = []  # (store, tasks) of updates' own inputs: released once their tasks have ended
+        self._inputs = []  # (_Kept, tasks) of updates' inputs and outputs: released once their tasks have ended
         # The first values wait for the first operation, to go to Dask with it (one message, one task).
         self._held = True
         self._load_values(arrays, "init")
@@ -220,8 +220,8 @@ class Batch:
                 into = {name: SliceRef(ref, 0, chunk.start, chunk.stop) for name, ref in targets.items()} or None
                 tasks.append(self._push(chunk, reads, written, f"{label}-{step}", _update, spec, chunk, versions,
                                         rows, into, pump=False))
-            if store is not None:
-                self._inputs.append((store, tasks))
+            if store is not None or refs or targets:
+                self._inputs.append((_Kept(store, arrays, out), tasks))
         self._flush(everywhere=True)
         return Update(label, tasks)
 
@@ -571,3 +571,17 @@ class Batch:
             raise RuntimeError("this Batch is closed")
         if flush:
             self._flush()
+
+
+class _Kept:
+    """What an update's tasks read and write outside the batch, kept until they end: the store its inputs were
+    copied into, and the caller's arrays they read or write where they lie (a run's outputs go back to the
+    segment pool, to be written by the next call, once the caller's arrays are gone)."""
+
+    def __init__(self, store, arrays, out):
+        self.store, self.arrays = store, (arrays, out)
+
+    def close(self, clean=False):
+        if self.store is not None:
+            self.store.close(clean=clean)
+        self.store, self.arrays = None, None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 from dsched.checks import check_positive_int
+from dsched.devices.ownership import has_dashboard
 from dsched.names import DASHBOARD_PLUGIN as PLUGIN_NAME
 from dsched.names import RUN_EVENT_TOPIC
 from dsched.observe.hooks import RunObserver
@@ -61,14 +62,15 @@ def dashboard_link(client) -> str | None:
 class RunTotal(RunObserver):
     """Tells the page each run's total as it starts, so that ``dispatch()`` runs show their progress and ETA.
 
-    One small event to the scheduler per run, not waited for (a :func:`track_run`
-    around the run, which names it too, takes precedence). Every async
-    :class:`~dsched.WorkDispatcher` run has one.
+    One small event to the scheduler per run where the scheduler has the dashboard
+    (a :func:`track_run` around the run, which names it too, takes precedence).
+    Every async :class:`~dsched.WorkDispatcher` run has one.
     """
 
     def run_started(self, run):
         if run.client is not None and run.total > 0:
-            # Sent on the client's event loop, not waited for: the run's first chunks need not wait on it.
+            # Only where a page reads it (asked once per scheduler), and waited for: the page takes the
+            # total at the run's first chunk, which must not come first.
             client = run.client
-            client.loop.add_callback(client.scheduler.log_event, topic=RUN_EVENT_TOPIC,
-                                     msg=(client.id, int(run.total)))
+            if has_dashboard(client, client.scheduler_info().get("id")):
+                client.log_event(RUN_EVENT_TOPIC, (client.id, int(run.total)))
