@@ -178,9 +178,10 @@ class Batch:
 
         ``inputs`` are arrays of this update only, ``{name: array}`` with the
         batch's items along ``axis``: each chunk's ``fn`` gets its own items as
-        the keyword ``name`` (read-only), and nothing of them is kept. They
-        are read by reference where they lie in shared memory
-        (:func:`dsched.shared_empty`), else copied there once for all chunks.
+        the keyword ``name`` (read-only), and nothing of them is kept once the
+        update ran. They are read by reference where they lie in shared memory
+        (:func:`dsched.shared_empty`, or a run's outputs), held until the update
+        ran, else copied there once for all chunks.
         A history of ``(steps, items, ...)`` goes whole with ``axis=1``: a
         chunk then reads step ``k`` of its items as ``name[k]``, without a copy.
 
