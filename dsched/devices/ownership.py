@@ -43,7 +43,7 @@ def cluster_info(client) -> dict:
     (see :func:`has_dashboard`).
     """
     info = client.sync(client.scheduler.identity, n_workers=-1)
-    info["dsched-dashboard"] = has_dashboard(client, info.get("id"))
+    info["dsched-dashboard"] = has_dashboard(client)
     owned = {device_of_resources(w.get("resources")) for w in info.get("workers", {}).values()} - {None}
     with _sightings.lock:  # a device seen owned is no longer away; it may be waited for if it goes
         _sightings.owned.setdefault(client.scheduler.address, set()).update(owned)
@@ -53,30 +53,30 @@ def cluster_info(client) -> dict:
 
 
 DASHBOARD_RECHECK = 5.0  # seconds: how long "no dashboard" is believed before the scheduler is asked again
-_dashboards = {}  # scheduler id -> (has dsched's dashboard, time.monotonic() of the answer)
+_dashboards = {}  # scheduler address -> (has dsched's dashboard, time.monotonic() of the answer)
 
 
-def has_dashboard(client, scheduler_id=None) -> bool:
+def has_dashboard(client) -> bool:
     """Whether ``client``'s scheduler has dsched's dashboard plugin; runs tell it of their chunks if so.
 
-    Asked once per scheduler (a run's one question to the scheduler is the
-    cheap ``identity``; a remote function call costs twice that): a plugin
+    Asked once per scheduler address (a run's one question to the scheduler is
+    the cheap ``identity``; a remote function call costs twice that): a plugin
     added later by :func:`dsched.observe.dashboard.plugin.register` is known at
     once (:func:`dashboard_registered`), one added another way within
     :data:`DASHBOARD_RECHECK` seconds.
     """
-    known = _dashboards.get(scheduler_id)
+    address = client.scheduler.address
+    known = _dashboards.get(address)
     if known is not None and (known[0] or time.monotonic() - known[1] < DASHBOARD_RECHECK):
         return known[0]
     present = bool(client.run_on_scheduler(_has_dashboard))
-    if scheduler_id is not None:
-        _dashboards[scheduler_id] = (present, time.monotonic())
+    _dashboards[address] = (present, time.monotonic())
     return present
 
 
-def dashboard_registered(scheduler_id) -> None:
-    """The dashboard was just added to the scheduler ``scheduler_id``."""
-    _dashboards[scheduler_id] = (True, time.monotonic())
+def dashboard_registered(client) -> None:
+    """The dashboard was just added to ``client``'s scheduler."""
+    _dashboards[client.scheduler.address] = (True, time.monotonic())
 
 
 def _has_dashboard(dask_scheduler=None) -> bool:

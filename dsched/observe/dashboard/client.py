@@ -72,5 +72,5 @@ class RunTotal(RunObserver):
             # Only where a page reads it (asked once per scheduler), and waited for: the page takes the
             # total at the run's first chunk, which must not come first.
             client = run.client
-            if has_dashboard(client, client.scheduler_info().get("id")):
+            if has_dashboard(client):
                 client.log_event(RUN_EVENT_TOPIC, (client.id, int(run.total)))

@@ -547,5 +547,5 @@ def dask_setup(scheduler):
 def register(client, window: float = 10.0) -> None:
     """Install the plugin and the JSON route on the running scheduler of ``client``."""
     client.register_plugin(DashboardPlugin(window), name=PLUGIN_NAME)
-    dashboard_registered(client.scheduler_info().get("id"))  # the next run tells it of its chunks
+    dashboard_registered(client)  # the next run tells it of its chunks
 
