@@ -590,7 +590,9 @@ def test_workers_that_cannot_join_end_the_job_naming_interface(two_hosts, tmp_pa
     with _job(proc):
         out, err = proc.communicate(timeout=90)
     assert proc.returncode != 0, out + err  # MPI_Abort ended every rank
-    [line] = _error_lines(err)
+    lines = _error_lines(err)
+    assert len(lines) == 1, out + err
+    [line] = lines
     assert line.startswith("python -m dsched.mpi: error: only 0 of 1 worker ranks joined the scheduler at "
                            "tcp://127.0.0.1:")
     assert line.endswith(" within 3 s; missing: rank 1 (cpu on vm-shared). --interface lo is loopback: ranks on other "

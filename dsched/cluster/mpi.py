@@ -37,6 +37,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import warnings
 
 from dsched.checks import check_positive_int
@@ -272,11 +273,25 @@ def _join_as_client(comm, layout, interface, dashboard_address, verbose) -> None
     except WorkersMissing as err:
         # The scheduler and worker ranks would wait forever: say why, and end the whole job.
         print(f"dsched.mpi: error: {err}", file=sys.stderr, flush=True)
-        comm.Abort(2)
+        _abort(comm, 2)
     if verbose:
         print(f"dsched.mpi cluster ready at {address} (plugins: {', '.join(plugins) or 'none'})", flush=True)
         if dashboard_address is not None:
             _print_page_link(address)
+
+
+# How long a rank that ends the job waits for the launcher to forward what it printed.
+ABORT_GRACE_S = 1.0
+
+
+def _abort(comm, code: int) -> None:
+    """End every rank of the job, once the launcher had time to forward this rank's last words.
+
+    ``MPI_Abort`` makes the launcher kill every process at once; the line the rank printed just
+    before can still sit in the pipe to its launcher proxy and be lost with it.
+    """
+    time.sleep(ABORT_GRACE_S)
+    comm.Abort(code)
 
 
 class WorkersMissing(RuntimeError):
@@ -526,13 +541,14 @@ def main(argv=None) -> int:
     except WorkersMissing as err:
         # Only rank 0 knows; the worker ranks would retry forever: end the whole job.
         print(f"python -m dsched.mpi: error: {err}", file=sys.stderr, flush=True)
-        comm.Abort(2)
+        _abort(comm, 2)
     except Exception:
         # A failure on one rank leaves the others waiting on it: show it, then end the whole job.
         import traceback
 
         traceback.print_exc()
-        comm.Abort(1)
+        sys.stderr.flush()
+        _abort(comm, 1)
     return 0
 
 
