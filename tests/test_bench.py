@@ -109,13 +109,19 @@ def test_data_benchmarks_structure_and_honesty():
     ray = {"ray, put and tasks"} & set(out["items_per_s"])  # an optional peer, where Ray is installed
     assert set(out["items_per_s"]) - ray == {"numpy", "threads", "dispatch, plain", "dispatch, processes",
                                              "dispatch, processes, shared", "dispatch, processes, shared, tasks",
+                                             "dispatch, processes, shared, half chunks",
                                              "job numpy", "job threads", "dsched run, in-process"}
     assert set(out["ratios"]) - {"dispatch, plain / ray, put and tasks (best)"} == {
         "dispatch, plain / numpy (best)", "dispatch, processes, shared / numpy (best)",
         "dispatch, processes / numpy", "dispatch, processes, shared / numpy",
-        "feeds / tasks (dispatch, processes, shared)", "dsched run in-process / best of job numpy, job threads"}
+        "feeds / tasks (dispatch, processes, shared)", "chunks / half chunks (dispatch, processes, shared)",
+        "dsched run in-process / best of job numpy, job threads"}
     assert set(out["page_faults"]) == set(out["items_per_s"])
     assert all(set(faults) == {"client", "workers"} for faults in out["page_faults"].values())
+    assert set(out["cpu_seconds"]) == set(out["items_per_s"])
+    # The dispatch rows compute in the worker processes, the NumPy row in the client's.
+    assert out["cpu_seconds"]["dispatch, processes, shared"]["workers"] > 0
+    assert out["cpu_seconds"]["numpy"]["client"] > 0
     assert all(rate > 0 for rate in out["items_per_s"].values())
     assert 0 < out["task_bytes_max"] <= 1024
     assert out["output_run"]["points"] == 50_000 and out["output_run"]["stored_bytes"] >= 50_000 * 392

@@ -86,7 +86,7 @@ def test_embedded_default_is_the_main_job():
     hybrid = graph.build_scheduler(present=gpus)  # with GPUs: CPU and every GPU, GPUs first by priority
     assert isinstance(hybrid, dsched.StaticHybridScheduler)
     assert [(str(s.device), s.batch_size, s.capacity, s.priority) for s in hybrid.status()] == [
-        ("cpu", 32768, 65536, 1.0), ("cuda:0", 262144, 524288, 2.0), ("cuda:1", 262144, 524288, 2.0)]
+        ("cpu", 65536, 131072, 1.0), ("cuda:0", 262144, 524288, 2.0), ("cuda:1", 262144, 524288, 2.0)]
 
 
 def test_graph_files_in_the_repository_parse():

@@ -53,9 +53,11 @@ __all__ = ["Graph", "GraphError", "load_graph", "DEFAULT_GRAPH"]
 DEFAULT_GRAPH = "j2_default.toml"
 
 # Sub-batch sizes for "auto": NEML2's measurements put CPU saturation in the
-# hundreds to thousands of points and GPU saturation in the tens of thousands;
-# Dask's ~1 ms per task pushes both up so that a chunk costs well over 1 ms.
-AUTO_BATCH_SIZE = {"cpu": 32768, "cuda": 262144}
+# hundreds to thousands of points and GPU saturation in the tens of thousands.
+# A chunk on a worker process costs about 1.5 ms of CPU in messages (client and
+# worker together, docs/benchmarks.md): a CPU chunk of J2 at 65,536 points takes
+# about 13 ms, so that cost stays near a tenth (at 32,768 it was a fifth).
+AUTO_BATCH_SIZE = {"cpu": 65536, "cuda": 262144}
 AUTO_PRIORITY = {"cpu": 1.0, "cuda": 2.0}
 
 _INT, _FLOAT, _BOOL, _STR = int, (int, float), bool, str

@@ -64,7 +64,7 @@ def wait_for_saves() -> None:
         _SAVING.pop().join()
 
 
-DEFAULT_GUESS = {"cpu": 32768, "cuda": 262144}  # sizes a plan assumes for a device no run has measured
+DEFAULT_GUESS = {"cpu": 65536, "cuda": 262144}  # sizes a plan assumes for a device no run has measured
 
 
 class _Lane:
@@ -144,7 +144,7 @@ class PerformanceModelScheduler(WorkScheduler):
         The first chunk of a device with no model, doubled with every sample.
     batch_sizes : int or list, optional
         The sizes :meth:`plan` assumes for a device no run has measured
-        (default 32,768 on a CPU, 262,144 on a GPU, each taking ``chunk_seconds``).
+        (default 65,536 on a CPU, 262,144 on a GPU, each taking ``chunk_seconds``).
     costs : dict, optional
         ``{device: SaturationFit or {"t0": s, "n_star": n}}``: known models,
         used before (and instead of) saved ones.

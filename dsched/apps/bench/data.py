@@ -25,6 +25,9 @@ Rows, timed in one run (repeats interleaved, median and best reported):
   :func:`dsched.shared_copy` and ``out=`` arrays from :func:`dsched.shared_empty`
   reused call after call (how a solver that calls its model again and again
   keeps its state): nothing is copied and no page is faulted again;
+- ``dispatch, processes, shared, half chunks``: the same with chunks of half
+  the size: each chunk's messages cost CPU in the client and in the worker,
+  and there are twice as many (why the default CPU sub-batch is not smaller);
 - ``dispatch, processes, shared, tasks``: the same with device feeds off
   (``dsched.feeds: false``): one Dask task per chunk (packed where several
   wait for one thread), which is what the feeds replace;
@@ -34,9 +37,11 @@ Rows, timed in one run (repeats interleaved, median and best reported):
 
 Memory and traffic, from the ``dispatch, processes`` run: bytes the scheduler
 holds per chunk task, and the client's peak RSS (measured in a fresh process)
-against the batch's inputs plus outputs; the minor page faults each row took,
-in the client and in the workers (a fresh page is a fault, for NumPy as for
-dsched). Finally ``dsched run --input --output`` of a large batch, Zarr store
+against the batch's inputs plus outputs; the minor page faults and the CPU
+time each row took, in the client's process (with the cluster's scheduler and
+nannies, which run there) and in the worker processes (a fresh page is a fault,
+for NumPy as for dsched; on two cores, CPU the client takes is taken from the
+workers). Finally ``dsched run --input --output`` of a large batch, Zarr store
 to Zarr store, with the client's peak RSS.
 """
 
@@ -88,17 +93,21 @@ def _plain_j2(strain, plastic_strain, alpha):
     return j2_update(strain, plastic_strain, alpha)
 
 
-def _minor_faults(dask_worker=None) -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def _usage_here(dask_worker=None) -> tuple:
+    """This process's ``(minor page faults, CPU seconds)`` so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt, usage.ru_utime + usage.ru_stime
 
 
-def _faults(client) -> tuple:
-    """Minor page faults so far: ``(this process, the cluster's worker processes together)``."""
-    return _minor_faults(), sum(client.run(_minor_faults).values())
+def _usage(client) -> tuple:
+    """``(faults, CPU seconds)`` so far of this process (the client, and the cluster's scheduler and nannies
+    when they run in it) and of the cluster's worker processes together."""
+    workers = list(client.run(_usage_here).values())
+    return _usage_here(), (sum(w[0] for w in workers), sum(w[1] for w in workers))
 
 
 def _time_ray(inputs, chunk, repeats, procs_client, say) -> tuple:
-    """The ``ray, put and tasks`` row's ``(times, faults)`` (see :func:`_repeat`), Ray started for it alone and
+    """The ``ray, put and tasks`` row's ``(times, usage)`` (see :func:`_repeat`), Ray started for it alone and
     stopped after it; ``({}, {})`` where Ray is not installed."""
     try:
         import ray
@@ -258,7 +267,7 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
     points = points or (200_000 if quick else 1_000_000)
     repeats = repeats or (1 if quick else 3)
     chunk = AUTO_BATCH_SIZE["cpu"]
-    times, sizes, faults = _time_rows(points, repeats, chunk, say)
+    times, sizes, usage = _time_rows(points, repeats, chunk, say)
     rates = {name: points / statistics.median(t) for name, t in times.items()}
     best = {name: points / min(t) for name, t in times.items()}
     say("data: measuring the client's peak RSS in a fresh process")
@@ -269,7 +278,9 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
     batch_bytes = points * (BYTES_IN + BYTES_OUT)
     results = {
         "points": points, "chunk": chunk, "repeats": repeats, "items_per_s": rates, "best_items_per_s": best,
-        "seconds": times, "page_faults": {name: {"client": c, "workers": w} for name, (c, w) in faults.items()},
+        "seconds": times,
+        "page_faults": {name: {"client": c[0], "workers": w[0]} for name, (c, w) in usage.items()},
+        "cpu_seconds": {name: {"client": c[1], "workers": w[1]} for name, (c, w) in usage.items()},
         "task_bytes_max": max(sizes) if sizes else None,
         "client_rss": {**rss, "batch_bytes": batch_bytes, "ratio": rss["peak"] / batch_bytes},
         "output_run": output_run,
@@ -281,7 +292,7 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
 
 
 def _time_rows(points, repeats, chunk, say) -> tuple:
-    """Every row timed ``repeats`` times, interleaved: ``({row: [seconds]}, bytes per chunk task)``.
+    """Every row timed ``repeats`` times, interleaved: ``({row: [seconds]}, bytes per chunk task, usage)``.
 
     The rows run on two clusters started once: two single-thread worker
     processes (cpu and an emulated cuda:0), and an in-process one for the
@@ -296,10 +307,10 @@ def _time_rows(points, repeats, chunk, say) -> tuple:
                                    dashboard_address=None) as procs, Client(procs) as procs_client, \
             dsched.LocalHybridCluster(["cpu"], dashboard_address=None) as inproc, Client(inproc) as inproc_client:
         rows, shared_out = _warm_rows(procs_client, inproc_client, graph, inputs, points, chunk)
-        times, faults = _repeat(rows, repeats, procs_client, points, say)
-        ray_times, ray_faults = _time_ray(inputs, chunk, repeats, procs_client, say)
+        times, usage = _repeat(rows, repeats, procs_client, points, say)
+        ray_times, ray_usage = _time_ray(inputs, chunk, repeats, procs_client, say)
         times.update(ray_times)
-        faults.update(ray_faults)
+        usage.update(ray_usage)
         checked = _processes_dispatch(procs_client, inputs, _hybrid_scheduler(chunk), sizes)
         plain = _plain_call(procs_client, inputs, chunk)
         reference = _j2(*inputs)
@@ -307,23 +318,23 @@ def _time_rows(points, repeats, chunk, say) -> tuple:
             for label, result in (("dispatch", checked), ("shared out=", shared_out), ("plain dispatch", plain)):
                 if not np.array_equal(result[name], values):
                     raise AssertionError(f"{label}'s {name} differs from one NumPy call's")
-    return times, sizes, faults
+    return times, sizes, usage
 
 
 def _repeat(rows, repeats, procs_client, points, say) -> tuple:
-    """``rows`` (``[(name, run)]``) each run ``repeats`` times, interleaved: ``({name: [seconds]}, {name: (client
-    faults, worker faults)})``, the faults of the last repeat."""
+    """``rows`` (``[(name, run)]``) each run ``repeats`` times, interleaved: ``({name: [seconds]}, {name: ((client
+    faults, CPU s), (worker faults, CPU s))})``, the usage of the last repeat."""
     times = {name: [] for name, _ in rows}
-    faults = {name: (0, 0) for name, _ in rows}
+    usage = {name: ((0, 0.0), (0, 0.0)) for name, _ in rows}
     for _ in range(repeats):
         for name, fn in rows:
-            before = _faults(procs_client)
+            before = _usage(procs_client)
             seconds, _ = _timed(fn)
-            after = _faults(procs_client)
-            faults[name] = (after[0] - before[0], after[1] - before[1])
+            after = _usage(procs_client)
+            usage[name] = tuple((a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before))
             times[name].append(seconds)
             say(f"data {name}: {points / seconds:,.0f} items/s")
-    return times, faults
+    return times, usage
 
 
 def _warm_rows(procs_client, inproc_client, graph, inputs, points, chunk) -> tuple:
@@ -344,6 +355,8 @@ def _warm_rows(procs_client, inproc_client, graph, inputs, points, chunk) -> tup
         ("dispatch, processes", lambda: _processes_dispatch(procs_client, inputs, _hybrid_scheduler(chunk))),
         ("dispatch, processes, shared", lambda: _processes_dispatch(
             procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)),
+        ("dispatch, processes, shared, half chunks", lambda: _processes_dispatch(
+            procs_client, shared_inputs, _hybrid_scheduler(chunk // 2), out=shared_out)),
         ("dispatch, processes, shared, tasks", lambda: _without_feeds(_processes_dispatch)(
             procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)),
         ("job numpy", lambda: j2_chunk(slice(0, points))),
@@ -363,6 +376,8 @@ def _ratios(rates, best) -> dict:
         **ray,
         "dispatch, processes / numpy": rates["dispatch, processes"] / rates["numpy"],
         "dispatch, processes, shared / numpy": rates["dispatch, processes, shared"] / rates["numpy"],
+        "chunks / half chunks (dispatch, processes, shared)":
+            rates["dispatch, processes, shared"] / rates["dispatch, processes, shared, half chunks"],
         "feeds / tasks (dispatch, processes, shared)":
             rates["dispatch, processes, shared"] / rates["dispatch, processes, shared, tasks"],
         "dsched run in-process / best of job numpy, job threads":
@@ -395,13 +410,16 @@ def format_data_table(results) -> str:
     """The data-plane results as text (the README's table)."""
     lines = [f"J2 with tangent, {results['points']:,} points, chunks of {results['chunk']:,}; median of "
              f"{results['repeats']} run(s); {results['emulation']}", ""]
-    header = f"{'row':<36} {'items/s':>12} {'best':>12} {'faults, client':>15} {'workers':>10}"
+    header = (f"{'row':<43} {'items/s':>12} {'best':>12} {'faults, client':>15} {'workers':>10} "
+              f"{'CPU ms, client':>15} {'workers':>8}")
     lines += [header, "-" * len(header)]
     best, faults = results.get("best_items_per_s", {}), results.get("page_faults", {})
+    cpu = results.get("cpu_seconds", {})
     for name, rate in results["items_per_s"].items():
-        fault = faults.get(name, {})
-        lines.append(f"{name:<36} {rate:>12,.0f} {best.get(name, float('nan')):>12,.0f} "
-                     f"{fault.get('client', 0):>15,} {fault.get('workers', 0):>10,}")
+        fault, used = faults.get(name, {}), cpu.get(name)
+        used = (f"{used['client'] * 1e3:>15,.0f} {used['workers'] * 1e3:>8,.0f}" if used else f"{'':>15} {'':>8}")
+        lines.append(f"{name:<43} {rate:>12,.0f} {best.get(name, float('nan')):>12,.0f} "
+                     f"{fault.get('client', 0):>15,} {fault.get('workers', 0):>10,} {used}")
     lines.append("")
     for name, ratio in results["ratios"].items():
         lines.append(f"ratio {name}: {ratio:.2f}")
