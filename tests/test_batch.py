@@ -100,6 +100,23 @@ def test_bad_names_are_refused_before_any_work(hybrid_client):
         Batch({"a": np.zeros(2), "b": np.zeros(3)}, hybrid_scheduler(), client=hybrid_client)
     with pytest.raises(ValueError, match=r"lookahead: expected an integer >= 1, got 0"):
         Batch({"a": np.zeros(2)}, hybrid_scheduler(), client=hybrid_client, lookahead=0)
+    with pytest.raises(ValueError, match=r"fields: expected a non-empty dict of name -> array \(or n=, the number "
+                                         r"of items, for a batch whose updates make its fields\), got dict"):
+        Batch({}, hybrid_scheduler(), client=hybrid_client)
+    with pytest.raises(ValueError, match=r"fields\['a'\]: 3 items along axis 0; the batch has 4"):
+        Batch({"a": np.zeros(3)}, hybrid_scheduler(), n=4, client=hybrid_client)
+    with pytest.raises(ValueError, match=r"n: must be >= 1, got 0"):
+        Batch({}, hybrid_scheduler(), n=0, client=hybrid_client)
+
+
+def test_a_batch_without_fields_takes_them_from_its_updates(hybrid_client):
+    t = np.arange(40.0).reshape(2, 20)  # a history of 2 entries for 20 items, items on axis 1
+    with Batch({}, hybrid_scheduler(), n=20, client=hybrid_client) as batch:
+        assert batch.fields == [] and batch.n == 20
+        batch.update(lambda t: {"y": t[0] + t[1]}, outputs=["y"], inputs={"t": t}, axis=1)
+        assert batch.fields == ["y"]
+        batch.update(lambda y: {"y": 2 * y}, reads=["y"], writes=["y"])
+        np.testing.assert_array_equal(batch.get("y"), 2 * (t[0] + t[1]))
 
 
 @pytest.mark.parametrize("fn, message", [

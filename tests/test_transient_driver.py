@@ -54,6 +54,8 @@ def test_runs_continue_and_steps_per_update_change_nothing(process_client):
     with TransientDriver(model, scheduler, client=process_client) as driver:
         driver.run(_prescribed(histories), steps_per_update=3)
         np.testing.assert_array_equal(driver.get("gamma"), reference["gamma"])
+        # No initial values: nothing was loaded before the first steps, the batch holds what they kept.
+        assert driver.batch.fields == sorted(driver.keep)
 
 
 def test_recorded_outputs_are_nemls_every_step(process_client):

@@ -102,8 +102,12 @@ class Batch:
     ----------
     fields : dict
         ``{name: array}``, NumPy arrays of one length along axis 0 (the items).
+        May be empty with ``n``: the updates' outputs are then the fields.
     scheduler : WorkScheduler
         Cuts the items into chunks and places them (:func:`dsched.plan`).
+    n : int, optional
+        The number of items: needed only without fields (else it must equal their length). A batch
+        without initial values starts computing with its first update's task, with nothing to load before.
     client : distributed.Client, optional
         The cluster; by default the current Dask client. Its workers must own the scheduler's devices.
     lookahead : int
@@ -118,9 +122,11 @@ class Batch:
     55.0
     """
 
-    def __init__(self, fields, scheduler, *, client=None, lookahead=2):
-        arrays = _check_fields(fields)
-        self.n = len(next(iter(arrays.values())))
+    def __init__(self, fields, scheduler, *, n=None, client=None, lookahead=2):
+        if n is not None:
+            n = check_positive_int(n, "n")
+        arrays = _check_fields(fields, n=n, empty_ok=n is not None)
+        self.n = n if n is not None else len(next(iter(arrays.values())))
         self.scheduler = scheduler
         self.client = _client(client)
         check_positive_int(lookahead, "lookahead", integers=int, below=None)

@@ -290,10 +290,8 @@ class TransientDriver:
         fields = {}
         for name, value in self.initial.items():
             fields[name] = np.broadcast_to(np.asarray(value, dtype=np.float64), (n, *self.model.base_shapes[name]))
-        if not fields:  # a batch holds at least one field: each point's first history value
-            name = self.time if self.time in histories else next(iter(histories))
-            fields["dsched/points"] = np.ascontiguousarray(histories[name][0]).reshape(n, -1)[:, :1]
-        self.batch = Batch({k: np.ascontiguousarray(v) for k, v in fields.items()}, self.scheduler,
+        # Without initial values nothing is loaded: the first steps' task is each chunk's first.
+        self.batch = Batch({k: np.ascontiguousarray(v) for k, v in fields.items()}, self.scheduler, n=n,
                            client=self.client)
 
     def _allocate(self, steps):

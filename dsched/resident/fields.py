@@ -19,10 +19,14 @@ def _names(value, field) -> tuple:
     return names
 
 
-def _check_fields(fields, n=None) -> dict:
-    """The fields as NumPy arrays of one length along axis 0; a ValueError naming the field otherwise."""
-    if not isinstance(fields, dict) or not fields:
-        raise ValueError(f"fields: expected a non-empty dict of name -> array, got {type(fields).__name__}")
+def _check_fields(fields, n=None, empty_ok=False) -> dict:
+    """The fields as NumPy arrays of one length along axis 0; a ValueError naming the field otherwise.
+
+    ``empty_ok``: no fields at all is allowed (the caller knows ``n``).
+    """
+    if not isinstance(fields, dict) or not (fields or empty_ok):
+        raise ValueError(f"fields: expected a non-empty dict of name -> array (or n=, the number of items, for a "
+                         f"batch whose updates make its fields), got {type(fields).__name__}")
     arrays = {}
     for name, value in fields.items():
         if not isinstance(name, str):
