@@ -56,7 +56,7 @@ DEFAULT_GRAPH = "j2_default.toml"
 # hundreds to thousands of points and GPU saturation in the tens of thousands.
 # A chunk on a worker process costs about 1.5 ms of CPU in messages (client and
 # worker together, docs/benchmarks.md): a CPU chunk of J2 at 65,536 points takes
-# about 13 ms, so that cost stays near a tenth (at 32,768 it was a fifth).
+# about 13 ms, so that cost stays near a tenth (at 32,768 points, a fifth).
 AUTO_BATCH_SIZE = {"cpu": 65536, "cuda": 262144}
 AUTO_PRIORITY = {"cpu": 1.0, "cuda": 2.0}
 
