@@ -84,7 +84,10 @@ def cli_client(tmp_path_factory):
                                log=logs[1]))
         processes.append(_dask("worker", address, "--name", "cuda:0", *common, "--dsched-device", "cuda:0",
                                "--dsched-emulate", "--dsched-capacity", "64", log=logs[2]))
-        with Client(address, timeout=30) as client:
+        # The config set around the client is restored after it: a client that shut its cluster down leaves
+        # Dask's default scheduler at "dask.distributed" in the oldest distributed we support, and a later
+        # module's compute() would then look for a client that is gone.
+        with dask.config.set(scheduler=None), Client(address, timeout=30) as client:
             client.wait_for_workers(2, timeout=60)
             yield client
             client.shutdown()  # the scheduler closes, and its workers with it
