@@ -320,6 +320,19 @@ def test_a_closed_inbox_lets_go_of_its_program():
     assert inbox.program is None and not inbox.rearm(object(), 5)
 
 
+def test_a_rearm_sent_with_several_chunks_applies_once_and_a_late_park_is_ignored():
+    inbox = _Inbox()
+    inbox.attach(object())
+    inbox.park(60, 1)
+    first, second = object(), object()
+    assert inbox.rearm(first, 2) and inbox.program is first and inbox.park_until is None
+    assert inbox.rearm(second, 2) and inbox.program is first  # another chunk of the same run: not re-initialised
+    inbox.park(60, 1)  # the run before's park, arriving late: the feed stays the new run's
+    assert inbox.park_until is None
+    inbox.park(60, 3)
+    assert inbox.rearm(second, 4) and inbox.program is second  # the next run's
+
+
 def test_parked_feeds_of_another_thread_are_kept_apart_and_swept_once_ended(client):
     import threading
 

@@ -41,10 +41,12 @@ trip to start (about 10 ms here, a quarter of a 100,000-point call). So when
 a run ends without the dashboard, its feeds are *parked* rather than stopped:
 each waits on its worker, holding its thread and its share of the device,
 for ``dsched.feed-linger`` seconds (2 by default; 0 stops them at once). The
-client's next run from the same thread, of any dispatcher, takes them: it
-sends its program to each (one small message) and then its chunks. A parked feed ends at once when
-any other task waits for its worker, and when its time is up. A parked feed whose worker is gone, or does not
-answer, is never taken: the run starts one on the worker that owns the device now.
+client's next run from the same thread, of any dispatcher, takes them: its
+first chunks to each carry its program (no round trip before them). A parked
+feed ends at once when any other task waits for its worker, and when its time
+is up. One that had ended unnoticed refuses those chunks, and the run sends
+them to a new feed on that worker; one whose worker is gone fails them, and
+they run again as tasks while the run starts feeds where the device is now.
 
 The worker side (:mod:`dsched.worker.feed`) is a handler installed by
 :class:`FeedPlugin`, registered by the dispatcher on first use. This module
@@ -69,11 +71,11 @@ from distributed.protocol.serialize import ToPickle
 
 from dsched.dataplane.store import classify_workers
 from dsched.devices.device import device_resource, placement_device
-from dsched.devices.ownership import cluster_info, device_owners
+from dsched.devices.ownership import device_owners
 from dsched.dispatch.completion import ask_worker, notify_when_done, until_done, watch_worker
 from dsched.dispatch.parking import _GONE_FOR, _is_gone, _park, _parked, _state, _take_parked, release_parked
 from dsched.names import CHUNK_EVENT_TOPIC, is_feed_key
-from dsched.worker.feed import CHUNK_OP, CHUNKS_OP, PARK_OP, REARM_OP, STOP_OP, FeedPlugin, _unwrap, run_feed
+from dsched.worker.feed import CHUNK_OP, CHUNKS_OP, ENDED, PARK_OP, STOP_OP, FeedPlugin, _unwrap, run_feed
 
 # Also importable from here (the old path ``dsched.feed`` names this module): the worker's side and the names.
 __all__ = ["FeedPlugin", "Feeds", "FeedOutcome", "FeedTicket", "run_feed", "is_feed_key", "release_parked",
@@ -83,7 +85,7 @@ WINDOW = 2  # messages of one feed on its worker at a time (one running, one que
 MAX_BATCH = 64  # chunks in one message at most, where the backlog is deep (``dsched.feed-batch``)
 BATCH_SECONDS = 0.002  # a message's chunks run this long at most: their outcomes wait for the last one
 LINGER = 2.0  # seconds a feed waits, parked, for the same client's next run on that thread (``dsched.feed-linger``)
-_ANSWER_WAIT = 5.0  # seconds a worker has to answer a rearm, stop or park (a frozen worker never does)
+_ANSWER_WAIT = 5.0  # seconds a worker has to answer a stop or park (a frozen worker never does)
 _END_WAIT = 10.0  # with the dashboard, seconds a run's end waits for its stopped feeds' tasks to end
 
 
@@ -127,6 +129,8 @@ class _Feed:
     error: object = None  # why
     stopped: bool = False
     epoch: int = 0  # of its last park or rearm message: the worker applies only newer ones
+    rearm: bool = False  # taken from the parked ones: its messages carry the run's program until one is answered
+    successor: object = None  # the new feed that took its chunks, had it ended before the rearm reached it
     reuse_until: float = 0.0  # parked: time.monotonic() until which a run may take it
     owner: object = None  # the run's Feeds it serves; None while parked or after its run
     chunk_seconds: float = float("inf")  # how long its recent chunks ran (unknown: as if long)
@@ -146,7 +150,7 @@ class Feeds:
     ----------
     client : distributed.Client
     program : ChunkProgram
-        Shipped once per feed: with its task, or with the rearm of a parked one.
+        Shipped once per feed: with its task, or with a parked one's first chunks (its rearm).
     run_id : str
         The chunk events (for the dashboard) carry it.
     owners : dict
@@ -169,6 +173,8 @@ class Feeds:
         self._workers = cluster["workers"]  # address -> its threads and resources, as the run last saw them
         self._events = bool(cluster.get("dsched-dashboard"))  # whether the scheduler has the dashboard
         self._by_key = {}  # task key -> feed, for the tasks not yet ended
+        # A feed's task ending (the dispatcher's thread) and its renewal (the event loop) swap its task.
+        self._tasks_lock = threading.Lock()
         register_plugin(client, cluster.get("id"))
         with _state.parked_lock:
             _running(client).add(self)  # told when a worker leaves (_worker_left)
@@ -246,7 +252,13 @@ class Feeds:
         if not feed.lost:
             try:
                 chunks = [(index, ToPickle(work), ToPickle(slot), about) for _, _, index, work, slot, about in calls]
-                replies = await self._ask(feed.address, CHUNKS_OP, None, feed=feed.id, chunks=chunks)
+                replies = await self._ask(feed.address, CHUNKS_OP, None, feed=feed.id, chunks=chunks,
+                                          **self._rearming(feed))
+                if replies == ENDED:
+                    self._renew(feed, calls)
+                    feed.calling -= 1
+                    return
+                feed.rearm = False
                 if not isinstance(replies, (list, tuple)) or len(replies) != len(calls):
                     raise RuntimeError(f"worker {feed.address} did not run the chunks: {replies!r}"[:500])
                 outcomes = [FeedOutcome(ticket, index, feed.address, reply["ok"], _unwrap(reply["value"]),
@@ -270,7 +282,12 @@ class Feeds:
         if not feed.lost:  # a lost feed's chunk runs again at once, without trying its worker
             try:
                 reply = await self._ask(feed.address, CHUNK_OP, None, feed=feed.id, index=index,
-                                        work=ToPickle(work), slot=ToPickle(slot), about=about)
+                                        work=ToPickle(work), slot=ToPickle(slot), about=about, **self._rearming(feed))
+                if reply == ENDED:
+                    self._renew(feed, [call])
+                    feed.calling -= 1
+                    return
+                feed.rearm = False
                 if not isinstance(reply, dict) or "ok" not in reply:  # a worker without the handler, or it failed
                     raise RuntimeError(f"worker {feed.address} did not run the chunk: {reply!r}"[:500])
                 outcome = FeedOutcome(ticket, index, feed.address, reply["ok"], _unwrap(reply["value"]),
@@ -344,52 +361,41 @@ class Feeds:
                 self._open({device: local})
 
     def start(self, devices):
-        """Start the feeds of those of ``devices`` this run serves and has not started: the parked ones among them
-        are rearmed together, one round trip for all; if a worker turned out gone, on the workers that own it now."""
+        """Start the feeds of those of ``devices`` this run serves and has not started: parked ones taken first
+        (their rearm goes with their first chunks), new ones started."""
         wanted = {}
         for device in devices:
             if device in self.owners and device not in self._feeds:
                 self._feeds[device] = []
                 wanted[device] = [a for a in self.owners[device] if a in self._workers and not _is_gone(a)]
-        if wanted and self._open(wanted):
-            self.follow(cluster_info(self.client)["workers"])
+        if wanted:
+            self._open(wanted)
 
     def _start(self, device) -> list:
         self.start([device])
         return self._feeds[device]
 
-    def _open(self, wanted) -> bool:
+    def _open(self, wanted):
         """Add feeds for each device of ``wanted`` (``{Device: addresses}``) on its addresses: per worker, as many
-        as it has threads and room for chunks of its batch size, parked ones first; whether a parked one's worker
-        turned out gone.
+        as it has threads and room for chunks of its batch size, parked ones first.
 
         Each feed holds its share of the worker's device resource, so that feeds
         keep the bound a worker's capacity sets on the items it runs at once.
         """
-        parked = []
         for device, addresses in wanted.items():
             opened = self._lanes(device, addresses)
             # Known to the run before anything can fail: an interrupted run cancels them (a rearmed feed
             # would otherwise wait for chunks that never come).
             self._feeds[device].extend(opened)
-            parked += [f for f in opened if f.future is not None]
-        # Parked feeds get the run's program before any chunk; one that ended meanwhile is replaced.
-        # Their tasks' notices come to this run from before the rearm: one that retires right after it
-        # gets its successor.
-        for f in parked:
-            self._by_key[f.future.key], f.owner = f, self
-        answers = self.client.sync(self._rearm_all, parked) if parked else []
-        for feed, answer in zip(parked, answers):
-            if answer != "OK":  # no scheduler round trip for the others: their tasks run already
-                self._replace(feed, answer)
-        for device in wanted:
-            for feed in self._feeds[device]:
-                if feed.future is None and not feed.lost:
+            for feed in opened:
+                if feed.future is None:
                     self._submit(feed, feed.id)
+                else:  # parked: the run's program goes with its first chunks; no round trip before them
+                    # Its task's notices come to this run from now on: one that retires gets its successor.
+                    self._by_key[feed.future.key], feed.owner, feed.rearm = feed, self, True
         # After the tasks: a subscription first would hold them back (tasks.py).
         for address in {a for addresses in wanted.values() for a in addresses}:
             watch_worker(self.client, address, _worker_left)
-        return "gone" in answers
 
     def _lanes(self, device, addresses) -> list:
         """``device``'s feeds on ``addresses``, parked ones taken first (not started)."""
@@ -405,31 +411,34 @@ class Feeds:
                               or _Feed(_new_feed_id(self.client), device, address, None, held / lanes))
         return opened
 
-    def _replace(self, feed, answer):
-        """A parked feed the rearm did not take: ``"gone"`` (its worker: a replacement goes where the device's
-        worker is now, see :meth:`start`) or ``"ended"`` (a new feed in its place)."""
-        self._by_key.pop(feed.future.key, None)
-        feed.owner = None
-        feed.future.release()
-        feeds = self._feeds[feed.device]
-        position = feeds.index(feed)
-        if answer == "gone":
-            del feeds[position]
-        else:
-            feeds[position] = _Feed(_new_feed_id(self.client), feed.device, feed.address, None, feed.holds)
+    def _renew(self, feed, calls):
+        """A parked feed this run took had ended before its program reached it (``calls`` came back
+        :data:`ENDED`, on the event loop): a new feed on the same worker takes them, and the chunks still
+        waiting for the old one."""
+        if feed.lost:  # its worker left meanwhile: the dispatcher runs them elsewhere
+            for _, ticket, index, *_ in calls:
+                self._answered(feed, FeedOutcome(ticket, index, feed.address, False, feed.error, 0.0, 0.0, lost=True))
+            return
+        with self._tasks_lock:
+            new = feed.successor
+            if new is None:
+                self._by_key.pop(feed.future.key, None)  # its task (or a successor ended() gave it) goes
+                feed.owner = None
+                feed.future.release()
+                feeds = self._feeds[feed.device]
+                new = feed.successor = _Feed(_new_feed_id(self.client), feed.device, feed.address, None, feed.holds)
+                feeds[feeds.index(feed)] = new
+                self._submit(new, new.id)
+        moved = [(new, *call[1:]) for call in [*calls, *feed.backlog]]
+        feed.backlog.clear()
+        feed.sent -= len(moved)
+        new.sent += len(moved)
+        new.backlog.extend(moved)
+        self._pump(new)
 
-    async def _rearm_all(self, feeds) -> list:
-        """Hand parked feeds this run's program, all at once: for each, ``"OK"``, ``"ended"`` (the feed had ended)
-        or ``"gone"`` (its worker did not answer)."""
-        async def rearm(feed):
-            try:
-                return await self._ask(feed.address, REARM_OP, _ANSWER_WAIT, feed=feed.id,
-                                       program=ToPickle(self.program), epoch=feed.epoch)
-            except Exception as err:  # noqa: BLE001  its worker is gone, or frozen
-                _worker_left(self.client, feed.address, err)
-                return "gone"
-
-        return await asyncio.gather(*(rearm(f) for f in feeds))
+    def _rearming(self, feed) -> dict:
+        """What a message to ``feed`` carries besides its chunks: the run's program, until the feed answered."""
+        return {"rearm": ToPickle((self.program, feed.epoch))} if feed.rearm else {}
 
     def _submit(self, feed, key):
         feed.future = self.client.submit(run_feed, self.program, feed.device, feed.id, key=key,
@@ -441,11 +450,14 @@ class Feeds:
 
     def ended(self, future):
         """A feed's task ended: one that retired (gave its thread to others) gets a successor on its inbox."""
-        feed = self._by_key.pop(future.key, None)
-        if feed is None or feed.stopped or feed.lost or future.status != "finished":
-            return  # stopped at the run's end, gone with its worker, cancelled, or failed (its chunks were told)
-        feed.tasks += 1
-        self._submit(feed, f"{feed.id}-{feed.tasks}")
+        with self._tasks_lock:
+            feed = self._by_key.pop(future.key, None)
+            if feed is None or feed.stopped or feed.lost or feed.successor is not None or future.status != "finished":
+                # Stopped at the run's end, gone with its worker, cancelled, failed (its chunks were told), or
+                # renewed (it had ended before its rearm).
+                return
+            feed.tasks += 1
+            self._submit(feed, f"{feed.id}-{feed.tasks}")
 
     def close(self):
         """The run is over (its feeds' inboxes are empty): park its feeds for the client's next run, or stop

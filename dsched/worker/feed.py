@@ -12,7 +12,9 @@ A feed *retires* after its current chunk when other tasks wait for its worker
 (its inbox stays open for a successor task the client starts), and between
 two runs of its client it may be *parked*: it waits, idle, for the next run to
 *rearm* it with that run's program, and ends when its time is up or anyone
-else waits for the worker.
+else waits for the worker. The rearm travels with the run's first chunks
+(no round trip of its own); a feed that had ended refuses them with
+:data:`ENDED`, and the client sends them to a new feed.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from dsched.worker.chunk import _compute, _initialise
 
 __all__ = ["FeedPlugin", "run_feed", "RETIRED"]
 
-CHUNK_OP, STOP_OP, PARK_OP, REARM_OP = "dsched_feed_chunk", "dsched_feed_stop", "dsched_feed_park", "dsched_feed_rearm"
+CHUNK_OP, STOP_OP, PARK_OP = "dsched_feed_chunk", "dsched_feed_stop", "dsched_feed_park"
 CHUNKS_OP = "dsched_feed_chunks"  # several chunks in one message, their outcomes in one reply
+ENDED = "ended"  # the reply to chunks that rearm a parked feed which had ended: they did not run
 # With the dashboard on the scheduler, a feed tells it of each chunk as it starts and ends:
 # (phase "start", "done" or "failed", run id, client id, device, items, worker address, chunk key, start, stop).
 _POLL = 0.05  # seconds between an idle feed's checks that its task is still wanted and nobody waits for it
@@ -92,11 +95,16 @@ class _Inbox:
             self.close(RuntimeError("the feed had retired when its run ended"))
 
     def rearm(self, program, epoch) -> bool:
-        """A new run takes the parked feed, with its program; ``False`` if the feed has ended."""
+        """A new run takes the parked feed, with its program; ``False`` if the feed has ended.
+
+        Each of the run's messages sends it until one is answered: the first to arrive applies it, the
+        others of the same ``epoch`` find it applied (their program, another copy, is not taken).
+        """
         with self.lock:
             if self.closed:
                 return False
-            self.epoch, self.program, self.park_until = max(self.epoch, epoch), program, None
+            if epoch > self.epoch or self.park_until is not None:
+                self.epoch, self.program, self.park_until = max(self.epoch, epoch), program, None
             return True
 
     def end_if_parked(self) -> bool:
@@ -172,13 +180,23 @@ def _resolve(loop, future, reply):
     loop.call_soon_threadsafe(set_result)
 
 
+def _rearmed(feed, rearm) -> bool:
+    """Apply a rearm sent with chunks (``(program, epoch)``, pickled); whether the feed takes them."""
+    inbox = _inbox(feed, create=False)  # a parked feed's inbox: missing, it ended long ago
+    program, epoch = _unwrap(rearm)
+    return inbox is not None and inbox.rearm(program, epoch)
+
+
 def _chunk_handler(worker):
-    async def receive_chunk(feed=None, index=None, work=None, slot=None, about=None):
+    async def receive_chunk(feed=None, index=None, work=None, slot=None, about=None, rearm=None):
         """RPC handler: queue a chunk for its feed and reply with its outcome once it ran.
 
         ``about`` (only with the dashboard): ``(run id, client id, device, items, chunk key)``
-        for the chunk events; the chunk is in flight from here.
+        for the chunk events; the chunk is in flight from here. ``rearm``: the run's program
+        for a parked feed, applied before the chunk is queued; :data:`ENDED` if the feed had ended.
         """
+        if rearm is not None and not _rearmed(feed, rearm):
+            return ENDED
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         work, slot = _unwrap(work), _unwrap(slot)
@@ -195,9 +213,11 @@ def _chunk_handler(worker):
 def _chunks_handler(worker):
     receive_chunk = _chunk_handler(worker)
 
-    async def receive_chunks(feed=None, chunks=()):
+    async def receive_chunks(feed=None, chunks=(), rearm=None):
         """RPC handler: several chunks (``[(index, work, slot, about)]``) queued at once; their outcomes, in order,
         once they all ran. A deep backlog of small chunks pays one message's cost, not one per chunk."""
+        if rearm is not None and not _rearmed(feed, rearm):
+            return ENDED
         return await asyncio.gather(*(receive_chunk(feed, index, work, slot, about)
                                       for index, work, slot, about in chunks))
 
@@ -218,12 +238,6 @@ async def _receive_park(feed=None, linger=0.0, epoch=0):
     return "OK"
 
 
-async def _receive_rearm(feed=None, program=None, epoch=0):
-    """RPC handler: a new run of the client takes a parked feed; ``"ended"`` if it is gone."""
-    inbox = _inbox(feed, create=False)
-    return "OK" if inbox is not None and inbox.rearm(_unwrap(program), epoch) else "ended"
-
-
 class FeedPlugin(WorkerPlugin):
     """Installs the feed handlers on every worker (and on workers that join later)."""
 
@@ -235,7 +249,6 @@ class FeedPlugin(WorkerPlugin):
         worker.handlers[CHUNKS_OP] = _chunks_handler(worker)
         worker.handlers[STOP_OP] = _receive_stop
         worker.handlers[PARK_OP] = _receive_park
-        worker.handlers[REARM_OP] = _receive_rearm
 
 
 RETIRED = "retired"  # what a feed that gave its thread back returns; its inbox waits for a successor
