@@ -103,8 +103,8 @@ class _Inbox:
         with self.lock:
             if self.closed:
                 return False
-            if epoch > self.epoch or self.park_until is not None:
-                self.epoch, self.program, self.park_until = max(self.epoch, epoch), program, None
+            if epoch > self.epoch:  # not a message of a run that parked it since
+                self.epoch, self.program, self.park_until = epoch, program, None
             return True
 
     def end_if_parked(self) -> bool:
