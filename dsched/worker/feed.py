@@ -46,9 +46,10 @@ class _Inbox:
     """The chunks waiting for one feed, and the program they run; once closed, what arrives is refused.
 
     Between two runs of its client a feed may be *parked*: it waits, idle, until
-    ``park_until``, for the next run to *rearm* it with that run's program. The
-    client numbers its park and rearm messages (``epoch``), which travel on
-    different connections: a late park must not park the next run's feed.
+    ``park_until``, for the next run to *rearm* it with that run's program (sent
+    with its first chunks). The client numbers its parks and rearms (``epoch``),
+    which travel on different connections: a late park must not park the next
+    run's feed.
     """
 
     def __init__(self):
