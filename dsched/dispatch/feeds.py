@@ -269,8 +269,7 @@ class Feeds:
             except Exception as err:  # noqa: BLE001  the worker refused them: this feed is lost, maybe not the others
                 self._lose(feed, err)
         if outcomes is None:  # what waits for them is lost with it: the dispatcher runs them elsewhere
-            outcomes = [FeedOutcome(ticket, index, feed.address, False, feed.error, 0.0, 0.0, lost=True)
-                        for _, ticket, index, *_ in calls]
+            outcomes = [_lost_outcome(feed, ticket, index) for _, ticket, index, *_ in calls]
         for outcome in outcomes:
             self._answered(feed, outcome)
         feed.calling -= 1
@@ -297,7 +296,7 @@ class Feeds:
             except Exception as err:  # noqa: BLE001  the worker refused it: this feed is lost, maybe not the others
                 self._lose(feed, err)
         if outcome is None:  # what waits for it is lost with it: the dispatcher runs it elsewhere
-            outcome = FeedOutcome(ticket, index, feed.address, False, feed.error, 0.0, 0.0, lost=True)
+            outcome = _lost_outcome(feed, ticket, index)
         self._answered(feed, outcome)
         feed.calling -= 1
         self._pump(feed)
@@ -315,7 +314,7 @@ class Feeds:
         feed.lost, feed.error = True, error
         while feed.backlog:
             _, ticket, index, *_ = feed.backlog.popleft()
-            self._answered(feed, FeedOutcome(ticket, index, feed.address, False, error, 0.0, 0.0, True))
+            self._answered(feed, _lost_outcome(feed, ticket, index))
         if feed.future is not None:
             feed.future.release()
 
@@ -417,7 +416,7 @@ class Feeds:
         waiting for the old one."""
         if feed.lost:  # its worker left meanwhile: the dispatcher runs them elsewhere
             for _, ticket, index, *_ in calls:
-                self._answered(feed, FeedOutcome(ticket, index, feed.address, False, feed.error, 0.0, 0.0, lost=True))
+                self._answered(feed, _lost_outcome(feed, ticket, index))
             return
         with self._tasks_lock:
             new = feed.successor
@@ -523,6 +522,11 @@ class Feeds:
         ends the wait for it, and no wait is longer than :data:`_END_WAIT`."""
         await self._stop(feeds, release=False)
         await until_done([f.future for f in feeds if not f.lost], _END_WAIT)
+
+
+def _lost_outcome(feed, ticket, index) -> FeedOutcome:
+    """A chunk of a feed whose worker is gone, not run: the dispatcher runs it elsewhere."""
+    return FeedOutcome(ticket, index, feed.address, False, feed.error, 0.0, 0.0, lost=True)
 
 
 def _spawn(coroutine):
