@@ -107,13 +107,14 @@ def test_data_benchmarks_structure_and_honesty():
 
     out = run_data_benchmarks(points=40_000, repeats=1, output_points=50_000)
     ray = {"ray, put and tasks"} & set(out["items_per_s"])  # an optional peer, where Ray is installed
-    assert set(out["items_per_s"]) - ray == {"numpy", "threads", "dispatch, plain", "dispatch, processes",
+    assert set(out["items_per_s"]) - ray == {"numpy", "threads", "dispatch, plain", "dispatch, plain, copied",
+                                             "dispatch, processes",
                                              "dispatch, processes, shared", "dispatch, processes, shared, tasks",
                                              "dispatch, processes, shared, half chunks",
                                              "job numpy", "job threads", "dsched run, in-process"}
     assert set(out["ratios"]) - {"dispatch, plain / ray, put and tasks (best)"} == {
         "dispatch, plain / numpy (best)", "dispatch, processes, shared / numpy (best)",
-        "dispatch, processes / numpy", "dispatch, processes, shared / numpy",
+        "placed / copied (dispatch, plain)", "dispatch, processes / numpy", "dispatch, processes, shared / numpy",
         "feeds / tasks (dispatch, processes, shared)", "chunks / half chunks (dispatch, processes, shared)",
         "dsched run in-process / best of job numpy, job threads"}
     assert set(out["page_faults"]) == set(out["items_per_s"])

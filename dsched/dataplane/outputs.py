@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsched.dataplane.pinned import copy_to_host
+from dsched.dataplane.pinned import copy_to_host, same_memory
 from dsched.dataplane.store import ArrayRef
 from dsched.devices import backends
 from dsched.errors import DispatchError
@@ -301,16 +301,64 @@ class OutputSlot:
             return None
         return self.layout.build([t.rows(self.start, self.stop, writable=True) for t in self.targets])
 
-    def write(self, result, device, pinned=False):
-        """Check ``result`` and write it in place; a :class:`Leftover` of the outputs that travel by value, or ``None``."""
+    def rows(self) -> list:
+        """Per output (leaf order), the chunk's rows as a writable NumPy view where the output lies in memory
+        along axis 0 and holds NumPy results, else ``None``; ``[]`` when none does."""
+        if self.layout.axis != 0:
+            return []
+        rows = [t.rows(self.start, self.stop, writable=True)
+                if isinstance(t, ArrayRef) and leaf.template is None else None
+                for leaf, t in zip(self.layout.leaves, self.targets)]
+        return rows if any(r is not None for r in rows) else []
+
+    def write(self, result, device, pinned=False, rows=None):
+        """Check ``result`` and write it in place; a :class:`Leftover` of the outputs that travel by value, or ``None``.
+
+        ``rows``: what :meth:`rows` returned, if the caller has it already.
+        """
         arrays = self.layout.check(result, self.stop - self.start, f"chunk {self.index} on {device}")
+        if rows is None:
+            rows = [] if pinned else self.rows()
+        arrays = _apart(arrays, rows)
         leftover = {}
         for i, (target, array) in enumerate(zip(self.targets, arrays)):
             if target is BY_VALUE:
                 leftover[i] = _host(array)
+            elif i < len(rows) and rows[i] is not None:
+                copy_to_host(array, rows[i])  # nothing to copy where the result already lies there
             else:
                 write_rows(target, self.layout.axis, self.start, self.stop, array, pinned)
         return Leftover(leftover) if leftover else None
+
+
+def _apart(arrays, rows):
+    """``arrays`` with those that overlap another output's rows (or their own, but not exactly) copied first:
+    writing one output must not change another's values before they are written (a result that is a view
+    of a placed allocation, a model's ``out=`` rows returned under another name)."""
+    spans = [_span(r) for r in rows if r is not None]
+    if not spans:
+        return arrays
+    apart = []
+    for array, own in zip(arrays, rows + [None] * (len(arrays) - len(rows))):
+        if isinstance(array, np.ndarray) and not (own is not None and same_memory(array, own)):
+            low, high = _span(array)
+            if any(low < b and a < high for a, b in spans):
+                array = array.copy()
+        apart.append(array)
+    return apart
+
+
+def _span(array) -> tuple:
+    """The bytes ``[low, high)`` an array's items lie within."""
+    low = high = array.__array_interface__["data"][0]
+    for n, stride in zip(array.shape, array.strides):
+        if n == 0:
+            return low, low
+        if stride > 0:
+            high += (n - 1) * stride
+        else:
+            low += (n - 1) * stride
+    return low, high + array.itemsize
 
 
 def check_out_path(path, overwrite: bool, field: str = "out") -> str:

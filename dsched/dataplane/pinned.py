@@ -24,7 +24,7 @@ from dsched.devices.context import is_emulated_here
 from dsched.devices.cuda import cuda_local_ordinal
 from dsched.devices.device import Device
 
-__all__ = ["is_real_gpu", "chunk_stream", "copy_to_host"]
+__all__ = ["is_real_gpu", "chunk_stream", "copy_to_host", "same_memory"]
 
 
 def is_real_gpu(device) -> bool:
@@ -53,10 +53,11 @@ def copy_to_host(values, target):
     """Copy ``values`` into the host array ``target``: a CuPy array straight from the device (on the current stream)."""
     if hasattr(values, "__cuda_array_interface__") and hasattr(values, "get"):
         values.get(out=target, blocking=False)
-    elif not _same_memory(values, target):  # a model that computed into its out= rows is written already
+    elif not same_memory(values, target):  # a model that computed into its out= rows is written already
         target[...] = values
 
 
-def _same_memory(a, b) -> bool:
+def same_memory(a, b) -> bool:
+    """Whether NumPy array ``a`` is exactly the array ``b``'s items (same address, shape, strides and dtype)."""
     return isinstance(a, np.ndarray) and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype and \
         a.__array_interface__["data"][0] == b.__array_interface__["data"][0]

@@ -17,6 +17,7 @@ import time
 import uuid
 import weakref
 
+from dask import config
 from distributed import Client, default_client
 
 from dsched.cluster.local import LocalHybridCluster
@@ -40,6 +41,12 @@ from dsched.worker.chunk import ChunkProgram, takes_out
 __all__ = ["WorkDispatcher", "ChunkRecord", "RunReport"]
 
 MODES = ("sync", "async")
+
+
+def _place_results() -> bool:
+    """The Dask config ``dsched.place-results`` where the dispatcher is made: whether workers may allocate
+    a model's new NumPy results in their output rows (:mod:`dsched.worker.result_placement`)."""
+    return bool(config.get("dsched.place-results", True))
 
 
 class WorkDispatcher:
@@ -162,7 +169,7 @@ class WorkDispatcher:
         self.mode = mode
         self.on_chunk_done = on_chunk_done
         self._program = ChunkProgram(uuid.uuid4().hex, do_work, preprocess, postprocess, thread_init,
-                                     takes_out(do_work))
+                                     takes_out(do_work), place_results=_place_results())
         self._client = client
         self._cluster_options = dict(cluster_options or {})
         self._own_cluster = None

@@ -14,6 +14,7 @@ from dsched.devices.context import running_on, selected
 from dsched.devices.device import Device
 from dsched.names import ITEMS_ANNOTATION
 from dsched.observe.report import ChunkRecord
+from dsched.worker.result_placement import run_and_write
 
 __all__ = ["ChunkProgram", "InFlight", "PackError", "run_chunk", "run_pack", "takes_out", "ITEMS_ANNOTATION"]
 
@@ -31,6 +32,7 @@ class ChunkProgram:
     postprocess: object = None
     thread_init: object = None
     takes_out: bool = False  # do_work accepts ``out=``: the chunk's output rows, to compute straight into
+    place_results: bool = True  # new NumPy results may be allocated in their rows (dsched.worker.result_placement)
 
     def run(self, device, work, out=None):
         with running_on(device), selected(device):
@@ -113,7 +115,10 @@ def _compute(program, device, work, slot):
     forget_vanished_segments()  # unmap what ended runs left mapped in this process
     with chunk_stream(device):
         out = slot.views() if slot is not None and program.takes_out and not gpu else None
-        result = program.run(device, resolve_work(work, pinned=gpu), out)
+        work = resolve_work(work, pinned=gpu)
+        if slot is not None and out is None and not gpu:  # results allocated in their rows, where learned
+            return run_and_write(program, slot, lambda: program.run(device, work), device)
+        result = program.run(device, work, out)
         if slot is not None:  # written in place; only outputs that travel by value come back
             return slot.write(result, device, pinned=gpu)
     return result

@@ -13,6 +13,9 @@ Rows, timed in one run (repeats interleaved, median and best reported):
 - ``dispatch, plain``: the call a user writes first, ``dsched.dispatch(model,
   strain, plastic_strain, alpha, scheduler=..., client=...)`` with a model that
   returns new arrays, NumPy inputs, nothing declared, on the two worker processes below;
+- ``dispatch, plain, copied``: the same with ``dsched.place-results: false``: the
+  workers copy each result into its rows instead of having NumPy allocate it
+  there (:mod:`dsched.worker.result_placement`);
 - ``ray, put and tasks`` (only where Ray is installed): ``ray.put`` of the inputs
   once, a task per chunk on 2 Ray worker processes, results concatenated. Ray
   runs after the other rows, started for its row alone and stopped after it:
@@ -172,12 +175,12 @@ def _plain_call(client, inputs, chunk):
     return dsched.dispatch(_plain_j2, *inputs, scheduler=_hybrid_scheduler(chunk), client=client)
 
 
-def _without_feeds(fn):
-    """``fn`` run with device feeds off: a task per chunk."""
+def _with_config(settings, fn):
+    """``fn`` run with the Dask config ``settings`` (``{"dsched.feeds": False}``: a task per chunk)."""
     def run(*args, **kwargs):
         import dask
 
-        with dask.config.set({"dsched.feeds": False}):
+        with dask.config.set(settings):
             return fn(*args, **kwargs)
     return run
 
@@ -352,12 +355,14 @@ def _warm_rows(procs_client, inproc_client, graph, inputs, points, chunk) -> tup
         ("numpy", lambda: _j2(*inputs)),
         ("threads", lambda: _thread_pool(inputs, chunk)),
         ("dispatch, plain", lambda: _plain_call(procs_client, inputs, chunk)),
+        ("dispatch, plain, copied", lambda: _with_config({"dsched.place-results": False}, _plain_call)(
+            procs_client, inputs, chunk)),
         ("dispatch, processes", lambda: _processes_dispatch(procs_client, inputs, _hybrid_scheduler(chunk))),
         ("dispatch, processes, shared", lambda: _processes_dispatch(
             procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)),
         ("dispatch, processes, shared, half chunks", lambda: _processes_dispatch(
             procs_client, shared_inputs, _hybrid_scheduler(chunk // 2), out=shared_out)),
-        ("dispatch, processes, shared, tasks", lambda: _without_feeds(_processes_dispatch)(
+        ("dispatch, processes, shared, tasks", lambda: _with_config({"dsched.feeds": False}, _processes_dispatch)(
             procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)),
         ("job numpy", lambda: j2_chunk(slice(0, points))),
         ("job threads", lambda: _job_thread_pool(points, chunk)),
@@ -374,6 +379,7 @@ def _ratios(rates, best) -> dict:
         "dispatch, plain / numpy (best)": best["dispatch, plain"] / best["numpy"],
         "dispatch, processes, shared / numpy (best)": best["dispatch, processes, shared"] / best["numpy"],
         **ray,
+        "placed / copied (dispatch, plain)": rates["dispatch, plain"] / rates["dispatch, plain, copied"],
         "dispatch, processes / numpy": rates["dispatch, processes"] / rates["numpy"],
         "dispatch, processes, shared / numpy": rates["dispatch, processes, shared"] / rates["numpy"],
         "chunks / half chunks (dispatch, processes, shared)":
