@@ -1,31 +1,47 @@
 """Chosen NumPy allocations placed at given addresses: a NEP 49 memory handler, active per thread.
 
-NumPy (1.22 and later) lets a program choose the functions that allocate
-array data, per thread (NEP 49, a context variable). :func:`placing` installs
+NumPy (1.22 and later) lets a program choose the functions that allocate array
+data, per thread (NEP 49, a context variable). :func:`placing` installs
 dsched's handler around one call: the call's allocations are counted in
 order, and those a plan names (the allocation at position *n*, if it asks for
-exactly the planned number of bytes) get the planned address instead of
-fresh memory. Every other allocation goes to NumPy's own handler. A worker
-uses it to let a model's results be allocated in the chunk's output rows
-(:mod:`dsched.worker.result_placement`), so that they need no copy there.
+exactly the planned number of bytes through ``malloc``) get the planned
+address instead of fresh memory. Every other allocation goes to NumPy's own
+default handler. A worker uses it to let a model's results be allocated in
+the chunk's output rows (:mod:`dsched.worker.result_placement`), so that they
+need no copy there.
 
-A placed allocation is never given to the C allocator: its ``free`` does
-nothing but forget it, and ``realloc`` moves it to ordinary memory. While an
-array placed at an address lives, an object given with the address (the
-destination's view) is kept alive with it, which keeps its mapping open.
+Rules that keep other arrays safe:
 
-The handler is built with ctypes against NumPy's C API table, so no
-compiled extension is needed; :func:`available` says whether it could be
-(CPython and a NumPy with NEP 49), and without it :func:`placing` places nothing.
+- only ``malloc`` allocations are placed, never ``calloc`` ones: NumPy makes
+  arrays of Python objects (and other dtypes that need their memory zeroed)
+  through ``calloc``, and their memory must never be written over;
+- an address range is never given while an array placed over any part of it
+  lives; a placed allocation's ``free`` only forgets it, and ``realloc``
+  moves it out to ordinary memory;
+- while a placed array lives, the object given with its address (the
+  destination's view) is kept alive, which keeps its mapping open;
+- when learning, every allocation of the call is logged and followed until
+  it is freed (:meth:`Placing.survivors`), so a caller can tell what the code
+  it ran keeps.
+
+The handler is built with ctypes against NumPy's C API table, so no compiled
+extension is needed; :func:`available` says whether it could be (CPython and
+a NumPy with NEP 49), and without it :func:`placing` places nothing. A
+callback that fails returns no memory (NumPy raises ``MemoryError``); nothing
+is placed on the main thread, where a Ctrl-C could land in a callback.
 
 Examples
 --------
+>>> import threading
 >>> import numpy as np
->>> rows = np.empty(4)
->>> with placing({0: (rows.ctypes.data, rows.nbytes, rows)}) as call:
-...     y = np.arange(4.0)   # the call's first allocation: placed in rows
->>> call.placed, y.ctypes.data == rows.ctypes.data, rows.tolist()
-(1, True, [0.0, 1.0, 2.0, 3.0])
+>>> rows, seen = np.empty(4), {}
+>>> def model_call():   # on a worker's thread, as a chunk runs
+...     with placing({0: (rows.ctypes.data, rows.nbytes, rows)}) as call:
+...         y = np.arange(4.0)   # the call's first allocation: placed in rows
+...     seen.update(placed=call.placed, in_rows=y.ctypes.data == rows.ctypes.data)
+>>> worker = threading.Thread(target=model_call); worker.start(); worker.join()
+>>> seen, rows.tolist()
+({'placed': 1, 'in_rows': True}, [0.0, 1.0, 2.0, 3.0])
 """
 
 from __future__ import annotations
@@ -34,9 +50,9 @@ import contextlib
 import ctypes
 import threading
 
-__all__ = ["Placing", "available", "placing", "live_placements"]
+__all__ = ["Placing", "available", "placing", "live_placements", "still_alive"]
 
-_POSITION_LIMIT = 100_000  # allocations logged per call at most (a model allocating more is not learned from)
+_LOG_LIMIT = 100_000  # allocations logged per call at most (a model allocating more is not learned from)
 
 
 class Placing:
@@ -44,11 +60,11 @@ class Placing:
 
     ``targets`` maps an allocation's position to ``(address, nbytes, keep)``:
     ``keep`` (the destination's view, say) lives as long as the array placed
-    there. ``log`` (when ``learn``) lists ``(position, address, nbytes)`` of
-    every allocation not placed, up to a limit (``overflowed`` past it).
+    there. ``log`` (when ``learn``) lists ``(position, address, nbytes,
+    zeroed)`` of every allocation, up to a limit (``overflowed`` past it).
     """
 
-    __slots__ = ("targets", "count", "placed", "addresses", "log", "overflowed")
+    __slots__ = ("targets", "count", "placed", "addresses", "log", "overflowed", "__weakref__")
 
     def __init__(self, targets, learn=False):
         self.targets = targets
@@ -58,9 +74,22 @@ class Placing:
         self.log = [] if learn else None
         self.overflowed = False
 
+    def survivors(self) -> list:
+        """Addresses of this call's logged allocations that are not freed yet."""
+        return [address for _, address, _, _ in self.log or () if _followed.get(address) is self]
+
+    def unfollow(self, keep=()):
+        """Stop following this call's allocations, except the addresses in ``keep``."""
+        keep = set(keep)
+        for _, address, _, _ in self.log or ():
+            if address not in keep and _followed.get(address) is self:
+                del _followed[address]
+
 
 _thread = threading.local()
-_live = {}  # address -> (nbytes, keep) of every placed allocation still alive (dict ops are atomic under the GIL)
+# Dict operations are atomic under the GIL, which every callback holds.
+_live = {}  # address -> (nbytes, keep) of every placed allocation still alive
+_followed = {}  # address -> the learning Placing that made it, until it is freed or unfollowed
 
 
 def live_placements(addresses) -> list:
@@ -68,15 +97,25 @@ def live_placements(addresses) -> list:
     return [address for address in addresses if address in _live]
 
 
-def _place(size):
-    """The planned address of this thread's next allocation (of ``size`` bytes), or ``None``."""
-    call = getattr(_thread, "call", None)
-    if call is None:
-        return None
+def still_alive(call, addresses) -> list:
+    """Those of ``addresses``, logged by the learning ``call``, not freed yet."""
+    return [address for address in addresses if _followed.get(address) is call]
+
+
+def _overlaps_live(address, size) -> bool:
+    return any(other < address + size and address < other + nbytes for other, (nbytes, _) in _live.items())
+
+
+def _next_position(call):
     position = call.count
     call.count = position + 1
-    target = call.targets.get(position)
-    if target is None or target[1] != size or target[0] in _live:  # an array still there: never twice
+    return position
+
+
+def _place(call, size):
+    """The planned address of the call's next allocation (``malloc`` of ``size`` bytes), or ``None``."""
+    target = call.targets.get(_next_position(call))
+    if target is None or target[1] != size or _overlaps_live(target[0], size):
         return None
     _live[target[0]] = (size, target[2])
     call.placed += 1
@@ -84,11 +123,11 @@ def _place(size):
     return target[0]
 
 
-def _log(size, address):
-    call = getattr(_thread, "call", None)
-    if call is not None and call.log is not None:
-        if len(call.log) < _POSITION_LIMIT:
-            call.log.append((call.count - 1, address, size))
+def _log(call, size, address, zeroed):
+    if call.log is not None and address:
+        if len(call.log) < _LOG_LIMIT:
+            call.log.append((call.count - 1, address, size, zeroed))
+            _followed[address] = call
         else:
             call.overflowed = True
     return address
@@ -107,21 +146,15 @@ def _build():
         new_capsule = api.PyCapsule_New
         new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p] * 3
         table = ctypes.cast(get_pointer(multiarray._ARRAY_API, None), ctypes.POINTER(ctypes.c_void_p))
-        # PyDataMem_SetHandler and PyDataMem_GetHandler: entries 304 and 305 of NumPy's C API (stable since 1.22)
+        # NumPy's C API (stable since 1.22): 304 PyDataMem_SetHandler, 306 PyDataMem_DefaultHandler
         set_handler = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.py_object)(table[304])
-        get_handler = ctypes.PYFUNCTYPE(ctypes.py_object)(table[305])
-        numpy_handler = _Handler.from_address(get_pointer(get_handler(), b"mem_handler"))
+        default = ctypes.cast(table[306], ctypes.POINTER(ctypes.py_object)).contents.value
+        numpy_handler = _Handler.from_address(get_pointer(default, b"mem_handler"))
     except Exception:  # noqa: BLE001  not CPython, an old NumPy: nothing is placed
         return None
     if numpy_handler.version != 1:
         return None
     return _make(numpy_handler, new_capsule), set_handler
-
-
-_MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-_CALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)
-_REALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 
 
 class _Allocator(ctypes.Structure):  # NumPy's PyDataMemAllocator
@@ -133,54 +166,80 @@ class _Handler(ctypes.Structure):  # NumPy's PyDataMem_Handler
     _fields_ = [("name", ctypes.c_char * 127), ("version", ctypes.c_uint8), ("allocator", _Allocator)]
 
 
+_VOID_P, _SIZE = ctypes.c_void_p, ctypes.c_size_t
+_SIGNATURES = {"malloc": (_VOID_P, _VOID_P, _SIZE), "calloc": (_VOID_P, _VOID_P, _SIZE, _SIZE),
+               "realloc": (_VOID_P, _VOID_P, _VOID_P, _SIZE), "free": (None, _VOID_P, _VOID_P, _SIZE)}
+
+
 def _make(numpy_handler, new_capsule):
     """dsched's handler: NumPy's own functions, except for the allocations a plan places."""
     theirs = numpy_handler.allocator
     ctx = theirs.ctx
     # Called with the GIL held (PYFUNCTYPE): NumPy's own calloc releases it around a large calloc itself.
-    their_malloc = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(theirs.malloc)
-    their_calloc = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)(theirs.calloc)
-    their_realloc = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
-        theirs.realloc)
-    their_free = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(theirs.free)
+    their = {name: ctypes.PYFUNCTYPE(*signature)(getattr(theirs, name)) for name, signature in _SIGNATURES.items()}
+    callback = {name: ctypes.CFUNCTYPE(*signature) for name, signature in _SIGNATURES.items()}
 
-    @_MALLOC
+    # A Python exception cannot cross into NumPy: a failing callback gives no memory (NumPy's MemoryError).
+    @callback["malloc"]
     def malloc(_, size):
-        address = _place(size)
-        return address if address is not None else _log(size, their_malloc(ctx, size))
+        try:
+            call = getattr(_thread, "call", None)
+            address = _place(call, size) if call is not None else None
+            if address is not None:
+                return address
+            address = their["malloc"](ctx, size)
+            return _log(call, size, address, False) if call is not None else address
+        except BaseException:  # noqa: BLE001
+            return None
 
-    @_CALLOC
+    @callback["calloc"]
     def calloc(_, count, itemsize):
-        address = _place(count * itemsize)
-        if address is None:
-            return _log(count * itemsize, their_calloc(ctx, count, itemsize))
-        ctypes.memset(address, 0, count * itemsize)
-        return address
+        try:
+            call = getattr(_thread, "call", None)
+            address = their["calloc"](ctx, count, itemsize)
+            if call is None:
+                return address
+            _next_position(call)  # counted, never placed: object arrays are made zeroed
+            return _log(call, count * itemsize, address, True)
+        except BaseException:  # noqa: BLE001
+            return None
 
-    @_REALLOC
+    @callback["realloc"]
     def realloc(_, address, size):
-        placed = _live.pop(address, None)
-        if placed is None:
-            return their_realloc(ctx, address, size)
-        moved = their_malloc(ctx, size)  # out of the destination: the array no longer lies there
-        if moved:
-            ctypes.memmove(moved, address, min(size, placed[0]))
-        return moved
+        try:
+            placed = _live.get(address)
+            if placed is None:
+                owner = _followed.pop(address, None)
+                moved = their["realloc"](ctx, address, size)
+                if owner is not None and moved:
+                    _followed[moved] = owner
+                return moved
+            moved = their["malloc"](ctx, size)  # out of the destination: the array no longer lies there
+            if moved:
+                ctypes.memmove(moved, address, min(size, placed[0]))
+                del _live[address]
+            return moved
+        except BaseException:  # noqa: BLE001
+            return None
 
-    @_FREE
+    @callback["free"]
     def free(_, address, size):
-        if _live.pop(address, None) is None:
-            their_free(ctx, address, size)
+        try:
+            _followed.pop(address, None)
+            if _live.pop(address, None) is None:
+                their["free"](ctx, address, size)
+        except BaseException:  # noqa: BLE001  a leak rather than a crash
+            pass
 
     functions = (malloc, calloc, realloc, free)
     handler = _Handler(b"dsched_placing", 1, _Allocator(ctx, *(ctypes.cast(f, ctypes.c_void_p) for f in functions)))
     name = ctypes.create_string_buffer(b"mem_handler")
     capsule = new_capsule(ctypes.addressof(handler), ctypes.addressof(name), None)
-    _keep_alive.extend([functions, their_malloc, their_calloc, their_realloc, their_free, handler, name])
+    _keep_alive.extend([functions, their, handler, name])
     return capsule
 
 
-_keep_alive = []  # the callbacks, the structure and its name: arrays placed by the handler outlive any call
+_keep_alive = []  # the callbacks, the structure and its name: arrays allocated by the handler outlive any call
 _built = None
 _build_lock = threading.Lock()
 
@@ -202,13 +261,14 @@ def available() -> bool:
 def placing(targets, *, learn=False):
     """Within the block, this thread's NumPy allocations at the positions of ``targets`` are placed there.
 
-    ``targets``: ``{position: (address, nbytes, keep)}``; ``learn`` logs every
-    allocation not placed (see :class:`Placing`). Yields the :class:`Placing`.
-    Without a handler (:func:`available` is false) nothing is placed or logged.
+    ``targets``: ``{position: (address, nbytes, keep)}``; ``learn`` logs and
+    follows every allocation (see :class:`Placing`). Yields the :class:`Placing`.
+    Without a handler (:func:`available` is false), or on the main thread,
+    nothing is placed or logged.
     """
     call = Placing(targets, learn)
     built = _handler()
-    if not built:
+    if not built or threading.current_thread() is threading.main_thread():
         yield call
         return
     capsule, set_handler = built
