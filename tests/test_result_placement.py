@@ -54,12 +54,18 @@ def test_the_planned_allocation_lies_in_the_given_memory_and_the_others_do_not()
     np.testing.assert_array_equal(c, (np.arange(6.0) * 2) ** 2)
 
 
+def _first_allocation(rows, make):
+    """``make()`` under a plan that places the call's first allocation in ``rows``: (placed count, what it made)."""
+    with placing({0: (_address(rows), rows.nbytes, rows)}) as call:
+        made = make()
+    return call.placed, made
+
+
 @on_a_thread
 def test_an_allocation_of_another_size_is_not_placed():
     rows = np.zeros(6)
-    with placing({0: (_address(rows), rows.nbytes, rows)}) as call:
-        a = np.arange(5.0)
-    assert call.placed == 0 and _address(a) != _address(rows)
+    placed, a = _first_allocation(rows, lambda: np.arange(5.0))
+    assert placed == 0 and _address(a) != _address(rows)
 
 
 @on_a_thread
@@ -85,9 +91,8 @@ def test_memory_overlapping_a_live_placed_array_is_not_given():
 
 def test_nothing_is_placed_on_the_main_thread():
     rows = np.zeros(4)
-    with placing({0: (_address(rows), rows.nbytes, rows)}) as call:
-        a = np.ones(4)
-    assert call.placed == 0 and _address(a) != _address(rows)
+    placed, a = _first_allocation(rows, lambda: np.ones(4))
+    assert placed == 0 and _address(a) != _address(rows)
 
 
 @on_a_thread

@@ -83,7 +83,7 @@ class Placing:
         keep = set(keep)
         for _, address, _, _ in self.log or ():
             if address not in keep and _followed.get(address) is self:
-                del _followed[address]
+                _followed.pop(address, None)  # freed meanwhile on another thread: already gone
 
 
 _thread = threading.local()
@@ -103,7 +103,8 @@ def still_alive(call, addresses) -> list:
 
 
 def _overlaps_live(address, size) -> bool:
-    return any(other < address + size and address < other + nbytes for other, (nbytes, _) in _live.items())
+    # a copy of the items, taken at once: another thread's callback may change _live between two steps of a loop
+    return any(other < address + size and address < other + nbytes for other, (nbytes, _) in tuple(_live.items()))
 
 
 def _next_position(call):
