@@ -6,7 +6,8 @@ worker of the hybrid rows is *emulated*: a second worker process that claims
 ``cuda:0`` and computes with NumPy, so the two worker processes stand for two
 devices. Nothing here measures a GPU.
 
-Rows, timed in one run (repeats interleaved, median and best reported):
+Rows, timed in one run (each row run once untimed, then the repeats
+interleaved; median and best reported):
 
 - ``numpy``: one :func:`~dsched.models.j2_update` call on the whole batch;
 - ``threads``: ``ThreadPoolExecutor(2)`` over the same chunks, results concatenated;
@@ -341,16 +342,13 @@ def _repeat(rows, repeats, procs_client, points, say) -> tuple:
 
 
 def _warm_rows(procs_client, inproc_client, graph, inputs, points, chunk) -> tuple:
-    """The timed rows ``[(name, run)]``, warmed up (imports, connections, shared pages faulted in once).
+    """The timed rows ``[(name, run)]``, each run once at full size first, untimed: imports, connections, the
+    pooled segments and their pages, the workers' plans of where results go are all made in that round.
 
     Also returns the shared ``out=`` arrays the shared rows write into.
     """
-    _processes_dispatch(procs_client, j2_inputs(2 * chunk), _hybrid_scheduler(chunk))  # warm up
-    run_graph(graph, client=inproc_client, progress=False)
     shared_inputs = tuple(dsched.shared_copy(a) for a in inputs)
     shared_out = _shared_outputs(points)
-    _processes_dispatch(procs_client, shared_inputs, _hybrid_scheduler(chunk), out=shared_out)  # pages faulted
-    _plain_call(procs_client, j2_inputs(2 * chunk), chunk)  # warm up (the segment pool is per size)
     rows = [
         ("numpy", lambda: _j2(*inputs)),
         ("threads", lambda: _thread_pool(inputs, chunk)),
@@ -368,6 +366,8 @@ def _warm_rows(procs_client, inproc_client, graph, inputs, points, chunk) -> tup
         ("job threads", lambda: _job_thread_pool(points, chunk)),
         ("dsched run, in-process", lambda: run_graph(graph, client=inproc_client, progress=False)),
     ]
+    for _, run in rows:
+        run()
     return rows, shared_out
 
 
