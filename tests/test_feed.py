@@ -15,6 +15,7 @@ from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 import dsched
+from dsched import SliceGenerator
 from dsched.names import is_feed_key
 from dsched.worker.feed import _Inbox, _failure
 
@@ -161,9 +162,9 @@ def test_a_closed_inbox_refuses_chunks_and_fails_those_still_waiting():
         loop = asyncio.get_running_loop()
         inbox = _Inbox()
         waiting = loop.create_future()
-        assert inbox.put((0, None, None, None, loop, waiting))
+        assert inbox.put_many([(0, None, None, None, loop, waiting)])
         inbox.close(RuntimeError("feed f has ended"))
-        assert not inbox.put((1, None, None, None, loop, loop.create_future()))
+        assert not inbox.put_many([(1, None, None, None, loop, loop.create_future())])
         reply = await asyncio.wait_for(waiting, 10)
         assert reply["ok"] is False and str(reply["value"].data) == "feed f has ended"
         with pytest.raises(queue.Empty):
@@ -350,3 +351,65 @@ def test_parked_feeds_of_another_thread_are_kept_apart_and_swept_once_ended(clie
             feed.future.result(timeout=20)  # they end by themselves, their time up
         dsched.dispatch(double, x, scheduler=scheduler(), client=client)  # looks at the pool: ended ones go
     assert not [key for key in _parked(client) if key[0] == other.ident]
+
+
+def test_a_rearming_run_s_chunks_for_a_feed_that_ended_since_its_rearm_are_sent_back_not_failed(monkeypatch):
+    """The old run's feed failed (its thread_init) and closed between the new run's rearm and its chunks: they come
+    back ENDED (the client gives them to a new feed), never with the old run's error."""
+    import asyncio
+
+    from dsched.worker import feed as feed_module
+
+    class NoWorker:
+        def log_event(self, *args):
+            pass
+
+    async def check():
+        name = "dsched-feed-test-rearm-race-1"
+        inbox = feed_module._inbox(name)
+        inbox.attach("the old run's program")
+        inbox.park(60.0, epoch=1)
+        assert inbox.rearm("the new run's program", 2)  # the rearm applies: the inbox is still open
+        inbox.close(RuntimeError("cannot initialise cuda:0"))  # then the old run's failure closes it
+        monkeypatch.setattr(feed_module, "_rearmed", lambda feed, rearm: True)  # as it answered before the close
+        receive_chunk = feed_module._chunk_handler(NoWorker())
+        receive_chunks = feed_module._chunks_handler(NoWorker())
+        rearm = ("the new run's program", 2)
+        assert await receive_chunk(feed=name, index=0, work=None, slot=None, rearm=rearm) == feed_module.ENDED
+        assert await receive_chunks(feed=name, chunks=[(1, None, None, None)], rearm=rearm) == feed_module.ENDED
+        refused = await receive_chunks(feed=name, chunks=[(2, None, None, None)])  # no rearm: the chunks fail
+        assert [r["ok"] for r in refused] == [False] and "cannot initialise" in str(refused[0]["value"].data)
+
+    asyncio.run(check())
+
+
+def test_a_failing_thread_init_closes_the_feed_before_its_chunk_fails(hybrid_client):
+    """What a run learns its chunk failed from comes after the feed's inbox closed: the next run's rearm finds the
+    feed ended, and never gets the old run's error."""
+    from dsched import SimpleScheduler, WorkDispatcher
+    from dsched.worker import feed as feed_module
+
+    seen = []
+
+    def failing_init(device):
+        raise RuntimeError(f"cannot initialise {device}")
+
+    def chunk(work, device):
+        return 1
+
+    original = feed_module._resolve
+
+    def resolve(loop, future, reply):  # at the failing chunk's reply: is its inbox closed already?
+        if reply.get("ok") is False:
+            seen.extend(inbox.closed for inbox in list(feed_module._inboxes.values())
+                        if inbox.error is reply["value"].data)
+        original(loop, future, reply)
+
+    feed_module._resolve = resolve
+    try:
+        with pytest.raises(RuntimeError, match="cannot initialise cuda:0"):
+            WorkDispatcher(SimpleScheduler("cuda:0", 4), chunk, thread_init=failing_init,
+                           client=hybrid_client).run(SliceGenerator(0, 8))
+    finally:
+        feed_module._resolve = original
+    assert seen == [True]

@@ -9,6 +9,7 @@ raised (files, since the ranks' standard outputs interleave).
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -71,6 +72,17 @@ def _env():
 def _mpiexec(args, timeout=60) -> subprocess.CompletedProcess:
     """``mpiexec ARGS`` with a wall-clock timeout (a dask-mpi rank can hang on exit)."""
     return subprocess.run([MPIEXEC, *args], env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(autouse=True)
+def _no_mpich_files_left():
+    """A job ended by MPI_Abort leaves MPICH's shared-memory files in /dev/shm (MPICH's own; nothing runs after
+    the abort to remove them): those a test's jobs left are removed, so the suite leaves the machine as it was."""
+    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    yield
+    for path in set(glob.glob("/dev/shm/mpich_shm_*")) - before:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 @pytest.fixture

@@ -63,10 +63,12 @@ class _Inbox:
         self.park_until = None  # parked: time.monotonic() at which it ends if no run rearms it
         self.epoch = 0  # of the last park or rearm applied
 
-    def put(self, item) -> bool:
+    def put_many(self, items) -> bool:
+        """Queue all of ``items``, or none if the inbox is closed."""
         with self.lock:
             if not self.closed:
-                self.queue.put(item)
+                for item in items:
+                    self.queue.put(item)
             return not self.closed
 
     def retire(self) -> bool:
@@ -188,39 +190,46 @@ def _rearmed(feed, rearm) -> bool:
     return inbox is not None and inbox.rearm(program, epoch)
 
 
+def _queued(worker, feed, chunks, rearm):
+    """Queue ``chunks`` (``[(index, work, slot, about)]``) on ``feed``'s inbox, all or none: their futures; or the
+    reply instead, :data:`ENDED` (a rearming run's chunks for a feed that has ended, even since its rearm: they
+    go to a new feed) or the inbox's failure."""
+    if rearm is not None and not _rearmed(feed, rearm):
+        return None, ENDED
+    loop = asyncio.get_running_loop()
+    items = [(index, _unwrap(work), _unwrap(slot), about, loop, loop.create_future())
+             for index, work, slot, about in chunks]
+    inbox = _inbox(feed)
+    if not inbox.put_many(items):
+        return None, ENDED if rearm is not None else _failure(inbox.error)
+    for _, _, _, about, _, _ in items:
+        if about is not None:  # in flight from here: the dashboard's chunk events
+            worker.log_event(CHUNK_EVENT_TOPIC, ("start", *about[:4], worker.address, about[4], None, None))
+    return [item[-1] for item in items], None
+
+
 def _chunk_handler(worker):
     async def receive_chunk(feed=None, index=None, work=None, slot=None, about=None, rearm=None):
         """RPC handler: queue a chunk for its feed and reply with its outcome once it ran.
 
         ``about`` (only with the dashboard): ``(run id, client id, device, items, chunk key)``
-        for the chunk events; the chunk is in flight from here. ``rearm``: the run's program
-        for a parked feed, applied before the chunk is queued; :data:`ENDED` if the feed had ended.
+        for the chunk events. ``rearm``: the run's program for a parked feed, applied before the
+        chunk is queued; :data:`ENDED` if the feed had ended.
         """
-        if rearm is not None and not _rearmed(feed, rearm):
-            return ENDED
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        work, slot = _unwrap(work), _unwrap(slot)
-        if about is not None:
-            worker.log_event(CHUNK_EVENT_TOPIC, ("start", *about[:4], worker.address, about[4], None, None))
-        inbox = _inbox(feed)
-        if not inbox.put((index, work, slot, about, loop, future)):
-            return _failure(inbox.error)
-        return await future
+        futures, reply = _queued(worker, feed, [(index, work, slot, about)], rearm)
+        return reply if futures is None else await futures[0]
 
     return receive_chunk
 
 
 def _chunks_handler(worker):
-    receive_chunk = _chunk_handler(worker)
-
     async def receive_chunks(feed=None, chunks=(), rearm=None):
         """RPC handler: several chunks (``[(index, work, slot, about)]``) queued at once; their outcomes, in order,
         once they all ran. A deep backlog of small chunks pays one message's cost, not one per chunk."""
-        if rearm is not None and not _rearmed(feed, rearm):
-            return ENDED
-        return await asyncio.gather(*(receive_chunk(feed, index, work, slot, about)
-                                      for index, work, slot, about in chunks))
+        futures, reply = _queued(worker, feed, chunks, rearm)
+        if futures is None:
+            return reply if reply == ENDED else [reply] * len(chunks)
+        return list(await asyncio.gather(*futures))
 
     return receive_chunks
 
@@ -296,7 +305,8 @@ def run_feed(program, device, feed: str):
                 try:
                     _initialise(program, device, worker)
                 except Exception as err:  # thread_init failed: so does every chunk sent here
-                    ended = err
+                    ended = None
+                    inbox.close(err)  # before the reply: a run that starts once it has it finds the feed ended
                     _resolve(loop, future, _failure(err))
                     raise
             start = time.time()
