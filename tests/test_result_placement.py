@@ -351,7 +351,7 @@ def test_a_miss_on_one_thread_does_not_fail_a_placed_chunk_running_on_another():
     def chunk(index, value):
         x = np.full(n, float(value))
         slot = OutputSlot(layout, (ref,), index * n, (index + 1) * n, index)
-        return run_and_write(program, slot, lambda: model(x), "cpu")
+        return run_and_write(program, slot, slot.rows(), lambda: model(x), "cpu")
 
     on_a_thread(lambda: [chunk(0, 1.0), chunk(1, 2.0), chunk(2, 3.0)])()  # watched twice, then placed
     placed = threading.Thread(target=on_a_thread(lambda: chunk(3, 100.0)))

@@ -293,13 +293,16 @@ class OutputSlot:
     def __reduce__(self):
         return OutputSlot, (self.layout, self.targets, self.start, self.stop, self.index)
 
-    def views(self):
+    def views(self, rows=None):
         """The chunk's output rows as writable NumPy views, in the result's structure, for a model's ``out=``;
-        ``None`` where they cannot be views (a Zarr store, another axis, torch or NEML2 results)."""
-        if self.layout.axis != 0 or any(leaf.template is not None for leaf in self.layout.leaves) or not all(
-                isinstance(t, ArrayRef) for t in self.targets):
+        ``None`` where they cannot be views (a Zarr store, another axis, torch or NEML2 results).
+
+        ``rows``: what :meth:`rows` returned, if the caller has it already.
+        """
+        rows = self.rows() if rows is None else rows
+        if not rows or any(r is None for r in rows):
             return None
-        return self.layout.build([t.rows(self.start, self.stop, writable=True) for t in self.targets])
+        return self.layout.build(rows)
 
     def rows(self) -> list:
         """Per output (leaf order), the chunk's rows as a writable NumPy view where the output lies in memory

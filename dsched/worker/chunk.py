@@ -114,13 +114,14 @@ def _compute(program, device, work, slot):
     gpu = is_real_gpu(device)
     forget_vanished_segments()  # unmap what ended runs left mapped in this process
     with chunk_stream(device):
-        out = slot.views() if slot is not None and program.takes_out and not gpu else None
+        rows = slot.rows() if slot is not None and not gpu else None  # mapped once, for out= and the write
+        out = slot.views(rows) if rows is not None and program.takes_out else None
         work = resolve_work(work, pinned=gpu)
-        if slot is not None and out is None and not gpu:  # results allocated in their rows, where learned
-            return run_and_write(program, slot, lambda: program.run(device, work), device)
+        if rows is not None and out is None:  # results allocated in their rows, where learned
+            return run_and_write(program, slot, rows, lambda: program.run(device, work), device)
         result = program.run(device, work, out)
         if slot is not None:  # written in place; only outputs that travel by value come back
-            return slot.write(result, device, pinned=gpu)
+            return slot.write(result, device, pinned=gpu, rows=rows)
     return result
 
 

@@ -79,10 +79,10 @@ def placement_counts() -> dict:
     return {name: _counts[name] for name in ("watched", "placed", "missed", "kept")}
 
 
-def run_and_write(program, slot, run, device):
-    """``run()`` (a chunk's model call) with its NumPy results allocated in ``slot``'s rows where the plan says,
-    then its result written by ``slot``; what :meth:`~dsched.dataplane.outputs.OutputSlot.write` returns."""
-    rows = slot.rows()
+def run_and_write(program, slot, rows, run, device):
+    """``run()`` (a chunk's model call) with its NumPy results allocated in ``slot``'s rows (``rows``, what
+    :meth:`~dsched.dataplane.outputs.OutputSlot.rows` returned) where the plan says, then its result written
+    by ``slot``; what :meth:`~dsched.dataplane.outputs.OutputSlot.write` returns."""
     placeable = rows and program.place_results and available() and \
         threading.current_thread() is not threading.main_thread()  # sync mode: placing only on worker threads
     plan = _plan_for(program, slot) if placeable else None
