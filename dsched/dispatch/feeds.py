@@ -239,28 +239,25 @@ class Feeds:
             take = min(limit, max(1, len(feed.backlog) // (WINDOW - feed.calling)))
             calls = [feed.backlog.popleft() for _ in range(take)]
             feed.calling += 1
-            _spawn(self._call(calls[0]) if take == 1 else self._call_many(feed, calls))
+            _spawn(self._call(feed, calls))
 
     def refuse(self, device):
         """Send no more of ``device``'s chunks to feeds: its workers are gone (the run moves its chunks)."""
         for feed in self._feeds.get(device, ()):
             self.client.loop.add_callback(self._lose, feed, ConnectionError(f"no worker owns {device} any more"))
 
-    async def _call_many(self, feed, calls):
-        """Several of ``feed``'s chunks in one message; each one's outcome once they all ran."""
+    async def _call(self, feed, calls):
+        """``feed``'s chunks in one message (one chunk, or several where they are short); each one's outcome
+        once they all ran."""
         outcomes = None
-        if not feed.lost:
+        if not feed.lost:  # a lost feed's chunks run again at once, without trying its worker
             try:
-                chunks = [(index, ToPickle(work), ToPickle(slot), about) for _, _, index, work, slot, about in calls]
-                replies = await self._ask(feed.address, CHUNKS_OP, None, feed=feed.id, chunks=chunks,
-                                          **self._rearming(feed))
+                replies = await self._send(feed, calls)
                 if replies == ENDED:
                     self._renew(feed, calls)
                     feed.calling -= 1
                     return
                 feed.rearm = False
-                if not isinstance(replies, (list, tuple)) or len(replies) != len(calls):
-                    raise RuntimeError(f"worker {feed.address} did not run the chunks: {replies!r}"[:500])
                 outcomes = [FeedOutcome(ticket, index, feed.address, reply["ok"], _unwrap(reply["value"]),
                                         reply["start"], reply["stop"])
                             for (_, ticket, index, *_), reply in zip(calls, replies)]
@@ -275,31 +272,23 @@ class Feeds:
         feed.calling -= 1
         self._pump(feed)
 
-    async def _call(self, call):
-        feed, ticket, index, work, slot, about = call
-        outcome = None
-        if not feed.lost:  # a lost feed's chunk runs again at once, without trying its worker
-            try:
-                reply = await self._ask(feed.address, CHUNK_OP, None, feed=feed.id, index=index,
-                                        work=ToPickle(work), slot=ToPickle(slot), about=about, **self._rearming(feed))
-                if reply == ENDED:
-                    self._renew(feed, [call])
-                    feed.calling -= 1
-                    return
-                feed.rearm = False
-                if not isinstance(reply, dict) or "ok" not in reply:  # a worker without the handler, or it failed
-                    raise RuntimeError(f"worker {feed.address} did not run the chunk: {reply!r}"[:500])
-                outcome = FeedOutcome(ticket, index, feed.address, reply["ok"], _unwrap(reply["value"]),
-                                      reply["start"], reply["stop"])
-            except OSError as err:  # its worker went away (or froze): so did every feed on it
-                _worker_left(self.client, feed.address, err)
-            except Exception as err:  # noqa: BLE001  the worker refused it: this feed is lost, maybe not the others
-                self._lose(feed, err)
-        if outcome is None:  # what waits for it is lost with it: the dispatcher runs it elsewhere
-            outcome = _lost_outcome(feed, ticket, index)
-        self._answered(feed, outcome)
-        feed.calling -= 1
-        self._pump(feed)
+    async def _send(self, feed, calls):
+        """The message of ``calls`` to ``feed``'s worker: the replies, in order, or :data:`ENDED`; raises if the
+        worker did not run them."""
+        if len(calls) == 1:
+            _, _, index, work, slot, about = calls[0]
+            reply = await self._ask(feed.address, CHUNK_OP, None, feed=feed.id, index=index, work=ToPickle(work),
+                                    slot=ToPickle(slot), about=about, **self._rearming(feed))
+            if reply == ENDED:
+                return ENDED
+            if not isinstance(reply, dict) or "ok" not in reply:  # a worker without the handler, or it failed
+                raise RuntimeError(f"worker {feed.address} did not run the chunk: {reply!r}"[:500])
+            return [reply]
+        chunks = [(index, ToPickle(work), ToPickle(slot), about) for _, _, index, work, slot, about in calls]
+        replies = await self._ask(feed.address, CHUNKS_OP, None, feed=feed.id, chunks=chunks, **self._rearming(feed))
+        if replies != ENDED and (not isinstance(replies, (list, tuple)) or len(replies) != len(calls)):
+            raise RuntimeError(f"worker {feed.address} did not run the chunks: {replies!r}"[:500])
+        return replies
 
     def _ask(self, address, op, wait=None, **message):
         """A message to a feed's worker and its answer (a coroutine), given up once the worker is known gone."""
