@@ -21,6 +21,7 @@ from dsched.apps.bench.neml2 import (
     dispatch_steps,
     driver_steps,
     format_neml2_table,
+    lockstep_penalty,
     measure_scenario,
     options,
     verdicts,
@@ -166,7 +167,9 @@ def test_dscheds_scenarios_are_nemls(name):
 def test_the_bench_measures_a_scenario_and_judges_the_targets(process_client):
     small = dataclasses.replace(SCENARIOS["isoharden"], points=40)
     result = measure_scenario(small, process_client, steps=2, repeats=1)
-    assert set(result["rate"]) == {"neml2_1", "neml2_2", "limit", "side_by_side", "numpy", "typed", "batch", "driver"}
+    assert set(result["rate"]) == {"neml2_1", "neml2_2", "limit", "lockstep", "side_by_side", "numpy", "typed",
+                                   "batch", "driver"}
+    assert result["seconds"]["lockstep"] >= result["seconds"]["limit"]  # every step waits for its slower half
     assert all(e["same_chunks"] == 0.0 for e in result["error"].values())
     targets = verdicts([result])
     assert set(targets) == {"every form >= 0.8 x the limit", "median >= 1.0 x NEML2 on 2 threads",
@@ -175,6 +178,22 @@ def test_the_bench_measures_a_scenario_and_judges_the_targets(process_client):
     table = format_neml2_table({"scenarios": [result], "forms": ["numpy", "typed", "batch", "driver"], "steps": 2,
                                 "repeats": 1, "machine": "test", "load": None, "targets": targets})
     assert "isoharden (40)" in table and "target every form >= 0.8 x the limit" in table
+    assert "vs lockstep (dispatch, NumPy / dispatch, typed)" in table
+
+
+def test_the_driver_times_each_step_of_each_chunk():
+    scenario = SCENARIOS["isoharden"]
+    histories = scenario.histories(10, 3)
+    out, seconds, per_step = run_neml2_driver(scenario, histories, chunks=[6, 4], per_step=True)
+    plain, _ = run_neml2_driver(scenario, histories, chunks=[6, 4])
+    _assert_equal(out, plain)  # the timing changes nothing
+    assert len(seconds) == 2 and [len(steps) for steps in per_step] == [3, 3]  # the model runs once per step
+    assert all(0 < sum(steps) <= total for steps, total in zip(per_step, seconds))
+
+
+def test_lockstep_penalty_is_the_wait_for_each_steps_slower_chunk():
+    assert lockstep_penalty([[3.0, 1.0], [1.0, 2.0]]) == pytest.approx(1.0)  # 3 + 2 against 4
+    assert lockstep_penalty([[1.0, 1.0], [2.0, 2.0]]) == 0.0  # one chunk slower at every step: no wait
 
 
 def test_bench_options_name_the_option(tmp_path):

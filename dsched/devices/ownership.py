@@ -10,10 +10,11 @@ from dask import config
 from dsched.devices.device import EMULATED_RESOURCE, Device, device_of_resources, device_resource, placement_device
 from dsched.names import DASHBOARD_PLUGIN
 
-__all__ = ["cluster_info", "has_dashboard", "dashboard_registered", "emulated_devices", "device_owners",
+__all__ = ["cluster_info", "recent_cluster_info", "forget_cluster_info", "has_dashboard", "dashboard_registered", "emulated_devices", "device_owners",
            "device_capacities", "device_threads", "check_devices_owned", "lost_device_timeout", "absent_since",
            "wait_for_devices"]
 
+RECENT = 1.0  # seconds a run's start may take the cluster as an earlier question of the same client found it
 LOST_DEVICE_TIMEOUT = 30.0  # ``dsched.lost-device-timeout``: seconds a device may be without a worker (a nanny restarts one)
 _POLL = 0.1  # seconds between looks at the cluster while a call waits for a device's worker
 _UNWATCHED = 10.0  # seconds without a look after which a device's absence is counted afresh
@@ -49,7 +50,34 @@ def cluster_info(client) -> dict:
         _sightings.owned.setdefault(client.scheduler.address, set()).update(owned)
         for device in owned:
             _sightings.absent.pop((client.scheduler.address, device), None)
+    client.__dict__[_KEPT] = (info, time.monotonic())
     return info
+
+
+_KEPT = "_dsched_cluster_info"  # on a client: its last cluster_info answer and when it came
+
+
+def recent_cluster_info(client) -> dict:
+    """:func:`cluster_info` as a run starts: the last answer, if it is under :data:`RECENT` seconds old.
+
+    A solver that calls :func:`dsched.dispatch` every step asks the scheduler
+    once a second rather than once a step (a round trip through both event
+    loops, about a third of a small call's fixed cost). A worker that leaves
+    is forgotten at once where this process hears of it (a feed's worker, a
+    failed run: :func:`forget_cluster_info`); otherwise a run that finds a
+    worker gone handles it as it handles one that leaves mid-run.
+    """
+    kept = client.__dict__.get(_KEPT)
+    if kept is None or time.monotonic() - kept[1] >= RECENT:
+        return cluster_info(client)
+    info = dict(kept[0])
+    info["dsched-dashboard"] = has_dashboard(client)  # a dashboard registered since is known at once
+    return info
+
+
+def forget_cluster_info(client) -> None:
+    """The next run asks the scheduler again (a worker left, or a run failed)."""
+    client.__dict__.pop(_KEPT, None)
 
 
 DASHBOARD_RECHECK = 5.0  # seconds: how long "no dashboard" is believed before the scheduler is asked again

@@ -27,7 +27,7 @@ from dsched.dataplane.rundata import RunData, check_out, zarr_chunk_items
 from dsched.dataplane.store import resolve_work
 from dsched.devices.context import running_on
 from dsched.devices.device import Device
-from dsched.devices.ownership import cluster_info, device_owners, wait_for_devices
+from dsched.devices.ownership import device_owners, forget_cluster_info, recent_cluster_info, wait_for_devices
 from dsched.dispatch.async_run import AsyncRun
 from dsched.errors import AggregateError, ChunkTimeoutError
 from dsched.observe.dashboard.client import RunTotal
@@ -239,7 +239,7 @@ class WorkDispatcher:
         total = _items(generator)
         self.last_run = report = RunReport(self.mode, wall_start=time.time())
         observers = self._run_observers()
-        data, ended = None, False
+        data, ended, client = None, False, None
         try:
             if self.mode == "sync":
                 data = self._open_data(generator, out)
@@ -247,7 +247,7 @@ class WorkDispatcher:
                 self._run_sync(data, report, observers)
             else:
                 client = self.client
-                cluster = cluster_info(client)  # read once: every question below is answered from it
+                cluster = recent_cluster_info(client)  # read once: every question below is answered from it
                 # A device whose worker is restarting is waited for (dsched.lost-device-timeout), not refused.
                 cluster = wait_for_devices(client, self.scheduler, cluster)
                 if hasattr(self.scheduler, "bind"):  # a policy that learns per host binds to the cluster
@@ -257,8 +257,11 @@ class WorkDispatcher:
             ended = True
         finally:
             report.wall_stop = time.time()
+            clean = ended and all(r.error is None for r in report.records)
             if data is not None:
-                self._close_data(data, report, clean=ended and all(r.error is None for r in report.records))
+                self._close_data(data, report, clean=clean)
+            if client is not None and not clean:  # a worker may have left: the next run asks the scheduler
+                forget_cluster_info(client)
             observers.run_finished(report)  # even after a failure, so a trace file stays balanced
         return self._result(report, total)
 

@@ -71,7 +71,7 @@ from distributed.protocol.serialize import ToPickle
 
 from dsched.dataplane.store import classify_workers
 from dsched.devices.device import device_resource, placement_device
-from dsched.devices.ownership import device_owners
+from dsched.devices.ownership import device_owners, forget_cluster_info
 from dsched.dispatch.completion import ask_worker, notify_when_done, until_done, watch_worker
 from dsched.dispatch.parking import _GONE_FOR, _is_gone, _park, _parked, _state, _take_parked, release_parked
 from dsched.names import CHUNK_EVENT_TOPIC, is_feed_key
@@ -529,6 +529,7 @@ def _spawn(coroutine):
 def _worker_left(client, address, error):
     """The worker at ``address`` is gone (on the event loop): the client's parked feeds on it are released, and
     the feeds of its runs on it lost."""
+    forget_cluster_info(client)  # the next run asks the scheduler which workers it has
     now = time.monotonic()
     for old in [a for a, since in _state.gone.items() if now - since > _GONE_FOR]:
         del _state.gone[old]

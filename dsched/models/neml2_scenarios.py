@@ -187,7 +187,7 @@ def model_overrides(scenario, points) -> tuple:
     return scenario.overrides + ((f"nbatch={points}",) if scenario.source != "dsched" else ())
 
 
-def run_neml2_driver(scenario, histories, *, chunks=None, threads=None):
+def run_neml2_driver(scenario, histories, *, chunks=None, threads=None, per_step=False):
     """NEML2's ``TransientDriver`` over ``histories``: ``{output: final value}`` (NumPy) and each chunk's seconds.
 
     ``chunks`` (a list of point counts) runs the driver once per chunk of
@@ -195,7 +195,8 @@ def run_neml2_driver(scenario, histories, *, chunks=None, threads=None):
     when it cuts the batch the same way (``seconds`` then lists each chunk's
     time). ``threads`` sets torch's thread count for the call (restored
     after). The drivers are built before the clock starts, as NEML2 builds
-    one from its input file.
+    one from its input file. With ``per_step``, a third value lists each
+    chunk's seconds per step (the model's calls).
     """
     import time
 
@@ -209,6 +210,9 @@ def run_neml2_driver(scenario, histories, *, chunks=None, threads=None):
     bounds = np.cumsum([0, *(chunks or [histories.points])])
     pairs = list(zip(bounds[:-1], bounds[1:]))
     drivers = [_driver(neml2, torch, model, histories, a, b) for a, b in pairs]
+    if per_step:
+        for driver in drivers:
+            driver.model = _TimedModel(driver.model)
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -226,7 +230,28 @@ def run_neml2_driver(scenario, histories, *, chunks=None, threads=None):
         pieces = [np.broadcast_to(f[name].data.detach().numpy(), (b - a, *f[name].base_shape))
                   for f, (a, b) in zip(finals, pairs)]
         out[name] = np.concatenate(pieces)
+    if per_step:
+        return out, seconds, [driver.model.seconds for driver in drivers]
     return out, seconds
+
+
+class _TimedModel:
+    """A NEML2 model that records the seconds of each call (a driver's steps); otherwise the model itself."""
+
+    def __init__(self, model):
+        self.model, self.seconds = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        import time
+
+        start = time.perf_counter()
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.seconds.append(time.perf_counter() - start)
 
 
 def _driver(neml2, torch, model, histories, start, stop):

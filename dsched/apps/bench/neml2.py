@@ -10,7 +10,7 @@ dsched's copies of NEML2's files (``dsched/models/scenarios``), or NEML2's
 own files and histories with ``--neml2-benchmarks`` (a checkout's
 ``benchmark/`` folder). The histories are built once, in shared memory.
 
-Rows, in points x steps per second (the best of ``--repeats`` rounds after a
+Rows, in points x steps per second (the best of ``--neml2-repeats`` rounds, 5, after a
 warm-up round; the rows of a round run one after another):
 
 - **NEML2, 1 thread / 2 threads**: NEML2's ``TransientDriver`` on the whole
@@ -18,6 +18,11 @@ warm-up round; the rows of a round run one after another):
 - **limit**: NEML2's driver on each half of the points, one thread, one half
   after the other; two such halves side by side are what two single-thread
   workers can reach: ``points x steps / slower half``.
+- **lockstep**: the limit when every step waits for its slower half, as a
+  form that returns to the client after each step must: the halves' step
+  times (measured in the limit's run) differ from step to step as their
+  Newton solves do, so ``sum(max(a, b))`` over the steps exceeds
+  ``max(sum(a), sum(b))``.
 - **side by side**: the same two halves run at once, one in each worker
   process: what the hardware gives two single-thread workers (they share
   caches and memory bandwidth: a memory-bound model such as elasticity does
@@ -67,12 +72,13 @@ from dsched.models.neml2_scenarios import (
 from dsched.resident.driver import TransientDriver, neml2_feedback
 from dsched.apps.bench.scheduling import verdict
 
-__all__ = ["FORMS", "TARGETS", "run_neml2_benchmarks", "measure_scenario", "format_neml2_table", "main"]
+__all__ = ["FORMS", "TARGETS", "run_neml2_benchmarks", "measure_scenario", "lockstep_penalty", "format_neml2_table", "main"]
 
 FORMS = ("numpy", "typed", "batch", "driver")
 FORM_TITLES = {"numpy": "dispatch, NumPy", "typed": "dispatch, typed", "batch": "Batch", "driver": "driver"}
 TARGETS = {"limit": 0.8, "median_vs_neml2_2": 1.0, "typed_vs_numpy": 1.2, "batch_vs_numpy": 1.0}
 QUICK_DIVISOR = 10  # --quick: a tenth of the points
+REPEATS = 5  # measured rounds: the machine's noise is a tenth of a row's time, and every row takes its best
 
 
 # --- the dsched forms ---------------------------------------------------------------
@@ -148,7 +154,7 @@ def _forms(model, histories, scheduler, client):
     }
 
 
-def measure_scenario(scenario, client, *, points=None, steps=10, repeats=3, forms=FORMS, progress=None) -> dict:
+def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS, forms=FORMS, progress=None) -> dict:
     """Every row of one scenario: ``{"rate": {row: points x steps / s}, "seconds", "error", ...}``."""
     say = progress or (lambda line: None)
     histories = scenario.histories(points, steps, allocate=dsched.shared_empty)
@@ -159,17 +165,18 @@ def measure_scenario(scenario, client, *, points=None, steps=10, repeats=3, form
     scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], halves)
     runs = _forms(model, prescribed, scheduler, client)
     runs = {form: runs[form] for form in forms}
-    seconds = {row: [] for row in ("neml2_1", "neml2_2", "limit", "side_by_side", *runs)}
+    seconds = {row: [] for row in ("neml2_1", "neml2_2", "limit", "lockstep", "side_by_side", *runs)}
     results, whole, halved = {}, None, None
     for round_ in range(repeats + 1):  # round 0 warms up: imports, model loads, first calls
         whole, [t1] = run_neml2_driver(scenario, histories, threads=1)
         _, [t2] = run_neml2_driver(scenario, histories, threads=2)
-        halved, per_half = run_neml2_driver(scenario, histories, chunks=halves, threads=1)
+        halved, per_half, per_step = run_neml2_driver(scenario, histories, chunks=halves, threads=1, per_step=True)
         side = _side_by_side(client, scenario, n, steps, halves)
         if round_:
             seconds["neml2_1"].append(t1)
             seconds["neml2_2"].append(t2)
             seconds["limit"].append(max(per_half))
+            seconds["lockstep"].append(max(per_half) + lockstep_penalty(per_step))
             seconds["side_by_side"].append(side)
         for form, run in runs.items():
             start = time.perf_counter()
@@ -183,8 +190,20 @@ def measure_scenario(scenario, client, *, points=None, steps=10, repeats=3, form
             "halves": halves, "seconds": best, "rate": rate,
             "efficiency": {form: rate[form] / rate["limit"] for form in runs},
             "vs_side_by_side": {form: rate[form] / rate["side_by_side"] for form in runs},
+            "vs_lockstep": {form: rate[form] / rate["lockstep"] for form in runs},
             "vs_neml2_2": {form: rate[form] / rate["neml2_2"] for form in runs},
             "error": {form: _errors(results[form], halved, whole) for form in runs}}
+
+
+def lockstep_penalty(per_step) -> float:
+    """Seconds every step waiting for its slower chunk adds to the slower chunk's total.
+
+    Examples
+    --------
+    >>> round(lockstep_penalty([[3.0, 1.0], [1.0, 2.0]]), 6)  # max per step 3 + 2 = 5; slower total 4
+    1.0
+    """
+    return sum(map(max, zip(*per_step))) - max(map(sum, per_step))
 
 
 def _side_by_side(client, scenario, points, steps, halves) -> float:
@@ -244,7 +263,7 @@ def run_neml2_benchmarks(*, quick=False, steps=10, repeats=None, scenarios=None,
     import torch
     from distributed import Client
 
-    repeats = (1 if quick else 3) if repeats is None else repeats
+    repeats = (1 if quick else REPEATS) if repeats is None else repeats
     chosen = _scenarios(scenarios or list(SCENARIOS), benchmarks, quick)
     threads = torch.get_num_threads()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -295,15 +314,18 @@ def format_neml2_table(results) -> str:
             if load and load["before"] else f"NEML2 scenarios, {results['steps']} steps")
     if results.get("benchmarks"):
         head += f"; NEML2's files from {results['benchmarks']}"
-    columns = ["NEML2 1 thr", "NEML2 2 thr", "limit", "side by side"] + [FORM_TITLES[f] for f in forms]
+    stepped = [f for f in forms if f in ("numpy", "typed")]  # the forms that wait for every step's slower half
+    columns = ["NEML2 1 thr", "NEML2 2 thr", "limit", "lockstep", "side by side"] + [FORM_TITLES[f] for f in forms]
     lines = [head, f"{'scenario (points)':<22}" + "".join(f"{c:>16}" for c in columns)
-             + "  efficiency vs limit / vs side by side (" + " / ".join(FORM_TITLES[f] for f in forms) + ")"]
+             + "  efficiency vs limit / vs side by side (" + " / ".join(FORM_TITLES[f] for f in forms) + ")"
+             + (" | vs lockstep (" + " / ".join(FORM_TITLES[f] for f in stepped) + ")" if stepped else "")]
     for s in results["scenarios"]:
-        rows = ["neml2_1", "neml2_2", "limit", "side_by_side", *forms]
+        rows = ["neml2_1", "neml2_2", "limit", "lockstep", "side_by_side", *forms]
         lines.append(f"{s['scenario'] + ' (' + format(s['points'], ',') + ')':<22}"
                      + "".join(f"{_rate(s['rate'][r]):>16}" for r in rows)
                      + "  " + " / ".join(f"{s['efficiency'][f]:.2f}" for f in forms)
-                     + "  |  " + " / ".join(f"{s['vs_side_by_side'][f]:.2f}" for f in forms))
+                     + "  |  " + " / ".join(f"{s['vs_side_by_side'][f]:.2f}" for f in forms)
+                     + ("  |  " + " / ".join(f"{s['vs_lockstep'][f]:.2f}" for f in stepped) if stepped else ""))
     lines.append("points x steps per second. Largest difference from NEML2 on the same halves: "
                  + ", ".join(f"{s['scenario']} {max(e['same_chunks'] for e in s['error'].values()):.1e}"
                              for s in results["scenarios"])
@@ -330,7 +352,7 @@ def add_arguments(parser):
     parser.add_argument("--neml2-scenarios", metavar="NAMES",
                         help=f"neml2 suite: comma-separated scenarios (default {','.join(SCENARIOS)})")
     parser.add_argument("--neml2-steps", type=int, default=10, help="neml2 suite: steps of each scenario (default 10)")
-    parser.add_argument("--neml2-repeats", type=int, help="neml2 suite: measured rounds (default 3, 1 with --quick)")
+    parser.add_argument("--neml2-repeats", type=int, help=f"neml2 suite: measured rounds (default {REPEATS}, 1 with --quick)")
 
 
 def options(args) -> dict:
