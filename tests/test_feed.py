@@ -413,3 +413,30 @@ def test_a_failing_thread_init_closes_the_feed_before_its_chunk_fails(hybrid_cli
     finally:
         feed_module._resolve = original
     assert seen == [True]
+
+
+def test_back_to_back_runs_ask_the_scheduler_for_its_workers_once_a_second_and_again_after_a_failure(client,
+                                                                                                      monkeypatch):
+    from dsched.devices import ownership
+
+    asked = []
+    real = ownership.cluster_info
+    monkeypatch.setattr(ownership, "cluster_info", lambda c: asked.append(1) or real(c))
+    monkeypatch.setattr(ownership, "RECENT", 60.0)  # a loaded machine's runs stay "within a second"
+    x = np.arange(4_000.0)
+    ownership.forget_cluster_info(client)
+    for _ in range(3):
+        np.testing.assert_array_equal(dsched.dispatch(np.sqrt, x, scheduler=scheduler(1000), client=client), np.sqrt(x))
+    assert len(asked) == 1  # the first run asked; the next two, within RECENT, took its answer
+
+    def fails(block):
+        raise ValueError("this model fails")
+
+    with pytest.raises(ValueError, match="this model fails"):
+        dsched.dispatch(fails, x, scheduler=scheduler(1000), client=client)
+    assert len(asked) == 1  # the failed run took the answer too...
+    dsched.dispatch(np.sqrt, x, scheduler=scheduler(1000), client=client)
+    assert len(asked) == 2  # ...and the run after it asked again (a worker may have left)
+    monkeypatch.setattr(ownership, "RECENT", 0.0)
+    dsched.dispatch(np.sqrt, x, scheduler=scheduler(1000), client=client)
+    assert len(asked) == 3  # an answer older than RECENT is not taken
