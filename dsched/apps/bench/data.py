@@ -74,6 +74,7 @@ from dsched.apps.bench.scheduling import verdict
 __all__ = ["run_data_benchmarks", "format_data_table", "j2_inputs"]
 
 CAPACITY_CHUNKS = 2  # chunks in flight per device
+REPEATS = 5  # timed runs of each row: the best of five is steadier on a shared machine than the best of three
 BYTES_IN, BYTES_OUT = 13 * 8, (6 + 6 + 1 + 36) * 8  # per point: strain, plastic strain, alpha / the outputs
 
 
@@ -269,7 +270,7 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
     """
     say = progress or (lambda line: None)
     points = points or (200_000 if quick else 1_000_000)
-    repeats = repeats or (1 if quick else 3)
+    repeats = repeats or (1 if quick else REPEATS)
     chunk = AUTO_BATCH_SIZE["cpu"]
     times, sizes, usage = _time_rows(points, repeats, chunk, say)
     rates = {name: points / statistics.median(t) for name, t in times.items()}
