@@ -249,6 +249,26 @@ def test_a_parked_feed_gives_its_worker_to_any_task_that_waits(client):
     assert client.submit(os.getpid, workers=[cpu], pure=False).result(timeout=20) > 0
 
 
+def _set_poll(seconds, dask_worker=None):
+    import dsched.worker.feed as feed
+
+    before, feed._POLL = feed._POLL, seconds
+    return before
+
+
+def test_a_task_given_to_a_parked_feeds_worker_wakes_the_feed_at_once(client):
+    """Not at the feed's next poll: with polls 60 s apart, the task still runs at once."""
+    cpu = _worker_of(client, "cpu")
+    before = client.run(_set_poll, 60.0, workers=[cpu])[cpu]
+    try:
+        with dask.config.set({"dsched.feed-linger": 120}):
+            dsched.dispatch(double, np.arange(400.0), scheduler=scheduler(), client=client)
+        assert _parked_futures(client)
+        assert client.submit(os.getpid, workers=[cpu], pure=False).result(timeout=20) > 0
+    finally:
+        client.run(_set_poll, before, workers=[cpu])
+
+
 def test_a_feed_parked_past_its_time_ends_and_the_next_run_starts_new_ones(client):
     x = np.arange(600.0)
     with dask.config.set({"dsched.feed-linger": 0.6}):

@@ -40,6 +40,7 @@ ENDED = "ended"  # the reply to chunks that rearm a parked feed which had ended:
 # With the dashboard on the scheduler, a feed tells it of each chunk as it starts and ends:
 # (phase "start", "done" or "failed", run id, client id, device, items, worker address, chunk key, start, stop).
 _POLL = 0.05  # seconds between an idle feed's checks that its task is still wanted and nobody waits for it
+_WAKE = ("wake",)  # queued for a feed whose worker was given a task: it looks at once whether to give way
 
 
 class _Inbox:
@@ -62,6 +63,7 @@ class _Inbox:
         self.program = None  # what its chunks run: the first task's program, then each rearming run's
         self.park_until = None  # parked: time.monotonic() at which it ends if no run rearms it
         self.epoch = 0  # of the last park or rearm applied
+        self.woken = False  # a _WAKE is queued and not yet taken
 
     def put_many(self, items) -> bool:
         """Queue all of ``items``, or none if the inbox is closed."""
@@ -78,13 +80,26 @@ class _Inbox:
             if self.stopping or self.park_until is not None:
                 return False
             self.attached = False
+            _fed.discard(self)
             return True
 
     def attach(self, program):
         with self.lock:
             self.attached = True
+            _fed.add(self)
             if self.program is None:  # a successor's program may be older than a rearming run's
                 self.program = program
+
+    def wake(self):
+        """Have the feed look now, not at its next poll, whether others wait for its worker (one wake queued)."""
+        with self.lock:
+            if not self.closed and not self.woken:
+                self.woken = True
+                self.queue.put(_WAKE)
+
+    def take_wake(self):
+        with self.lock:
+            self.woken = False
 
     def park(self, linger, epoch):
         """The run is over; wait ``linger`` seconds for the next run of the same client. With no feed
@@ -141,16 +156,18 @@ class _Inbox:
             self.closed = True
             self.error = error
             self.program = None  # closed inboxes are kept a while (to refuse late chunks): not their models
+            _fed.discard(self)
         while True:
             try:
                 item = self.queue.get_nowait()
             except queue.Empty:
                 return
-            if item is not None:
+            if item is not None and item is not _WAKE:
                 _resolve(item[-2], item[-1], _failure(error))
 
 
 _inboxes: "collections.OrderedDict[str, _Inbox]" = collections.OrderedDict()  # feed id -> inbox, this process
+_fed: "set[_Inbox]" = set()  # the open inboxes a feed task takes chunks from, this process: woken by new tasks
 _inboxes_lock = threading.Lock()
 _CLOSED_KEPT = 1024  # closed inboxes remembered, so that a late chunk is refused rather than left waiting
 
@@ -260,6 +277,13 @@ class FeedPlugin(WorkerPlugin):
         worker.handlers[STOP_OP] = _receive_stop
         worker.handlers[PARK_OP] = _receive_park
 
+    def transition(self, key, start, finish, **kwargs):
+        """A task now waits for a thread or a resource: the feeds look at once whether to give way to it (a
+        parked feed ends, a feed of another caller's run retires), rather than at their next poll, 50 ms on."""
+        if finish in ("ready", "constrained") and _fed:
+            for inbox in list(_fed):
+                inbox.wake()
+
 
 RETIRED = "retired"  # what a feed that gave its thread back returns; its inbox waits for a successor
 
@@ -299,6 +323,9 @@ def run_feed(program, device, feed: str):
                 continue
             if item is None:
                 return ran
+            if item is _WAKE:  # a task came to the worker: the loop's first check says whether to give way
+                inbox.take_wake()
+                continue
             index, work, slot, about, loop, future = item
             if inbox.program is not program:  # the first chunk, or the first of a run that rearmed the feed
                 program = inbox.program
