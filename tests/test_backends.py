@@ -130,6 +130,29 @@ def test_a_template_rebuilds_shared_rows_as_the_users_type():
     assert backends.template(torch.ones(3, 2), axis=1).shape == (3, 0)
 
 
+def test_a_template_travels_as_a_description_and_comes_back_the_same_type_once_per_process():
+    import pickle
+
+    from dsched.dataplane.store import SliceRef
+
+    types = _neml2_types()
+    for like in (backends.template(types.SR2(torch.rand(6, 6, dtype=torch.float64))),
+                 backends.template(torch.ones(4, 3, dtype=torch.float32))):
+        packed = backends.pack_template(like)
+        assert isinstance(packed, tuple) and len(pickle.dumps(packed)) < 400  # no storage in it
+        first, second = (pickle.loads(pickle.dumps(SliceRef(None, 0, 0, 1, like))).template for _ in range(2))
+        assert first is second  # one template per description and process
+        data = first.data if hasattr(first, "data") else first
+        expected = like.data if hasattr(like, "data") else like
+        assert type(first) is type(like) and data.dtype == expected.dtype and tuple(data.shape) == tuple(
+            expected.shape)
+        if hasattr(like, "sub_batch_ndim"):
+            assert first.sub_batch_ndim == like.sub_batch_ndim
+    assert backends.pack_template(torch.ones(2)) is not None and not isinstance(  # not empty: travels as itself
+        backends.pack_template(torch.ones(2)), tuple)
+    assert backends.unpack_template(("torch", "float64", (0,), "cpu")) == ("torch", "float64", (0,), "cpu")
+
+
 def test_neml2_host_view_and_rebuild_share_memory():
     types = _neml2_types()
     scalar = types.Scalar(torch.zeros(4, dtype=torch.float64))

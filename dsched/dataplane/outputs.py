@@ -63,12 +63,16 @@ class _Leaf:
     template: object = None  # a torch or NEML2 result: an empty one of its type, to rebuild the joined output
 
     def __reduce__(self):  # positional: every chunk's task carries the layout
-        return _Leaf, (self.path, self.item_shape, self.dtype, self.template)
+        return _leaf, (self.path, self.item_shape, self.dtype, backends.pack_template(self.template))
 
     @property
     def by_value(self) -> bool:
         """Whether this output travels back by value (it cannot live in shared memory)."""
         return travels_by_value(self.dtype)
+
+
+def _leaf(path, item_shape, dtype, template):
+    return _Leaf(path, item_shape, dtype, backends.unpack_template(template))
 
 
 def travels_by_value(dtype) -> bool:

@@ -389,7 +389,7 @@ class SliceRef:
     template: object = None  # a torch input: an empty tensor of its type, to rebuild the rows as one
 
     def __reduce__(self):
-        return SliceRef, (self.ref, self.axis, self.start, self.stop, self.template)
+        return _slice_ref, (self.ref, self.axis, self.start, self.stop, backends.pack_template(self.template))
 
     def resolve(self, pinned=False):
         if self.template is None:
@@ -397,6 +397,10 @@ class SliceRef:
         rows = self.ref.rows(self.start, self.stop, private=True) if self.axis == 0 and self.ref.shared else \
             np.array(self.ref.take(self.axis, self.start, self.stop))
         return backends.from_host(rows, self.template)
+
+
+def _slice_ref(ref, axis, start, stop, template):
+    return SliceRef(ref, axis, start, stop, backends.unpack_template(template))
 
 
 @dataclass(frozen=True)
