@@ -37,6 +37,7 @@ turns placing off for its runs
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import threading
 from dataclasses import dataclass
@@ -138,6 +139,9 @@ def _name(program) -> str:
 
 def _settled(plan, program):
     """The plan's positions once what the last chunk left alive is judged (``None``: watch this chunk)."""
+    pending = plan.pending
+    if pending is not None and (still_alive(*pending) if pending[0] is not None else live_placements(pending[1])):
+        gc.collect()  # a reference cycle holds arrays until the collector runs: not the model keeping them
     with _lock:
         if plan.pending is not None:
             call, addresses = plan.pending
