@@ -134,11 +134,12 @@ def test_a_template_travels_as_a_description_and_comes_back_the_same_type_once_p
     import pickle
 
     from dsched.dataplane.store import SliceRef
+    from dsched.devices import templates
 
     types = _neml2_types()
     for like in (backends.template(types.SR2(torch.rand(6, 6, dtype=torch.float64))),
                  backends.template(torch.ones(4, 3, dtype=torch.float32))):
-        packed = backends.pack_template(like)
+        packed = templates.pack_template(like)
         assert isinstance(packed, tuple) and len(pickle.dumps(packed)) < 400  # no storage in it
         first, second = (pickle.loads(pickle.dumps(SliceRef(None, 0, 0, 1, like))).template for _ in range(2))
         assert first is second  # one template per description and process
@@ -148,9 +149,9 @@ def test_a_template_travels_as_a_description_and_comes_back_the_same_type_once_p
             expected.shape)
         if hasattr(like, "sub_batch_ndim"):
             assert first.sub_batch_ndim == like.sub_batch_ndim
-    assert backends.pack_template(torch.ones(2)) is not None and not isinstance(  # not empty: travels as itself
-        backends.pack_template(torch.ones(2)), tuple)
-    assert backends.unpack_template(("torch", "float64", (0,), "cpu")) == ("torch", "float64", (0,), "cpu")
+    assert templates.pack_template(torch.ones(2)) is not None and not isinstance(  # not empty: travels as itself
+        templates.pack_template(torch.ones(2)), tuple)
+    assert templates.unpack_template(("torch", "float64", (0,), "cpu")) == ("torch", "float64", (0,), "cpu")
 
 
 def test_neml2_host_view_and_rebuild_share_memory():

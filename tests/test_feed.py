@@ -448,15 +448,21 @@ def test_back_to_back_runs_ask_the_scheduler_for_its_workers_once_a_second_and_a
     for _ in range(3):
         np.testing.assert_array_equal(dsched.dispatch(np.sqrt, x, scheduler=scheduler(1000), client=client), np.sqrt(x))
     assert len(asked) == 1  # the first run asked; the next two, within RECENT, took its answer
+    with pytest.raises(ValueError, match="no worker of the cluster owns cuda:1"):
+        dsched.dispatch(np.sqrt, x, scheduler=dsched.SimpleScheduler("cuda:1", 1000), client=client)
+    assert len(asked) == 2  # a device the last answer lacks is looked for in a new one (it may have just joined)
+    dsched.dispatch(np.sqrt, x, scheduler=scheduler(1000), client=client)
+    assert len(asked) == 3  # the refused call forgot the answer, as a failed one does
+    asked.clear()
 
     def fails(block):
         raise ValueError("this model fails")
 
     with pytest.raises(ValueError, match="this model fails"):
         dsched.dispatch(fails, x, scheduler=scheduler(1000), client=client)
-    assert len(asked) == 1  # the failed run took the answer too...
+    assert len(asked) == 0  # the failed run took the answer too...
     dsched.dispatch(np.sqrt, x, scheduler=scheduler(1000), client=client)
-    assert len(asked) == 2  # ...and the run after it asked again (a worker may have left)
+    assert len(asked) == 1  # ...and the run after it asked again (a worker may have left)
     monkeypatch.setattr(ownership, "RECENT", 0.0)
     dsched.dispatch(np.sqrt, x, scheduler=scheduler(1000), client=client)
-    assert len(asked) == 3  # an answer older than RECENT is not taken
+    assert len(asked) == 2  # an answer older than RECENT is not taken

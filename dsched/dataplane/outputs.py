@@ -29,6 +29,7 @@ import numpy as np
 from dsched.dataplane.pinned import copy_to_host, same_memory
 from dsched.dataplane.store import ArrayRef
 from dsched.devices import backends
+from dsched.devices.templates import pack_template, unpack_template
 from dsched.errors import DispatchError
 
 __all__ = ["OutputLayout", "ChunkResultError", "OutputSlot", "ZarrTarget", "check_out_path", "BY_VALUE", "Leftover",
@@ -63,7 +64,7 @@ class _Leaf:
     template: object = None  # a torch or NEML2 result: an empty one of its type, to rebuild the joined output
 
     def __reduce__(self):  # positional: every chunk's task carries the layout
-        return _leaf, (self.path, self.item_shape, self.dtype, backends.pack_template(self.template))
+        return _leaf, (self.path, self.item_shape, self.dtype, pack_template(self.template))
 
     @property
     def by_value(self) -> bool:
@@ -72,7 +73,7 @@ class _Leaf:
 
 
 def _leaf(path, item_shape, dtype, template):
-    return _Leaf(path, item_shape, dtype, backends.unpack_template(template))
+    return _Leaf(path, item_shape, dtype, unpack_template(template))
 
 
 def travels_by_value(dtype) -> bool:

@@ -64,6 +64,7 @@ from dsched.dataplane.sources import resolve_rows
 
 # Re-exported: the chunk runner (dsched.worker.chunk) and older code import it from here.
 from dsched.devices import backends
+from dsched.devices.templates import pack_template, unpack_template
 
 __all__ = ["ArrayRef", "RunStore", "classify_workers", "shared_empty", "shared_copy", "find_shared", "SHM_DIR"]
 
@@ -389,7 +390,7 @@ class SliceRef:
     template: object = None  # a torch input: an empty tensor of its type, to rebuild the rows as one
 
     def __reduce__(self):
-        return _slice_ref, (self.ref, self.axis, self.start, self.stop, backends.pack_template(self.template))
+        return _slice_ref, (self.ref, self.axis, self.start, self.stop, pack_template(self.template))
 
     def resolve(self, pinned=False):
         if self.template is None:
@@ -400,7 +401,7 @@ class SliceRef:
 
 
 def _slice_ref(ref, axis, start, stop, template):
-    return SliceRef(ref, axis, start, stop, backends.unpack_template(template))
+    return SliceRef(ref, axis, start, stop, unpack_template(template))
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,6 @@ batch axis counts their *dynamic batch* axes only, so an ``SR2`` of shape
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import warnings
 
@@ -67,8 +66,6 @@ __all__ = [
     "concatenate",
     "empty_like",
     "template",
-    "pack_template",
-    "unpack_template",
     "detach",
     "torch_device",
     "map_arrays",
@@ -519,64 +516,6 @@ def template(x, axis: int = 0):
     if len(backend.batch_shape(x)) <= axis:
         return backend.detach(x)  # no batch axis: the whole (batch-independent) value
     return backend.template(x, axis)
-
-
-_TEMPLATES = {}  # what pack_template made of a template -> the template rebuilt, this process
-
-
-class _Packed(tuple):
-    """A template's description (:func:`pack_template`): a tuple, told apart from any other value."""
-
-    __slots__ = ()
-
-
-def pack_template(x):
-    """A :func:`template` as it travels with each chunk: an empty torch tensor, or a NEML2 typed wrapper of
-    one, as a small description (type, dtype, shape, device, the wrapper's fields); anything else as it is.
-
-    Torch pickles even an empty tensor through its storage machinery, about
-    30 us to write and 45 us to read, for each of a chunk's inputs and
-    outputs; the description takes 1 us each way, and a worker rebuilds one
-    template per description (:func:`unpack_template`).
-
-    Examples
-    --------
-    >>> import torch                                                  # doctest: +SKIP
-    >>> pack_template(torch.empty((0, 6), dtype=torch.float64))      # doctest: +SKIP
-    ('torch', 'float64', (0, 6), 'cpu')
-    """
-    if "torch" not in sys.modules:
-        return x
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        if x.numel() or x.requires_grad or type(x) is not torch.Tensor:
-            return x
-        return _Packed(("torch", str(x.dtype).removeprefix("torch."), tuple(x.shape), str(x.device)))
-    if NEML2.owns(x) and dataclasses.is_dataclass(x) and not hasattr(x, "batch_ndim"):  # SR2, Scalar...
-        data = pack_template(x.data)
-        if isinstance(data, _Packed):
-            fields = tuple((f.name, getattr(x, f.name)) for f in dataclasses.fields(x) if f.name != "data")
-            return _Packed(("neml2", type(x), data, fields))
-    return x
-
-
-def unpack_template(packed):
-    """The template :func:`pack_template` described (one per description and process), or ``packed`` itself."""
-    if not isinstance(packed, _Packed):
-        return packed
-    template = _TEMPLATES.get(packed)
-    if template is None:
-        import torch
-
-        if packed[0] == "torch":
-            _, dtype, shape, device = packed
-            template = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        else:
-            _, kind, data, fields = packed
-            template = kind(unpack_template(data), **dict(fields))
-        template = _TEMPLATES.setdefault(packed, template)
-    return template
 
 
 def array_module(device=None):

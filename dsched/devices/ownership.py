@@ -43,6 +43,7 @@ def cluster_info(client) -> dict:
     ``info["dsched-dashboard"]`` says whether the scheduler has dsched's dashboard
     (see :func:`has_dashboard`).
     """
+    generation, asked = client.__dict__.get(_GENERATION), time.monotonic()
     info = client.sync(client.scheduler.identity, n_workers=-1)
     info["dsched-dashboard"] = has_dashboard(client)
     owned = {device_of_resources(w.get("resources")) for w in info.get("workers", {}).values()} - {None}
@@ -50,33 +51,46 @@ def cluster_info(client) -> dict:
         _sightings.owned.setdefault(client.scheduler.address, set()).update(owned)
         for device in owned:
             _sightings.absent.pop((client.scheduler.address, device), None)
-    client.__dict__[_KEPT] = (info, time.monotonic())
+    if client.__dict__.get(_GENERATION) is generation:  # not forgotten meanwhile (a worker left as it answered)
+        client.__dict__[_KEPT] = (info, asked)
     return info
 
 
-_KEPT = "_dsched_cluster_info"  # on a client: its last cluster_info answer and when it came
+_KEPT = "_dsched_cluster_info"  # on a client: its last cluster_info answer and when it was asked for
+_GENERATION = "_dsched_cluster_generation"  # on a client: a new object each time its answer is forgotten
 
 
-def recent_cluster_info(client) -> dict:
-    """:func:`cluster_info` as a run starts: the last answer, if it is under :data:`RECENT` seconds old.
+def recent_cluster_info(client, scheduler=None) -> dict:
+    """:func:`cluster_info` as a run starts: the last answer, if it is under :data:`RECENT` seconds old and has
+    a worker for each of ``scheduler``'s devices, with room for its batch size.
 
     A solver that calls :func:`dsched.dispatch` every step asks the scheduler
     once a second rather than once a step (a round trip through both event
     loops, about a third of a small call's fixed cost). A worker that leaves
     is forgotten at once where this process hears of it (a feed's worker, a
     failed run: :func:`forget_cluster_info`); otherwise a run that finds a
-    worker gone handles it as it handles one that leaves mid-run.
+    worker gone handles it as it handles one that leaves mid-run. A device
+    the last answer lacks is looked for in a new one (a worker that just joined).
     """
     kept = client.__dict__.get(_KEPT)
-    if kept is None or time.monotonic() - kept[1] >= RECENT:
+    if kept is None or time.monotonic() - kept[1] >= RECENT or not _serves(client, scheduler, kept[0]["workers"]):
         return cluster_info(client)
     info = dict(kept[0])
     info["dsched-dashboard"] = has_dashboard(client)  # a dashboard registered since is known at once
     return info
 
 
+def _serves(client, scheduler, workers) -> bool:
+    """Whether ``workers`` own each of ``scheduler``'s devices, with room for its batch size (no scheduler: yes)."""
+    if scheduler is None:
+        return True
+    capacities = device_capacities(client, workers)
+    return all(capacities.get(placement_device(s.device), 0) >= s.batch_size for s in scheduler.status())
+
+
 def forget_cluster_info(client) -> None:
     """The next run asks the scheduler again (a worker left, or a run failed)."""
+    client.__dict__[_GENERATION] = object()
     client.__dict__.pop(_KEPT, None)
 
 

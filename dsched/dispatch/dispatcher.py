@@ -247,7 +247,7 @@ class WorkDispatcher:
                 self._run_sync(data, report, observers)
             else:
                 client = self.client
-                cluster = recent_cluster_info(client)  # read once: every question below is answered from it
+                cluster = recent_cluster_info(client, self.scheduler)  # read once: it answers every question below
                 # A device whose worker is restarting is waited for (dsched.lost-device-timeout), not refused.
                 cluster = wait_for_devices(client, self.scheduler, cluster)
                 if hasattr(self.scheduler, "bind"):  # a policy that learns per host binds to the cluster

@@ -325,6 +325,8 @@ def run_feed(program, device, feed: str):
                 return ran
             if item is _WAKE:  # a task came to the worker: the loop's first check says whether to give way
                 inbox.take_wake()
+                if inbox.closed or _abandoned(worker, key) or inbox.expired():  # as after a quiet poll: a
+                    return ran  # stream of wakes must not keep a feed past its time, or one nobody wants
                 continue
             index, work, slot, about, loop, future = item
             if inbox.program is not program:  # the first chunk, or the first of a run that rearmed the feed
@@ -357,9 +359,16 @@ def _others_wait(worker, feed, parked=False) -> bool:
     parked, otherwise any but the feeds of its caller (its client's runs on one thread, which take turns
     through the client)."""
     own = feed.rpartition("-")[0] + "-"
-    state = worker.state
-    return any(parked or not str(ts.key).startswith(own) for waiting in (state.ready, state.constrained)
-               for ts in waiting)
+    return any(parked or not str(ts.key).startswith(own) for ts in _waiting(worker.state))
+
+
+def _waiting(state) -> tuple:
+    """The tasks waiting for a thread or a resource, read from the feed's thread while the event loop changes them."""
+    while True:
+        try:
+            return (*state.ready, *state.constrained)
+        except RuntimeError:  # a set changed size while it was read: read it again
+            continue
 
 
 def _abandoned(worker, key) -> bool:
