@@ -335,7 +335,9 @@ def test_a_dispatch_output_given_as_an_update_input_is_kept_until_the_update_ran
         added = batch.update(_add_load, reads=["x"], writes=["x"], inputs={"load": load})
         del load
         gc.collect()
-        other = dsched.dispatch(_twice, np.full(n, 7.0), scheduler=scheduler, client=process_client)
+        # On the other worker: the held update has the cpu worker's one thread (a parked feed gives it way).
+        other = dsched.dispatch(_twice, np.full(n, 7.0), scheduler=dsched.SimpleScheduler("cuda:0", 100),
+                                client=process_client)
         from distributed import Event
 
         Event(event, client=process_client).set()

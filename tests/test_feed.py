@@ -466,3 +466,18 @@ def test_back_to_back_runs_ask_the_scheduler_for_its_workers_once_a_second_and_a
     monkeypatch.setattr(ownership, "RECENT", 0.0)
     dsched.dispatch(np.sqrt, x, scheduler=scheduler(1000), client=client)
     assert len(asked) == 2  # an answer older than RECENT is not taken
+
+
+def test_a_park_that_comes_before_its_feed_started_ends_the_feed_as_it_starts():
+    """A run that ends before a worker had a thread for one of its feeds parks that feed too: started later, it
+    must not take a thread and wait for chunks no run sends (the next runs of its client would wait for it)."""
+    import asyncio
+
+    from dsched.worker.feed import _inbox, _receive_park
+
+    feed = "dsched-feed-test-never-started-1"
+    assert _inbox(feed, create=False) is None
+    asyncio.run(_receive_park(feed=feed, linger=30.0, epoch=1))
+    inbox = _inbox(feed, create=False)
+    assert inbox is not None and inbox.closed and "retired" in str(inbox.error)
+    assert not inbox.rearm(object(), 2)  # a run that takes it finds it ended, and starts a new feed

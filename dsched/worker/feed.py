@@ -258,10 +258,14 @@ async def _receive_stop(feed=None):
 
 
 async def _receive_park(feed=None, linger=0.0, epoch=0):
-    """RPC handler: the run is over; the feed waits ``linger`` seconds for its client's next run."""
-    inbox = _inbox(feed, create=False)
-    if inbox is not None:
-        inbox.park(linger, epoch)
+    """RPC handler: the run is over; the feed waits ``linger`` seconds for its client's next run.
+
+    A feed whose task has not started yet (the run ended before the worker had
+    a thread for it) is parked too: its inbox is made now, closed, so the task
+    ends as it starts. Otherwise it would take chunks from no run, and hold a
+    thread that the next runs of its client wait for.
+    """
+    _inbox(feed).park(linger, epoch)
     return "OK"
 
 
