@@ -10,9 +10,9 @@ from dask import config
 from dsched.devices.device import EMULATED_RESOURCE, Device, device_of_resources, device_resource, placement_device
 from dsched.names import DASHBOARD_PLUGIN
 
-__all__ = ["cluster_info", "recent_cluster_info", "forget_cluster_info", "has_dashboard", "dashboard_registered", "emulated_devices", "device_owners",
-           "device_capacities", "device_threads", "check_devices_owned", "lost_device_timeout", "absent_since",
-           "wait_for_devices"]
+__all__ = ["cluster_info", "recent_cluster_info", "forget_cluster_info", "has_dashboard", "dashboard_registered",
+           "emulated_devices", "device_owners", "device_capacities", "device_threads", "check_devices_owned",
+           "lost_device_timeout", "absent_since", "wait_for_devices"]
 
 RECENT = 1.0  # seconds a run's start may take the cluster as an earlier question of the same client found it
 LOST_DEVICE_TIMEOUT = 30.0  # ``dsched.lost-device-timeout``: seconds a device may be without a worker (a nanny restarts one)

@@ -72,7 +72,8 @@ from dsched.models.neml2_scenarios import (
 from dsched.resident.driver import TransientDriver, neml2_feedback
 from dsched.apps.bench.scheduling import verdict
 
-__all__ = ["FORMS", "TARGETS", "run_neml2_benchmarks", "measure_scenario", "lockstep_penalty", "format_neml2_table", "main"]
+__all__ = ["FORMS", "TARGETS", "run_neml2_benchmarks", "measure_scenario", "lockstep_penalty", "format_neml2_table",
+           "main"]
 
 FORMS = ("numpy", "typed", "batch", "driver")
 FORM_TITLES = {"numpy": "dispatch, NumPy", "typed": "dispatch, typed", "batch": "Batch", "driver": "driver"}
