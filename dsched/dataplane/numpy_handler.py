@@ -50,7 +50,7 @@ import contextlib
 import ctypes
 import threading
 
-__all__ = ["Placing", "available", "placing", "live_placements", "still_alive"]
+__all__ = ["Placing", "available", "places_here", "placing", "live_placements", "still_alive"]
 
 _LOG_LIMIT = 100_000  # allocations logged per call at most (a model allocating more is not learned from)
 
@@ -258,6 +258,12 @@ def available() -> bool:
     return bool(_handler())
 
 
+def places_here() -> bool:
+    """Whether :func:`placing` places anything on this thread: the handler is :func:`available`, and this is not
+    the main thread (where a Ctrl-C could land in a callback)."""
+    return available() and threading.current_thread() is not threading.main_thread()
+
+
 @contextlib.contextmanager
 def placing(targets, *, learn=False):
     """Within the block, this thread's NumPy allocations at the positions of ``targets`` are placed there.
@@ -268,11 +274,10 @@ def placing(targets, *, learn=False):
     nothing is placed or logged.
     """
     call = Placing(targets, learn)
-    built = _handler()
-    if not built or threading.current_thread() is threading.main_thread():
+    if not places_here():
         yield call
         return
-    capsule, set_handler = built
+    capsule, set_handler = _handler()
     outer = getattr(_thread, "call", None)
     _thread.call = call
     previous = set_handler(capsule)

@@ -322,15 +322,15 @@ def run_feed(program, device, feed: str):
             try:
                 item = inbox.queue.get(timeout=_POLL)
             except queue.Empty:
-                if inbox.closed or _abandoned(worker, key) or inbox.expired():
-                    return ran
-                continue
+                item = _WAKE  # a quiet poll: looked at as a wake is
+            else:
+                if item is _WAKE:  # a task came to the worker: the loop's first check says whether to give way
+                    inbox.take_wake()
             if item is None:
                 return ran
-            if item is _WAKE:  # a task came to the worker: the loop's first check says whether to give way
-                inbox.take_wake()
-                if inbox.closed or _abandoned(worker, key) or inbox.expired():  # as after a quiet poll: a
-                    return ran  # stream of wakes must not keep a feed past its time, or one nobody wants
+            if item is _WAKE:  # a stream of wakes must not keep a feed past its time, or one nobody wants
+                if inbox.closed or _abandoned(worker, key) or inbox.expired():
+                    return ran
                 continue
             index, work, slot, about, loop, future = item
             if inbox.program is not program:  # the first chunk, or the first of a run that rearmed the feed

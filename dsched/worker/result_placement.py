@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsched.dataplane.numpy_handler import available, live_placements, placing, still_alive
+from dsched.dataplane.numpy_handler import live_placements, places_here, placing, still_alive
 from dsched.dataplane.outputs import ChunkResultError
 from dsched.dataplane.pinned import same_memory
 
@@ -84,8 +84,7 @@ def run_and_write(program, slot, rows, run, device):
     """``run()`` (a chunk's model call) with its NumPy results allocated in ``slot``'s rows (``rows``, what
     :meth:`~dsched.dataplane.outputs.OutputSlot.rows` returned) where the plan says, then its result written
     by ``slot``; what :meth:`~dsched.dataplane.outputs.OutputSlot.write` returns."""
-    placeable = rows and program.place_results and available() and \
-        threading.current_thread() is not threading.main_thread()  # sync mode: placing only on worker threads
+    placeable = rows and program.place_results and places_here()  # not in sync mode: the main thread
     plan = _plan_for(program, slot) if placeable else None
     positions = _settled(plan, program) if plan is not None else None
     if plan is None or plan.never:
@@ -139,14 +138,13 @@ def _name(program) -> str:
 
 def _settled(plan, program):
     """The plan's positions once what the last chunk left alive is judged (``None``: watch this chunk)."""
-    pending = plan.pending
-    if pending is not None and (still_alive(*pending) if pending[0] is not None else live_placements(pending[1])):
+    if plan.pending is not None and _alive(plan.pending):
         gc.collect()  # a reference cycle holds arrays until the collector runs: not the model keeping them
     with _lock:
         if plan.pending is not None:
             call, addresses = plan.pending
+            alive = _alive(plan.pending)
             plan.pending = None
-            alive = still_alive(call, addresses) if call is not None else live_placements(addresses)
             if call is not None:
                 call.unfollow()
             if alive:  # not a passing reference (a profiler's look at the stack): the model keeps arrays
@@ -159,6 +157,13 @@ def _settled(plan, program):
             elif call is not None and plan.candidate is not None:
                 plan.positions, plan.candidate = plan.candidate, None
         return plan.positions
+
+
+def _alive(pending) -> list:
+    """Of what a chunk left alive, ``(learning call or None, addresses)``, the addresses still alive: followed
+    from the call that made them, or placed."""
+    call, addresses = pending
+    return still_alive(call, addresses) if call is not None else live_placements(addresses)
 
 
 def _leave(plan, call, watched, agreed):
@@ -192,7 +197,7 @@ def _learn(plan, call, arrays, rows) -> bool:
     _counts["watched"] += 1
     if call.overflowed:
         plan.never = True
-        return
+        return False
     where = {address: (position, nbytes, zeroed) for position, address, nbytes, zeroed in call.log}  # last use
     positions = {}
     for k, (array, row) in enumerate(zip(arrays, rows)):
