@@ -136,6 +136,60 @@ def test_bad_names_are_reported_before_any_work():
         model.dispatch(inputs, scheduler=dsched.SimpleScheduler("cpu", 2), mode="sync")
 
 
+# --- blocks of rows ----------------------------------------------------------------
+
+
+def test_spans_cut_rows_into_the_fewest_equal_blocks():
+    from dsched.models.row_blocks import spans
+
+    assert spans(10, 4) == [(0, 4), (4, 7), (7, 10)]
+    assert spans(8, 4) == [(0, 4), (4, 8)]
+    assert spans(7, 7) == [(0, 7)] and spans(3, None) == [(0, 3)]
+
+
+def _on_blocks(inputs, bounds, derivatives):
+    """NEML2 called directly on each block of points, the blocks' results joined."""
+    n = bounds[-1][1]
+    parts = [_direct(VISCOPLASTIC, {k: v[a:b] if np.ndim(v) and len(v) == n else v for k, v in inputs.items()},
+                     derivatives=derivatives) for a, b in bounds]
+    if not derivatives:
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    values = {k: np.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
+    return values, {o: {i: np.concatenate([p[1][o][i] for p in parts]) for i in row} for o, row in parts[0][1].items()}
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "neml2"])
+def test_a_chunk_larger_than_its_block_equals_neml2_on_the_same_blocks(kind):
+    inputs = _viscoplastic_inputs(50, seed=5)  # with broadcast inputs: (1, 6) and numbers go to every block
+    given = dict(inputs)
+    if kind != "numpy":
+        given["E"] = torch.as_tensor(inputs["E"])
+        if kind == "neml2":
+            given["E"] = neml2.types.SR2(given["E"])
+    bounds = [(0, 17), (17, 34), (34, 50)]  # 50 points in blocks of at most 20
+    values, jacobian = NEML2Model(VISCOPLASTIC, "model", derivatives=True, block=20)(given)
+    ref_values, ref_jacobian = _on_blocks(inputs, bounds, derivatives=True)
+    expected_type = {"numpy": np.ndarray, "torch": torch.Tensor, "neml2": neml2.types.SR2}[kind]
+    assert type(values["stress"]) is expected_type and tuple(values["stress"].shape) == (50, 6)
+    as_numpy = (lambda v: np.asarray(v.data if kind == "neml2" else v))
+    for name in ref_values:  # bit for bit: the same calls on the same points
+        np.testing.assert_array_equal(as_numpy(values[name]), ref_values[name])
+    assert tuple(jacobian["stress"]["E"].shape) == (50, 6, 6)
+    for name, block in ref_jacobian["stress"].items():
+        np.testing.assert_array_equal(as_numpy(jacobian["stress"][name]), block)
+    # One call per chunk without blocks: NEML2 on all 50 points at once.
+    whole = NEML2Model(VISCOPLASTIC, "model", block=None)(inputs)
+    for name, value in _direct(VISCOPLASTIC, inputs).items():
+        np.testing.assert_array_equal(whole[name], value)
+
+
+def test_a_bad_block_is_reported_before_any_work():
+    with pytest.raises(ValueError, match=r"block: expected an integer >= 1 or None, got 0"):
+        NEML2Model(ELASTIC, "model", block=0)
+    with pytest.raises(ValueError, match=r"block: expected an integer >= 1 or None, got 2.5"):
+        NEML2Model(ELASTIC, "model", block=2.5)
+
+
 @pytest.fixture(scope="module")
 def process_client():
     """Worker processes (cpu and an emulated cuda:0, one thread each), each importing torch and neml2."""
@@ -154,6 +208,21 @@ def test_worker_processes_match_neml2(process_client):
     reference = _direct(VISCOPLASTIC, inputs)
     for name in reference:
         np.testing.assert_allclose(out[name], reference[name], **NEWTON)
+
+
+def test_blocked_numpy_results_are_allocated_in_their_output_rows_on_worker_processes(process_client):
+    from dsched.worker.result_placement import placement_counts
+
+    # Chunks of 2,000 points in two blocks each: outputs large enough to be worth placing (BYTES_PER_ALLOCATION).
+    inputs = {"strain": _strain(8000, seed=4)}
+    model = NEML2Model(ELASTIC, "model", block=1000)
+    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [2000, 2000])
+    before = process_client.run(placement_counts)
+    for _ in range(4):  # two chunks to learn where the joined result lies, then placed
+        out = model.dispatch(inputs, scheduler=s, client=process_client)
+        np.testing.assert_array_equal(out["stress"], _direct(ELASTIC, inputs)["stress"])
+    after = process_client.run(placement_counts)
+    assert all(after[w]["placed"] > before[w]["placed"] for w in after), (before, after)
 
 
 def test_neml2_typed_chunks_come_back_as_their_type_from_worker_processes(process_client):

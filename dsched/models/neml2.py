@@ -25,6 +25,7 @@ round-robin when ranks outnumber devices and rejects idle devices: pass
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from dsched.devices import backends
 from dsched.devices.per_thread import PerThread
 from dsched.dispatch.front import dispatch
 from dsched.errors import NEML2ConvergenceError, as_recoverable  # noqa: F401  (as_recoverable: its old home)
+from dsched.checks import check_positive_int
+from dsched.models import row_blocks
 from dsched.models.j2 import loading_strain
 
 __all__ = ["NEML2Model", "NEML2ConvergenceError", "NEML2Parameters", "neml2_chunk", "graph_parameters",
@@ -74,13 +77,23 @@ class NEML2Model:
     keep_grad : bool
         Keep the outputs' autograd history (NEML2's implicit updates attach
         one); by default it is dropped, so the outputs can cross processes.
+    block : int or None
+        Points per NEML2 call on a CPU (default :data:`~dsched.models.row_blocks.BLOCK`,
+        32768): a larger chunk is evaluated block by block, each block's
+        temporaries in the caches (:mod:`dsched.models.row_blocks`). ``None``
+        calls NEML2 once per chunk. GPU chunks are never cut.
 
     The file is read once here, so a wrong file, model or output name is a
     ``ValueError`` before any work starts. Each worker thread then loads
     its own copy per device (:class:`~dsched.PerThread`).
     """
 
-    def __init__(self, input, model, *, outputs=None, derivatives=False, overrides=(), keep_grad=False):
+    def __init__(self, input, model, *, outputs=None, derivatives=False, overrides=(), keep_grad=False,
+                 block=row_blocks.BLOCK):
+        if block is not None:
+            check_positive_int(block, "block", integers=(int, np.integer), expected="an integer >= 1 or None",
+                               below=None)
+        self.block = None if block is None else int(block)
         self.input = Path(input).resolve()
         if not self.input.is_file():
             raise ValueError(f"input: no NEML2 input file at {input}")
@@ -146,10 +159,7 @@ class NEML2Model:
         batch = np.broadcast_shapes(*(tuple(value.dynamic_batch_shape) for value in state.values()))
         neml2 = _import_neml2()
         try:
-            if self.derivatives:
-                values, jacobian = model.jacobian(state)
-            else:
-                values, jacobian = model.call_by_name(state), None
+            values, jacobian = self._evaluate(model, state, batch, device, kind)
         except neml2.solvers.ConvergenceError as err:
             raise NEML2ConvergenceError(f"NEML2 model {self.model!r} ({self.input.name}): {err}") from None
         outputs = {name: self._returned(_batched(values[name], batch), kind) for name in self.output_names}
@@ -160,6 +170,28 @@ class NEML2Model:
             for out in self.output_names
         }
         return outputs, derivatives
+
+    def _call(self, model, state):
+        if self.derivatives:
+            return model.jacobian(state)
+        return model.call_by_name(state), None
+
+    def _evaluate(self, model, state, batch, device, kind):
+        """NEML2's ``(values, jacobian)`` over ``state``, block by block on a CPU (:mod:`~dsched.models.row_blocks`)."""
+        bounds = row_blocks.spans(batch[0], self.block) if len(batch) == 1 and device.type == "cpu" else [None]
+        if len(bounds) == 1:
+            return self._call(model, state)
+        rows = batch[0]
+        parts = [self._call(model, {name: row_blocks.rows_of(value, start, stop, rows) for name, value in state.items()})
+                 for start, stop in bounds]
+        # NumPy results are allocated by NumPy, so that dsched can place them in the chunk's output rows.
+        allocate = _numpy_storage if kind == "numpy" else None
+        join = functools.partial(row_blocks.joined, bounds=bounds, allocate=allocate, keep_grad=self.keep_grad)
+        values = {name: join([values[name] for values, _ in parts]) for name in self.output_names}
+        if not self.derivatives:
+            return values, None
+        return values, {out: {inp: join([jacobian[out][inp] for _, jacobian in parts]) for inp in parts[0][1][out]}
+                        for out in self.output_names}
 
     def _returned(self, value, kind):
         if not self.keep_grad:
@@ -204,6 +236,15 @@ def _batched(value, batch):
     if tuple(value.dynamic_batch_shape) == tuple(batch):
         return value
     return value.dynamic_batch.expand(*batch)
+
+
+def _numpy_storage(shape, dtype):
+    """A torch tensor in memory NumPy allocated (so that dsched can place it in a chunk's output rows)."""
+    import torch
+
+    if dtype != torch.float64:
+        return torch.empty(shape, dtype=dtype)
+    return backends.TORCH.from_host(np.empty(shape), None)
 
 
 def _kind_of(values) -> str:
