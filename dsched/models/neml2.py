@@ -79,7 +79,7 @@ class NEML2Model:
         one); by default it is dropped, so the outputs can cross processes.
     block : int or None
         Points per NEML2 call on a CPU (default :data:`~dsched.models.row_blocks.BLOCK`,
-        32768): a larger chunk is evaluated block by block, each block's
+        25,000): a larger chunk is evaluated block by block, each block's
         temporaries in the caches (:mod:`dsched.models.row_blocks`). ``None``
         calls NEML2 once per chunk. GPU chunks are never cut.
 

@@ -3,13 +3,14 @@
 A NEML2 model is a chain of small tensor operations, each of which reads
 and writes every point's values in memory. On a chunk of 250,000 points an
 ``SR2`` temporary is 12 MB, so every operation streams its operands from
-main memory; two worker processes doing so at once share the memory
-bandwidth as well. Evaluating the chunk in blocks of some 32,000 points
-keeps each block's temporaries in the cores' caches: NEML2's elasticity
-model ran 15 to 35 % faster per point that way on one core, and radret
-20 % (both measured on this project's 2-core development machine with
-:mod:`dsched.apps.bench.neml2`'s scenarios). This is NEML2's own
-``batch_size``: its schedulers hand a device sub-batches of that size.
+main memory, and two worker processes doing so at once share its
+bandwidth. Evaluating the chunk in blocks of some 25,000 points keeps each
+block's temporaries in the cores' caches. On a 2-core machine that made a
+point's update about a quarter faster, alone or with a second process
+doing the same: NEML2's elasticity on 250,000 points, radret on 100,000
+(blocks of 12,500 to 250,000 points compared; 20,000 to 33,000 were
+best, smaller ones pay NEML2's own cost per call too often). This is
+NEML2's own ``batch_size``: its schedulers hand a device sub-batches.
 
 GPUs want the whole chunk in one call, so blocks apply on CPU devices only.
 A model with a Newton solve tests convergence over the points of a call, so
@@ -27,10 +28,8 @@ import math
 
 __all__ = ["BLOCK", "spans", "rows_of", "joined"]
 
-#: Points per NEML2 call on a CPU (:class:`~dsched.models.neml2.NEML2Model`'s ``block``): the best of 16k
-#: to 128k for elasticity and radret on 500,000 and 100,000 points (a block's temporaries in the caches,
-#: NEML2's floor per call paid rarely).
-BLOCK = 32768
+#: Points per NEML2 call on a CPU (:class:`~dsched.models.neml2.NEML2Model`'s ``block``; see the module docs).
+BLOCK = 25_000
 
 
 def spans(rows: int, block) -> list:
