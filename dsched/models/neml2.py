@@ -31,12 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
+from dsched.checks import check_positive_int
 from dsched.devices import backends
 from dsched.devices.per_thread import PerThread
 from dsched.dispatch.front import dispatch
 from dsched.errors import NEML2ConvergenceError, as_recoverable  # noqa: F401  (as_recoverable: its old home)
-from dsched.checks import check_positive_int
-from dsched.models import row_blocks
+from dsched.models.row_blocks import BLOCK, joined, rows_of, spans
 from dsched.models.j2 import loading_strain
 
 __all__ = ["NEML2Model", "NEML2ConvergenceError", "NEML2Parameters", "neml2_chunk", "graph_parameters",
@@ -89,7 +89,7 @@ class NEML2Model:
     """
 
     def __init__(self, input, model, *, outputs=None, derivatives=False, overrides=(), keep_grad=False,
-                 block=row_blocks.BLOCK):
+                 block=BLOCK):
         if block is not None:
             check_positive_int(block, "block", integers=(int, np.integer), expected="an integer >= 1 or None",
                                below=None)
@@ -178,16 +178,16 @@ class NEML2Model:
 
     def _evaluate(self, model, state, batch, device, kind):
         """NEML2's ``(values, jacobian)`` over ``state``, block by block on a CPU (:mod:`~dsched.models.row_blocks`)."""
-        bounds = row_blocks.spans(batch[0], self.block) if len(batch) == 1 and device.type == "cpu" else [None]
+        bounds = spans(batch[0], self.block) if len(batch) == 1 and device.type == "cpu" else [None]
         if len(bounds) == 1:
             return self._call(model, state)
         rows = batch[0]
-        parts = [self._call(model, {name: row_blocks.rows_of(value, start, stop, rows) for name, value in state.items()})
+        parts = [self._call(model, {name: rows_of(value, start, stop, rows) for name, value in state.items()})
                  for start, stop in bounds]
         # NumPy results are allocated by NumPy, so that dsched can place them in the chunk's output rows.
         allocate = _numpy_storage if kind == "numpy" else None
-        join = functools.partial(row_blocks.joined, bounds=bounds, allocate=allocate, keep_grad=self.keep_grad)
-        values = {name: join([values[name] for values, _ in parts]) for name in self.output_names}
+        join = functools.partial(joined, bounds=bounds, allocate=allocate, keep_grad=self.keep_grad)
+        values = {name: join([part_values[name] for part_values, _ in parts]) for name in self.output_names}
         if not self.derivatives:
             return values, None
         return values, {out: {inp: join([jacobian[out][inp] for _, jacobian in parts]) for inp in parts[0][1][out]}

@@ -66,7 +66,7 @@ import time
 import numpy as np
 
 import dsched
-from dsched.models import row_blocks
+from dsched.models.row_blocks import spans
 from dsched.models.neml2 import NEML2Model
 from dsched.models.neml2_scenarios import (
     SCENARIOS,
@@ -206,7 +206,7 @@ def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS
 
 def _blocks(halves, block) -> list:
     """The point counts of NEML2's calls on the halves: each half in :mod:`~dsched.models.row_blocks`' blocks."""
-    return [stop - start for half in halves for start, stop in row_blocks.spans(half, block)]
+    return [stop - start for half in halves for start, stop in spans(half, block)]
 
 
 def lockstep_penalty(per_step) -> float:
