@@ -166,7 +166,9 @@ def test_dscheds_scenarios_are_nemls(name):
 
 def test_the_bench_measures_a_scenario_and_judges_the_targets(process_client):
     small = dataclasses.replace(SCENARIOS["isoharden"], points=40)
-    result = measure_scenario(small, process_client, steps=2, repeats=1)
+    # Halves of 20 points, each in NEML2 calls of 7, 7 and 6: the results equal NEML2 on those blocks.
+    result = measure_scenario(small, process_client, steps=2, repeats=1, block=7)
+    assert result["block"] == 7
     assert set(result["rate"]) == {"neml2_1", "neml2_2", "limit", "lockstep", "side_by_side", "numpy", "typed",
                                    "batch", "driver"}
     assert result["seconds"]["lockstep"] >= result["seconds"]["limit"]  # every step waits for its slower half
@@ -176,8 +178,9 @@ def test_the_bench_measures_a_scenario_and_judges_the_targets(process_client):
                             "typed within 1.2 x NumPy (time)", "Batch >= dispatch every step",
                             "driver >= dispatch every step"}
     table = format_neml2_table({"scenarios": [result], "forms": ["numpy", "typed", "batch", "driver"], "steps": 2,
-                                "repeats": 1, "machine": "test", "load": None, "targets": targets})
+                                "repeats": 1, "machine": "test", "load": None, "targets": targets, "block": 7})
     assert "isoharden (40)" in table and "target every form >= 0.8 x the limit" in table
+    assert "dsched calls NEML2 on blocks of at most 7 points" in table.splitlines()[0]
     assert "vs lockstep (dispatch, NumPy / dispatch, typed)" in table
 
 
@@ -196,6 +199,14 @@ def test_lockstep_penalty_is_the_wait_for_each_steps_slower_chunk():
     assert lockstep_penalty([[1.0, 1.0], [2.0, 2.0]]) == 0.0  # one chunk slower at every step: no wait
 
 
+def test_the_reference_runs_neml2_on_the_blocks_of_each_half():
+    from dsched.apps.bench.neml2 import _blocks
+
+    assert _blocks([20, 20], 7) == [7, 7, 6, 7, 7, 6]
+    assert _blocks([250_000, 250_000], 25_000) == [25_000] * 20
+    assert _blocks([5_000, 5_000], 25_000) == [5_000, 5_000] and _blocks([3, 2], None) == [3, 2]
+
+
 def test_bench_options_name_the_option(tmp_path):
     import argparse
 
@@ -208,8 +219,15 @@ def test_bench_options_name_the_option(tmp_path):
         options(parser.parse_args(["--neml2-benchmarks", str(tmp_path / "nowhere")]))
     with pytest.raises(ValueError, match=r"--neml2-steps: expected a positive number of steps, got 0"):
         options(parser.parse_args(["--neml2-steps", "0"]))
+    with pytest.raises(ValueError, match=r"--neml2-block: expected a number of points >= 1 or 'none', got 'x'"):
+        options(parser.parse_args(["--neml2-block", "x"]))
+    with pytest.raises(ValueError, match=r"--neml2-points: expected at least 2 points \(two halves\), got 1"):
+        options(parser.parse_args(["--neml2-points", "1"]))
     parsed = options(parser.parse_args(["--neml2-scenarios", "radret,chaboche2", "--quick"]))
     assert parsed["scenarios"] == ["radret", "chaboche2"] and parsed["quick"]
+    assert parsed["block"] == 25_000 and parsed["points"] is None  # NEML2Model's default blocks, each scenario's size
+    parsed = options(parser.parse_args(["--neml2-block", "none", "--neml2-points", "100000"]))
+    assert parsed["block"] is None and parsed["points"] == 100_000
 
 
 def test_scenario_files_are_package_data():

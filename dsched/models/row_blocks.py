@@ -1,15 +1,18 @@
 """A chunk of material points evaluated in cache-sized blocks of rows, on a CPU.
 
 A NEML2 model is a chain of small tensor operations, each of which reads
-and writes every point's values in memory. On a chunk of 250,000 points an
-``SR2`` temporary is 12 MB, so every operation streams its operands from
-main memory, and two worker processes doing so at once share its
-bandwidth. Evaluating the chunk in blocks of some 25,000 points keeps each
-block's temporaries in the cores' caches. On a 2-core machine that made a
-point's update about a quarter faster, alone or with a second process
-doing the same: NEML2's elasticity on 250,000 points, radret on 100,000
-(blocks of 12,500 to 250,000 points compared; 20,000 to 33,000 were
-best, smaller ones pay NEML2's own cost per call too often). This is
+and writes every point's values in memory: on a chunk of 250,000 points an
+``SR2`` temporary is 12 MB, which no core's cache holds. And NEML2's Newton
+solve tests convergence over all the points of a call, so every point
+iterates until the slowest has converged. Evaluating a chunk in blocks of
+some 25,000 points keeps a block's temporaries nearer the core, and lets a
+block stop iterating when its own points have converged. With two worker
+processes on a 2-core machine, each given half the points, blocks made a
+dispatch per step about a third faster for NEML2's radret scenario at
+100,000 points, a seventh for isoharden, and made no difference beyond the
+machine's noise for elasticity at 500,000 (``dsched bench --only neml2
+--neml2-points 100000 --neml2-block none``, and the default ``25000``).
+Blocks much smaller pay NEML2's own cost per call too often. This is
 NEML2's own ``batch_size``: its schedulers hand a device sub-batches.
 
 GPUs want the whole chunk in one call, so blocks apply on CPU devices only.

@@ -19,8 +19,8 @@ warm-up round; the rows of a round run one after another):
   after the other; two such halves side by side are what two single-thread
   workers can reach: ``points x steps / slower half``. NEML2 is called on
   each whole half, as a user calling it directly would; dsched calls it on
-  blocks of a half (elasticity's 250,000 points in ten), which is faster
-  per point, so a form can pass the limit.
+  blocks of a half (:mod:`dsched.models.row_blocks`; elasticity's 250,000
+  points in ten), which can be faster per point: a form may pass the limit.
 - **lockstep**: the limit when every step waits for its slower half, as a
   form that returns to the client after each step must: the halves' step
   times (measured in the limit's run) differ from step to step as their
@@ -66,7 +66,7 @@ import time
 import numpy as np
 
 import dsched
-from dsched.models.row_blocks import spans
+from dsched.models.row_blocks import BLOCK, spans
 from dsched.models.neml2 import NEML2Model
 from dsched.models.neml2_scenarios import (
     SCENARIOS,
@@ -160,13 +160,17 @@ def _forms(model, histories, scheduler, client):
     }
 
 
-def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS, forms=FORMS, progress=None) -> dict:
-    """Every row of one scenario: ``{"rate": {row: points x steps / s}, "seconds", "error", ...}``."""
+def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS, forms=FORMS, progress=None,
+                     block=BLOCK) -> dict:
+    """Every row of one scenario: ``{"rate": {row: points x steps / s}, "seconds", "error", ...}``.
+
+    ``block``: the dsched forms' :class:`NEML2Model` ``block`` (points per NEML2 call on a CPU).
+    """
     say = progress or (lambda line: None)
     histories = scenario.histories(points, steps, allocate=dsched.shared_empty)
     n = histories.points
     prescribed = {"t": histories.time, **histories.prescribed}
-    model = NEML2Model(scenario.input, scenario.model, overrides=model_overrides(scenario, n))
+    model = NEML2Model(scenario.input, scenario.model, overrides=model_overrides(scenario, n), block=block)
     halves = _halves(n)
     scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], halves)
     runs = _forms(model, prescribed, scheduler, client)
@@ -196,7 +200,7 @@ def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS
     best = {row: min(values) for row, values in seconds.items()}
     rate = {row: n * steps / s for row, s in best.items()}
     return {"scenario": scenario.name, "source": scenario.source, "points": n, "steps": steps, "repeats": repeats,
-            "halves": halves, "seconds": best, "rate": rate,
+            "halves": halves, "block": block, "seconds": best, "rate": rate,
             "efficiency": {form: rate[form] / rate["limit"] for form in runs},
             "vs_side_by_side": {form: rate[form] / rate["side_by_side"] for form in runs},
             "vs_lockstep": {form: rate[form] / rate["lockstep"] for form in runs},
@@ -260,12 +264,14 @@ def _errors(result, halved, whole) -> dict:
 
 # --- the suite ---------------------------------------------------------------------
 
-def _scenarios(names, benchmarks, quick):
+def _scenarios(names, benchmarks, quick, points=None):
     chosen = []
     for name in names:
         scenario = checkout_scenario(benchmarks, name) if benchmarks else SCENARIOS.get(name)
         if scenario is None:
             raise ValueError(f"neml2_scenarios: no scenario {name!r} (there are {', '.join(SCENARIOS)})")
+        if points is not None:
+            scenario = dataclasses.replace(scenario, points=points)
         if quick:
             scenario = dataclasses.replace(scenario, points=max(8, scenario.points // QUICK_DIVISOR))
         chosen.append(scenario)
@@ -273,13 +279,13 @@ def _scenarios(names, benchmarks, quick):
 
 
 def run_neml2_benchmarks(*, quick=False, steps=10, repeats=None, scenarios=None, benchmarks=None,
-                         forms=FORMS, progress=None) -> dict:
+                         forms=FORMS, progress=None, block=BLOCK, points=None) -> dict:
     """Every scenario on one cluster (two single-thread worker processes); the results and the targets' verdicts."""
     import torch
     from distributed import Client
 
     repeats = (1 if quick else REPEATS) if repeats is None else repeats
-    chosen = _scenarios(scenarios or list(SCENARIOS), benchmarks, quick)
+    chosen = _scenarios(scenarios or list(SCENARIOS), benchmarks, quick, points)
     threads = torch.get_num_threads()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     measured = []
@@ -287,10 +293,10 @@ def run_neml2_benchmarks(*, quick=False, steps=10, repeats=None, scenarios=None,
                                    dashboard_address=None) as cluster, Client(cluster) as client:
         for scenario in chosen:
             measured.append(measure_scenario(scenario, client, steps=steps, repeats=repeats, forms=forms,
-                                             progress=progress))
+                                             progress=progress, block=block))
     torch.set_num_threads(threads)
     return {"scenarios": measured, "steps": steps, "repeats": repeats, "quick": quick,
-            "benchmarks": str(benchmarks) if benchmarks else None, "forms": list(forms),
+            "benchmarks": str(benchmarks) if benchmarks else None, "forms": list(forms), "block": block,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "load": {"before": load, "after": os.getloadavg() if load is not None else None},
             "targets": verdicts(measured, forms)}
@@ -329,6 +335,9 @@ def format_neml2_table(results) -> str:
             if load and load["before"] else f"NEML2 scenarios, {results['steps']} steps")
     if results.get("benchmarks"):
         head += f"; NEML2's files from {results['benchmarks']}"
+    if "block" in results:
+        head += (f"; dsched calls NEML2 on blocks of at most {results['block']:,} points" if results["block"]
+                 else "; dsched calls NEML2 once per chunk")
     stepped = [f for f in forms if f in ("numpy", "typed")]  # the forms that wait for every step's slower half
     columns = ["NEML2 1 thr", "NEML2 2 thr", "limit", "lockstep", "side by side"] + [FORM_TITLES[f] for f in forms]
     lines = [head, f"{'scenario (points)':<22}" + "".join(f"{c:>16}" for c in columns)
@@ -368,6 +377,11 @@ def add_arguments(parser):
                         help=f"neml2 suite: comma-separated scenarios (default {','.join(SCENARIOS)})")
     parser.add_argument("--neml2-steps", type=int, default=10, help="neml2 suite: steps of each scenario (default 10)")
     parser.add_argument("--neml2-repeats", type=int, help=f"neml2 suite: measured rounds (default {REPEATS}, 1 with --quick)")
+    parser.add_argument("--neml2-points", type=int, metavar="N",
+                        help="neml2 suite: points of every scenario (default: each scenario's own)")
+    parser.add_argument("--neml2-block", metavar="POINTS", default=str(BLOCK),
+                        help=f"neml2 suite: points per NEML2 call on a CPU in the dsched forms (default {BLOCK}; "
+                             "'none': one call per chunk)")
 
 
 def options(args) -> dict:
@@ -378,10 +392,24 @@ def options(args) -> dict:
     names = args.neml2_scenarios.split(",") if args.neml2_scenarios else None
     if args.neml2_steps < 1:
         raise ValueError(f"--neml2-steps: expected a positive number of steps, got {args.neml2_steps}")
+    if args.neml2_points is not None and args.neml2_points < 2:
+        raise ValueError(f"--neml2-points: expected at least 2 points (two halves), got {args.neml2_points}")
     if args.neml2_repeats is not None and args.neml2_repeats < 1:
         raise ValueError(f"--neml2-repeats: expected at least 1 round, got {args.neml2_repeats}")
     return {"quick": args.quick, "steps": args.neml2_steps, "repeats": args.neml2_repeats, "scenarios": names,
-            "benchmarks": benchmarks}
+            "benchmarks": benchmarks, "block": _block(args.neml2_block), "points": args.neml2_points}
+
+
+def _block(text):
+    if str(text).lower() == "none":
+        return None
+    try:
+        block = int(text)
+    except ValueError:
+        block = 0
+    if block < 1:
+        raise ValueError(f"--neml2-block: expected a number of points >= 1 or 'none', got {text!r}")
+    return block
 
 
 if __name__ == "__main__":
