@@ -7,19 +7,19 @@ solve tests convergence over all the points of a call, so every point
 iterates until the slowest has converged. Evaluating a chunk in blocks of
 some 25,000 points keeps a block's temporaries nearer the core, and lets a
 block stop iterating when its own points have converged. With two worker
-processes on a 2-core machine, each given half the points, blocks made a
-dispatch per step about a third faster for NEML2's radret scenario at
-100,000 points, a seventh for isoharden, and made no difference beyond the
-machine's noise for elasticity at 500,000 (``dsched bench --only neml2
---neml2-points 100000 --neml2-block none``, and the default ``25000``).
-Blocks much smaller pay NEML2's own cost per call too often. This is
-NEML2's own ``batch_size``: its schedulers hand a device sub-batches.
+processes on a 2-core machine, each given half the points, blocks took
+about a third off a dispatch per step of NEML2's radret scenario at
+100,000 points, 5 to 15 % off isoharden's, and made no difference beyond
+the machine's noise to elasticity at 500,000 (``dsched bench --only neml2
+--neml2-points 100000 --neml2-block none``, against the default
+``25000``). Blocks much smaller pay NEML2's own cost per call too often.
+This is NEML2's own ``batch_size``: its schedulers hand a device
+sub-batches.
 
 GPUs want the whole chunk in one call, so blocks apply on CPU devices only.
-A model with a Newton solve tests convergence over the points of a call, so
-a blocked chunk equals NEML2 run on the same blocks (as a chunked batch
-equals NEML2 run on the same chunks), within the solver's tolerance of one
-whole call.
+Since a call's Newton solve converges over its own points, a blocked chunk
+equals NEML2 run on the same blocks (as a chunked batch equals NEML2 run on
+the same chunks), and one whole call within the solver's tolerance.
 
 >>> spans(10, 4)
 [(0, 4), (4, 7), (7, 10)]

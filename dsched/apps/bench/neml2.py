@@ -4,11 +4,14 @@
 (or ``python -m dsched.apps.bench.neml2``) runs four of NEML2's benchmark
 scenarios (:data:`dsched.models.neml2_scenarios.SCENARIOS`: elasticity on
 500,000 points, radret on 10,000, isoharden on 4,000, chaboche2 on 1,000),
-the first ``--steps`` (10) of their 100 strain steps, the old state carried
+the first ``--neml2-steps`` (10) of their 100 strain steps, the old state carried
 from step to step as NEML2's ``TransientDriver`` carries it. The models are
 dsched's copies of NEML2's files (``dsched/models/scenarios``), or NEML2's
 own files and histories with ``--neml2-benchmarks`` (a checkout's
 ``benchmark/`` folder). The histories are built once, in shared memory.
+``--neml2-points N`` runs every scenario on ``N`` points; ``--neml2-block``
+sets the dsched forms' :class:`NEML2Model` ``block`` (``none``: one NEML2
+call per chunk).
 
 Rows, in points x steps per second (the best of ``--neml2-repeats`` rounds, 5, after a
 warm-up round; the rows of a round run one after another):
@@ -45,8 +48,9 @@ given one half of the points (a ``StaticHybridScheduler`` of two halves).
 Every dsched result is compared with NEML2's driver run on the same chunks
 (the two halves, each in :class:`NEML2Model`'s blocks of at most 25,000
 points on a CPU, :mod:`dsched.models.row_blocks`: equal, bit for bit where
-the arithmetic is the same) and with the whole batch (radret's Newton tolerance is tightened on both sides: at NEML2's
-default, its convergence test over the whole batch makes the two differ).
+the arithmetic is the same) and with the whole batch (radret's Newton
+tolerance is tightened on both sides: at NEML2's default, its convergence
+test over the whole batch makes the two differ).
 
 Targets (ratios within the run): every scenario and form >= 0.8 x the limit;
 the median of all forms and scenarios >= 1.0 x NEML2 on 2 threads; the typed
