@@ -383,7 +383,7 @@ def add_arguments(parser):
     parser.add_argument("--neml2-repeats", type=int, help=f"neml2 suite: measured rounds (default {REPEATS}, 1 with --quick)")
     parser.add_argument("--neml2-points", type=int, metavar="N",
                         help="neml2 suite: points of every scenario (default: each scenario's own)")
-    parser.add_argument("--neml2-block", metavar="POINTS", default=str(BLOCK),
+    parser.add_argument("--neml2-block", metavar="POINTS",
                         help=f"neml2 suite: points per NEML2 call on a CPU in the dsched forms (default {BLOCK}; "
                              "'none': one call per chunk)")
 
@@ -405,6 +405,8 @@ def options(args) -> dict:
 
 
 def _block(text):
+    if text is None:
+        return BLOCK
     if str(text).lower() == "none":
         return None
     try:
