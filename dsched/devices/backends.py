@@ -308,6 +308,12 @@ class NEML2Backend(Backend):
     def batch_shape(self, x):
         return tuple(x.batch_shape if hasattr(x, "batch_ndim") else x.dynamic_batch_shape)
 
+    def expanded(self, x, batch):
+        """``x`` over the batch shape ``batch``: NEML2 leaves a value unbatched where nothing varied (zero strain)."""
+        if self.batch_shape(x) == tuple(batch):
+            return x
+        return (x.batch if hasattr(x, "batch_ndim") else x.dynamic_batch).expand(*batch)
+
     def _data_axis(self, x, axis):
         batch = self.batch_shape(x)
         if not 0 <= axis < len(batch):

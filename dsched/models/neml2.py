@@ -162,7 +162,8 @@ class NEML2Model:
             values, jacobian = self._evaluate(model, state, batch, device, kind)
         except neml2.solvers.ConvergenceError as err:
             raise NEML2ConvergenceError(f"NEML2 model {self.model!r} ({self.input.name}): {err}") from None
-        outputs = {name: self._returned(_batched(values[name], batch), kind) for name in self.output_names}
+        outputs = {name: self._returned(backends.NEML2.expanded(values[name], batch), kind)
+                   for name in self.output_names}
         if jacobian is None:
             return outputs
         derivatives = {
@@ -229,13 +230,6 @@ class NEML2Model:
 
     def __repr__(self):
         return f"NEML2Model({str(self.input)!r}, {self.model!r})"
-
-
-def _batched(value, batch):
-    """An output over the chunk's whole batch: NEML2 leaves one unbatched where nothing varied (zero strain)."""
-    if tuple(value.dynamic_batch_shape) == tuple(batch):
-        return value
-    return value.dynamic_batch.expand(*batch)
 
 
 def _numpy_storage(shape, dtype):

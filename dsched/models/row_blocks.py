@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import math
 
+from dsched.devices.backends import NEML2
+
 __all__ = ["BLOCK", "spans", "rows_of", "joined"]
 
 #: Points per NEML2 call on a CPU (:class:`~dsched.models.neml2.NEML2Model`'s ``block``; see the module docs).
@@ -50,9 +52,9 @@ def spans(rows: int, block) -> list:
 
 def rows_of(value, start, stop, rows):
     """Rows ``start:stop`` of a NEML2 value batched over ``rows`` points; an unbatched value as it is."""
-    if _batch_shape(value) != (rows,):
+    if NEML2.batch_shape(value) != (rows,):
         return value  # broadcast to every point (NEML2's rule), so to every block
-    return _batch_view(value)[start:stop]
+    return NEML2.take(value, 0, start, stop)
 
 
 def joined(pieces, bounds, allocate=None, keep_grad=False):
@@ -63,31 +65,16 @@ def joined(pieces, bounds, allocate=None, keep_grad=False):
     its block's rows. ``allocate(shape, dtype)`` makes the joined storage (a
     torch tensor), so NumPy results can be allocated where dsched places them.
     """
+    pieces = [NEML2.expanded(piece, (stop - start,)) for piece, (start, stop) in zip(pieces, bounds)]
+    if keep_grad or allocate is None:
+        return NEML2.concatenate(pieces, 0)
     import torch
 
-    datas = [_block_data(piece, stop - start) for piece, (start, stop) in zip(pieces, bounds)]
-    if keep_grad or allocate is None:
-        data = torch.cat(datas)
-    else:
-        data = allocate((bounds[-1][1], *datas[0].shape[1:]), datas[0].dtype)
-        torch.cat([d.detach() for d in datas], out=data)  # NEML2's autograd history, dropped as the caller asked
     first = pieces[0]
-    # NEML2's own region views rebuild a wrapper this way: the same type and metadata around new data.
-    return first._rewrap(data, sub_batch_ndim=first.sub_batch_ndim)
-
-
-def _block_data(piece, rows):
-    """A block's storage over its ``rows`` points."""
-    if _batch_shape(piece) == (rows,):
-        return piece.data
-    return _batch_view(piece).expand(rows).data
-
-
-def _batch_shape(value) -> tuple:
-    # The typed wrappers name their leading batch "dynamic"; NEML2's Tensor (a Jacobian block) its "batch".
-    shape = getattr(value, "dynamic_batch_shape", None)
-    return tuple(value.batch_shape if shape is None else shape)
-
-
-def _batch_view(value):
-    return value.dynamic_batch if hasattr(value, "dynamic_batch_shape") else value.batch
+    axis = NEML2._data_axis(first, 0)
+    shape = list(first.data.shape)
+    shape[axis] = bounds[-1][1]
+    data = allocate(tuple(shape), first.data.dtype)
+    # NEML2's autograd history is dropped, as the caller asked: torch.cat(out=) takes no graph.
+    torch.cat([piece.data.detach() for piece in pieces], dim=axis, out=data)
+    return NEML2._rewrap(first, data)
