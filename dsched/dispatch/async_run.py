@@ -10,7 +10,6 @@ that lost their workers.
 
 from __future__ import annotations
 
-import queue
 import time
 from collections import defaultdict
 
@@ -19,8 +18,8 @@ import dask
 from dsched.dataplane.rundata import direct_to_workers
 from dsched.devices.device import Device, placement_device
 from dsched.devices.ownership import device_threads
-from dsched.dispatch.completion import DeviceWatch, notify_when_done, wait_for_one
-from dsched.dispatch.feeds import FeedOutcome, Feeds, FeedTicket
+from dsched.dispatch.completion import DeviceWatch, Mailbox, notify_when_done
+from dsched.dispatch.feeds import FeedOutcome, Feeds, FeedTicket, LaneLost
 from dsched.dispatch.tasks import TaskSender, distinct
 from dsched.errors import ChunkTimeoutError
 from dsched.names import is_feed_key
@@ -71,8 +70,9 @@ class AsyncRun:
         self.client, self.data, self.report, self.run_id = client, data, report, run_id
         self.scheduler, self.program, self.next_chunk, self.observers = scheduler, program, next_chunk, observers
         self.join, self.timeout = join, timeout
-        # Futures, (key, i, ok, start, stop) pack events and FeedOutcomes, from the event loop.
-        self.done = queue.Queue()
+        # Futures, (key, i, ok, start, stop) pack events and FeedOutcomes, from the event loop (and lanes' lost
+        # chunks, from this thread); the run waits on it and on its fast lanes at once.
+        self.done = Mailbox()
         self.in_flight = {}  # record index -> InFlight, until the chunk is accounted for
         self.members = {}  # task key -> record indexes of its chunks
         self.outstanding = {}  # record index -> record dispatched and not yet completed
@@ -103,6 +103,7 @@ class AsyncRun:
         if self.feeds is not None:
             self.feeds.close()
         self.tasks.close()
+        self.done.close()
 
     def loop(self):
         generator = self.data.generator
@@ -127,17 +128,26 @@ class AsyncRun:
                         "a scheduler cannot be shared by dispatchers running at the same time"
                     )
                 return
-            item = wait_for_one(self.done, self._tick_seconds())
-            while item is not None:
+            for item in self._next_notices(self._tick_seconds()):
                 self.failed |= self._handle(item)
-                item = wait_for_one(self.done, 0) if not self.done.empty() else None
             if time.monotonic() >= self.next_tick:  # also while other chunks keep finishing
                 self._tick()
+
+    def _next_notices(self, timeout) -> list:
+        """Wait at most ``timeout`` seconds for completion notices: replies read from the fast lanes that ready
+        first, then whatever the event loop queued."""
+        lanes = self.feeds.waiting_lanes() if self.feeds is not None else {}
+        ready = self.done.wait(list(lanes), timeout)
+        notices = [outcome for connection in ready for outcome in self.feeds.receive(lanes[connection])]
+        return notices + self.done.drain()
 
     def _handle(self, item) -> bool:
         """One completion notice: a feed's reply, a pack's chunk event, or a finished task; whether it failed."""
         if isinstance(item, FeedOutcome):
             return self._fed(item)
+        if isinstance(item, LaneLost):  # its chunks' outcomes come next, through the mailbox
+            self.feeds.lane_lost(item.feed)
+            return False
         if isinstance(item, tuple):
             return self._event(item)
         if is_feed_key(item.key):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import socket
 import time
 import weakref
+from multiprocessing.connection import wait as wait_for_readable
 
 from distributed.core import send_recv
 
@@ -14,7 +16,7 @@ from dsched.cluster.placement import PlacementWarning
 from dsched.devices.device import placement_device
 from dsched.devices.ownership import absent_since, cluster_info, device_capacities, lost_device_timeout
 
-__all__ = ["notify_when_done", "wait_for_one", "until_done", "ask_worker", "watch_worker", "DeviceWatch"]
+__all__ = ["notify_when_done", "wait_for_one", "until_done", "ask_worker", "watch_worker", "DeviceWatch", "Mailbox"]
 
 CONNECT_WAIT = 3.0  # seconds to reach a worker (Dask retries a refused connection for its 30 s connect timeout)
 _POLL = 0.05  # seconds between looks at whether a worker being connected to is known to have left
@@ -67,6 +69,65 @@ async def until_done(futures, timeout):
         _, late = await asyncio.wait(waits, timeout=timeout)
         for wait in late:
             wait.cancel()
+
+
+class Mailbox:
+    """A run's completion notices, put from any thread, and waited for together with the run's fast lanes.
+
+    A queue with a bell: each :meth:`put` rings it, so the run's loop can wait in
+    one call for a notice from the event loop or a reply on any lane
+    (:mod:`dsched.dispatch.lanes`).
+    """
+
+    def __init__(self):
+        self._queue = queue.SimpleQueue()
+        self._bell_out, self._bell_in = socket.socketpair()
+        self._bell_in.setblocking(False)
+        self._bell_out.setblocking(False)
+
+    def put(self, item):
+        self._queue.put(item)
+        try:
+            self._bell_in.send(b"!")
+        except OSError:  # rung already (a full buffer), or the run is over
+            pass
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+    def get(self, timeout=None):
+        """The next notice; raises ``queue.Empty`` after ``timeout`` seconds without one (``queue.Queue``'s
+        contract)."""
+        if self._queue.empty() and timeout != 0:
+            self.wait((), timeout)
+        return self._queue.get_nowait()
+
+    def drain(self) -> list:
+        """Every notice queued now."""
+        items = []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                return items
+
+    def wait(self, connections, timeout) -> list:
+        """Wait until a notice is queued or one of ``connections`` is readable, at most ``timeout`` seconds; the
+        readable ones."""
+        if not self._queue.empty():
+            timeout = 0
+        ready = wait_for_readable([self._bell_out, *connections], timeout)
+        if self._bell_out in ready:
+            try:
+                self._bell_out.recv(4096)
+            except OSError:
+                pass
+            return [c for c in ready if c is not self._bell_out]
+        return ready
+
+    def close(self):
+        self._bell_in.close()
+        self._bell_out.close()
 
 
 def wait_for_one(done, timeout):

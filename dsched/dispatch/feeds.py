@@ -73,13 +73,15 @@ from dsched.dataplane.store import classify_workers
 from dsched.devices.device import device_resource, placement_device
 from dsched.devices.ownership import device_owners, forget_cluster_info
 from dsched.dispatch.completion import ask_worker, notify_when_done, until_done, watch_worker
+from dsched.dispatch.lanes import lanes_enabled, open_lane
 from dsched.dispatch.parking import _GONE_FOR, _is_gone, _park, _parked, _state, _take_parked, release_parked
 from dsched.names import CHUNK_EVENT_TOPIC, is_feed_key
+from dsched.worker import lane as wire
 from dsched.worker.feed import CHUNK_OP, CHUNKS_OP, ENDED, PARK_OP, STOP_OP, FeedPlugin, _unwrap, run_feed
 
 # Also importable from here (the old path ``dsched.feed`` names this module): the worker's side and the names.
-__all__ = ["FeedPlugin", "Feeds", "FeedOutcome", "FeedTicket", "run_feed", "is_feed_key", "release_parked",
-           "CHUNK_EVENT_TOPIC"]
+__all__ = ["FeedPlugin", "Feeds", "FeedOutcome", "FeedTicket", "LaneLost", "run_feed", "is_feed_key",
+           "release_parked", "CHUNK_EVENT_TOPIC"]
 
 WINDOW = 2  # messages of one feed on its worker at a time (one running, one queued): the rest wait on the client
 MAX_BATCH = 64  # chunks in one message at most, where the backlog is deep (``dsched.feed-batch``)
@@ -114,6 +116,13 @@ class FeedOutcome:
     lost: bool = False
 
 
+@dataclass
+class LaneLost:
+    """The event loop gave up a feed that has a fast lane: the run moves the lane's chunks (:meth:`Feeds.lane_lost`)."""
+
+    feed: object
+
+
 @dataclass(eq=False)  # a feed is itself: lists of feeds are searched by identity
 class _Feed:
     id: str  # its inbox's name on its worker, and its first task's key
@@ -134,6 +143,14 @@ class _Feed:
     reuse_until: float = 0.0  # parked: time.monotonic() until which a run may take it
     owner: object = None  # the run's Feeds it serves; None while parked or after its run
     chunk_seconds: float = float("inf")  # how long its recent chunks ran (unknown: as if long)
+    lane: object = None  # its fast lane (dsched.dispatch.lanes), where its worker shares this file system
+    program_id: str = ""  # the dispatcher whose program its worker holds (sent before, on its task or lane)
+
+    def let_go(self):
+        """Release its task (it ends, or has) and close its lane."""
+        self.future.release()
+        if self.lane is not None:
+            self.lane.close()
 
     def task_ended(self, future):
         """Its task's completion notice, for the run it serves now (one watcher per task, whatever the runs)."""
@@ -173,6 +190,7 @@ class Feeds:
         self._workers = cluster["workers"]  # address -> its threads and resources, as the run last saw them
         self._events = bool(cluster.get("dsched-dashboard"))  # whether the scheduler has the dashboard
         self._by_key = {}  # task key -> feed, for the tasks not yet ended
+        self._fast_lane = lanes_enabled()
         # A feed's task ending (the dispatcher's thread) and its renewal (the event loop) swap its task.
         self._tasks_lock = threading.Lock()
         register_plugin(client, cluster.get("id"))
@@ -200,16 +218,85 @@ class Feeds:
             feeds = self._start(device)
         # A feed lost since serves() was asked answers at once that it is: its chunks run again as tasks.
         feeds = [f for f in feeds if not f.lost] or feeds
-        calls = []
+        calls, by_lane, tickets = [], {}, []
         for index, items, work, slot in chunks:
             feed = min(feeds, key=lambda f: f.sent)
             feed.sent += 1
             ticket = FeedTicket(f"{feed.id}-{index}")
+            tickets.append(ticket)
             about = (self.run_id, self.client.id, str(placement_device(device)), items, ticket.key) \
                 if self._events else None
-            calls.append((feed, ticket, index, work, slot, about))
-        self.client.loop.add_callback(self._call_all, calls)
-        return [call[1] for call in calls]
+            if feed.lane is not None and not feed.lost:
+                by_lane.setdefault(feed, []).append((ticket, index, work, slot, about))
+            else:
+                calls.append((feed, ticket, index, work, slot, about))
+        for feed, items in by_lane.items():
+            self._send_lane(feed, items)
+        if calls:
+            self.client.loop.add_callback(self._call_all, calls)
+        return tickets
+
+    # --- the fast lane: chunks written and replies read on the dispatching thread -------
+
+    def _send_lane(self, feed, items):
+        """Write ``items`` (``(ticket, index, work, slot, about)``) into ``feed``'s lane, in one message."""
+        lane = feed.lane
+        rearm = None
+        if feed.rearm:  # taken from the parked ones: the first message carries the run's program
+            program = self.program if feed.program_id != self.program.dispatcher_id else None  # None: the same
+            rearm, feed.rearm, lane.rearming = (program, feed.epoch), False, True
+            feed.program_id = self.program.dispatcher_id
+        for ticket, index, work, slot, about in items:
+            lane.waiting[index] = (ticket, work, slot, about)
+        if not lane.send((wire.CHUNKS, rearm, [(index, work, slot, about) for _, index, work, slot, about in items])):
+            self._lane_broken(feed)
+
+    def waiting_lanes(self) -> dict:
+        """``{connection: feed}`` of the lanes with chunks not yet answered: the run's loop waits on them."""
+        return {f.lane.connection: f for fs in self._feeds.values() for f in fs
+                if f.lane is not None and f.lane.waiting}
+
+    def receive(self, feed) -> list:
+        """Read one message from ``feed``'s lane (readable): the :class:`FeedOutcome` it carries, if any. A lane
+        that ended puts its chunks' outcomes in the run's mailbox (:meth:`_lane_broken`)."""
+        lane = feed.lane
+        try:
+            message = lane.receive()
+        except (EOFError, OSError):
+            message = (wire.ENDED,)
+        if message[0] != wire.DONE:
+            self._lane_broken(feed)
+            return []
+        _, index, ok, value, start, stop = message
+        lane.rearming = False
+        entry = lane.waiting.pop(index, None)
+        if entry is None:
+            return []
+        return [self._answered(feed, FeedOutcome(entry[0], index, feed.address, ok, value, start, stop), put=False)]
+
+    def lane_lost(self, feed):
+        """The event loop gave ``feed`` up (its worker left): its lane's chunks run again elsewhere."""
+        if feed.lane is not None:
+            self._lane_broken(feed)
+
+    def _lane_broken(self, feed):
+        """``feed``'s lane ended (on the dispatching thread). A parked feed taken by this run that ended before
+        its program reached it: a new feed on its worker takes its chunks. Otherwise the feed is lost: its
+        chunks not answered run again as tasks."""
+        lane, feed.lane = feed.lane, None
+        if lane is None:
+            return
+        lane.close()
+        waiting = list(lane.waiting.items())
+        if lane.rearming and not feed.lost:
+            self._renew(feed, [(feed, ticket, index, work, slot, about)
+                               for index, (ticket, work, slot, about) in waiting], on_lane=True)
+            return
+        if not feed.lost:
+            feed.lost, feed.error = True, ConnectionError(f"feed {feed.id} on {feed.address} ended during the run")
+            feed.future.release()
+        for index, (ticket, *_) in waiting:
+            self._answered(feed, _lost_outcome(feed, ticket, index))
 
     async def _call_all(self, calls):
         for call in calls:
@@ -306,6 +393,8 @@ class Feeds:
             self._answered(feed, _lost_outcome(feed, ticket, index))
         if feed.future is not None:
             feed.future.release()
+        if feed.lane is not None:  # its lane's chunks are the dispatching thread's to move (a frozen worker's
+            self.put(LaneLost(feed))  # lane may never close)
 
     def lose_worker(self, address, error):
         """The worker at ``address`` left: every feed of the run on it is lost (on the event loop)."""
@@ -313,13 +402,17 @@ class Feeds:
             if feed.address == address:
                 self._lose(feed, error)
 
-    def _answered(self, feed, outcome):
+    def _answered(self, feed, outcome, put=True):
+        """Account for ``outcome`` on its feed; put it in the run's mailbox (or return it, read on the run's
+        own thread)."""
         feed.sent -= 1
         if outcome.ok and outcome.stop >= outcome.start > 0:  # recent chunks' time, for how many to batch
             seconds = outcome.stop - outcome.start
             feed.chunk_seconds = seconds if feed.chunk_seconds == float("inf") else \
                 0.5 * feed.chunk_seconds + 0.5 * seconds
         outcome.ticket.status = "finished" if outcome.ok else "error"
+        if not put:
+            return outcome
         self.put(outcome)
 
     def _all(self) -> list:
@@ -378,6 +471,8 @@ class Feeds:
             for feed in opened:
                 if feed.future is None:
                     self._submit(feed, feed.id)
+                    if self._fast_lane:  # opened after the task is on its way: its start and this overlap
+                        feed.lane = open_lane(self.client, feed.address, feed.id)
                 else:  # parked: the run's program goes with its first chunks; no round trip before them
                     # Its task's notices come to this run from now on: one that retires gets its successor.
                     self._by_key[feed.future.key], feed.owner, feed.rearm = feed, self, True
@@ -399,10 +494,10 @@ class Feeds:
                               or _Feed(_new_feed_id(self.client), device, address, None, held / lanes))
         return opened
 
-    def _renew(self, feed, calls):
+    def _renew(self, feed, calls, on_lane=False):
         """A parked feed this run took had ended before its program reached it (``calls`` came back
-        :data:`ENDED`, on the event loop): a new feed on the same worker takes them, and the chunks still
-        waiting for the old one."""
+        :data:`ENDED`, on the event loop; or its lane closed, on the dispatching thread): a new feed on the same
+        worker takes them, and the chunks still waiting for the old one. A lane's get a lane of their own."""
         if feed.lost:  # its worker left meanwhile: the dispatcher runs them elsewhere
             for _, ticket, index, *_ in calls:
                 self._answered(feed, _lost_outcome(feed, ticket, index))
@@ -417,18 +512,26 @@ class Feeds:
                 new = feed.successor = _Feed(_new_feed_id(self.client), feed.device, feed.address, None, feed.holds)
                 feeds[feeds.index(feed)] = new
                 self._submit(new, new.id)
+                if on_lane and self._fast_lane:
+                    new.lane = open_lane(self.client, new.address, new.id)
         moved = [(new, *call[1:]) for call in [*calls, *feed.backlog]]
         feed.backlog.clear()
         feed.sent -= len(moved)
         new.sent += len(moved)
-        new.backlog.extend(moved)
-        self._pump(new)
+        if not on_lane:
+            new.backlog.extend(moved)
+            self._pump(new)
+        elif new.lane is not None:
+            self._send_lane(new, [call[1:] for call in moved])
+        else:
+            self.client.loop.add_callback(self._call_all, moved)
 
     def _rearming(self, feed) -> dict:
         """What a message to ``feed`` carries besides its chunks: the run's program, until the feed answered."""
         return {"rearm": ToPickle((self.program, feed.epoch))} if feed.rearm else {}
 
     def _submit(self, feed, key):
+        feed.program_id = self.program.dispatcher_id
         feed.future = self.client.submit(run_feed, self.program, feed.device, feed.id, key=key,
                                          workers=[feed.address], allow_other_workers=False,
                                          resources={device_resource(feed.device): feed.holds}, pure=False)
@@ -463,8 +566,13 @@ class Feeds:
             parked = [f for f in feeds if not (f.lost or f.stopped) and f.future.status == "pending"]
             feeds = [f for f in feeds if f not in parked]
             messages = _park(self.client, parked, self._linger)
-            self.client.loop.add_callback(self._send_park, messages, self._linger)
-        self.client.loop.add_callback(self._stop, feeds)
+            # Over a feed's lane, behind its last chunk's reply; over Dask's comms for the others.
+            messages = [m for f, m in zip(parked, messages)
+                        if f.lane is None or not f.lane.send((wire.PARK, self._linger, f.epoch))]
+            if messages:
+                self.client.loop.add_callback(self._send_park, messages, self._linger)
+        if feeds:
+            self.client.loop.add_callback(self._stop, feeds)
 
     def cancel(self):
         """Give up: cancel the feeds' tasks (chunks still queued on them are refused)."""
@@ -501,6 +609,8 @@ class Feeds:
                     await self._ask(feed.address, STOP_OP, _ANSWER_WAIT, feed=feed.id)
                 except Exception as err:  # noqa: BLE001  its worker is gone, and the feed with it
                     _worker_left(self.client, feed.address, err)
+            if feed.lane is not None:  # a stopped feed is never taken again
+                feed.lane.close()
             if release:
                 feed.future.release()
 
@@ -539,7 +649,7 @@ def _worker_left(client, address, error):
         feeds = [f for key in [k for k in pool if k[1] == address] for f in pool.pop(key)]
         runs = list(_running(client))
     for feed in feeds:
-        feed.future.release()
+        feed.let_go()
     for run in runs:
         run.lose_worker(address, error)
 

@@ -56,7 +56,7 @@ def _sweep(pool, now):
         keep = [f for f in feeds if now < f.reuse_until and f.future.status == "pending" and not _is_gone(key[1])]
         for feed in feeds:
             if feed not in keep:
-                feed.future.release()  # its task ends (or has)
+                feed.let_go()  # its task ends (or has)
         if keep:
             pool[key] = keep
         else:
@@ -88,7 +88,7 @@ def release_parked(client):
         feeds = [f for fs in _parked(client).values() for f in fs]
         _parked(client).clear()
     for feed in feeds:
-        feed.future.release()
+        feed.let_go()
 
 
 def _take_parked(client, address, device, holds):

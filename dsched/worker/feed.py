@@ -22,25 +22,30 @@ from __future__ import annotations
 import asyncio
 import collections
 import queue
+import socket
 import threading
 import time
+from multiprocessing.connection import wait as wait_for_readable
 
 from distributed import get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol.serialize import ToPickle
 
 from dsched.names import CHUNK_EVENT_TOPIC, FEED_WORKER_PLUGIN
+from dsched.worker import lane as lanes
 from dsched.worker.chunk import _compute, _initialise
 
 __all__ = ["FeedPlugin", "run_feed", "RETIRED"]
 
 CHUNK_OP, STOP_OP, PARK_OP = "dsched_feed_chunk", "dsched_feed_stop", "dsched_feed_park"
 CHUNKS_OP = "dsched_feed_chunks"  # several chunks in one message, their outcomes in one reply
+LANE_OP = "dsched_lane_address"  # where this worker's fast lane listens, and its key (dsched.worker.lane)
 ENDED = "ended"  # the reply to chunks that rearm a parked feed which had ended: they did not run
 # With the dashboard on the scheduler, a feed tells it of each chunk as it starts and ends:
 # (phase "start", "done" or "failed", run id, client id, device, items, worker address, chunk key, start, stop).
 _POLL = 0.05  # seconds between an idle feed's checks that its task is still wanted and nobody waits for it
 _WAKE = ("wake",)  # queued for a feed whose worker was given a task: it looks at once whether to give way
+LANE = "lane"  # what Inbox.next tags a message from the feed's fast lane with
 
 
 class _Inbox:
@@ -64,6 +69,74 @@ class _Inbox:
         self.park_until = None  # parked: time.monotonic() at which it ends if no run rearms it
         self.epoch = 0  # of the last park or rearm applied
         self.woken = False  # a _WAKE is queued and not yet taken
+        self.lane = None  # the client's fast-lane connection (dsched.worker.lane), read by the feed's thread
+        # Rung on every put, so the feed's thread waits on its queue and its lane at once.
+        self._bell_out, self._bell_in = socket.socketpair()
+        self._bell_in.setblocking(False)
+
+    def _ring(self):
+        try:
+            self._bell_in.send(b"!")
+        except (BlockingIOError, OSError):  # already rung (a full buffer), or closed: either way it wakes
+            pass
+
+    def next(self, timeout):
+        """The next thing for the feed: a queued item, ``(LANE, message)`` from its lane, or :data:`_WAKE` after
+        ``timeout`` seconds of nothing (a quiet poll). Queued items first: they are the feed's controls."""
+        try:
+            return self.queue.get_nowait()
+        except queue.Empty:
+            pass
+        lane = self.lane
+        if self.closed:  # its bell is closed too: the feed looks at why and ends
+            return _WAKE
+        try:
+            ready = wait_for_readable([self._bell_out] if lane is None else [self._bell_out, lane], timeout)
+        except (OSError, ValueError):  # closed while waiting (the inbox closed)
+            return _WAKE
+        if self._bell_out in ready:
+            try:
+                self._bell_out.recv(4096)
+            except OSError:  # closed meanwhile
+                pass
+            try:
+                return self.queue.get_nowait()
+            except queue.Empty:
+                pass
+        if lane is not None and lane in ready:
+            try:
+                return LANE, lanes.loads(lane.recv_bytes())
+            except (EOFError, OSError):  # the client went away: the feed's task ends by its cancel or stop
+                self.drop_lane(lane)
+        return _WAKE
+
+    def attach_lane(self, connection):
+        """The client's fast lane (from the accept thread); a closed inbox closes it, so the client knows."""
+        with self.lock:
+            old, closed = self.lane, self.closed
+            if not closed:
+                self.lane = connection
+        if old is not None:
+            old.close()
+        if closed:
+            connection.close()
+        else:
+            self._ring()  # a feed waiting on its queue alone now waits on the lane too
+
+    def drop_lane(self, lane):
+        with self.lock:
+            if self.lane is lane:
+                self.lane = None
+        lane.close()
+
+    def reply(self, message):
+        """Send ``message`` on the lane; a client that went away loses only its reply."""
+        lane = self.lane
+        if lane is not None:
+            try:
+                lane.send_bytes(lanes.dumps(message))
+            except OSError:
+                self.drop_lane(lane)
 
     def put_many(self, items) -> bool:
         """Queue all of ``items``, or none if the inbox is closed."""
@@ -71,6 +144,7 @@ class _Inbox:
             if not self.closed:
                 for item in items:
                     self.queue.put(item)
+                self._ring()
             return not self.closed
 
     def retire(self) -> bool:
@@ -96,6 +170,7 @@ class _Inbox:
             if not self.closed and not self.woken:
                 self.woken = True
                 self.queue.put(_WAKE)
+                self._ring()
 
     def take_wake(self):
         with self.lock:
@@ -122,7 +197,9 @@ class _Inbox:
             if self.closed:
                 return False
             if epoch > self.epoch:  # not a message of a run that parked it since
-                self.epoch, self.program, self.park_until = epoch, program, None
+                # A lane's rearm names no program when the run's is the one the feed holds (the same dispatcher).
+                self.epoch, self.park_until = epoch, None
+                self.program = self.program if program is None else program
             return True
 
     def end_if_parked(self) -> bool:
@@ -147,6 +224,7 @@ class _Inbox:
             self.stopping = True
             attached = self.attached
             self.queue.put(None)
+            self._ring()
         if not attached:
             self.close(RuntimeError("the run is over"))
 
@@ -157,6 +235,11 @@ class _Inbox:
             self.error = error
             self.program = None  # closed inboxes are kept a while (to refuse late chunks): not their models
             _fed.discard(self)
+            lane, self.lane = self.lane, None
+        if lane is not None:  # the client reads the end of the lane as the feed's end
+            lane.close()
+        self._bell_in.close()  # closed inboxes are kept by the thousand: not their sockets
+        self._bell_out.close()  # a feed's thread waiting on it wakes (or times out) and finds the inbox closed
         while True:
             try:
                 item = self.queue.get_nowait()
@@ -269,6 +352,19 @@ async def _receive_park(feed=None, linger=0.0, epoch=0):
     return "OK"
 
 
+async def _lane_address():
+    """RPC handler: where this process's fast lane listens and its key (:mod:`dsched.worker.lane`), started on
+    first use; ``None`` where it cannot listen. Asked once per client, over Dask's own comms."""
+    server = lanes.lane_server(attach_lane)
+    return None if server is None else {"address": server.address, "authkey": server.authkey}
+
+
+def attach_lane(feed, connection):
+    """A client opened ``feed``'s fast lane: its thread reads it from now on (made first if the lane comes
+    before the feed's task)."""
+    _inbox(feed).attach_lane(connection)
+
+
 class FeedPlugin(WorkerPlugin):
     """Installs the feed handlers on every worker (and on workers that join later)."""
 
@@ -280,6 +376,7 @@ class FeedPlugin(WorkerPlugin):
         worker.handlers[CHUNKS_OP] = _chunks_handler(worker)
         worker.handlers[STOP_OP] = _receive_stop
         worker.handlers[PARK_OP] = _receive_park
+        worker.handlers[LANE_OP] = _lane_address
 
     def transition(self, key, start, finish, **kwargs):
         """A task now waits for a thread or a resource: the feeds look at once whether to give way to it (a
@@ -293,7 +390,7 @@ RETIRED = "retired"  # what a feed that gave its thread back returns; its inbox 
 
 
 def run_feed(program, device, feed: str):
-    """The task of one feed: run the chunks that arrive in its inbox until told to stop.
+    """The task of one feed: run the chunks that arrive in its inbox (or on its fast lane) until told to stop.
 
     Returns the chunks it ran, or :data:`RETIRED` if it gave its thread back
     because other tasks wait for the worker (another client's chunks, or a
@@ -307,9 +404,8 @@ def run_feed(program, device, feed: str):
     key = worker.get_current_task()
     inbox = _inbox(feed)
     inbox.attach(program)
-    ran = 0
+    runner = _Runner(inbox, device, worker)
     ended = RuntimeError(f"feed {feed} has ended")
-    program = None  # the program initialised on this thread: the inbox's, checked before each chunk
     try:
         while True:
             parked = inbox.park_until is not None
@@ -318,44 +414,89 @@ def run_feed(program, device, feed: str):
                     ended = None
                     return RETIRED
                 if inbox.end_if_parked():  # no run waits for it: it ends, not retires
-                    return ran
-            try:
-                item = inbox.queue.get(timeout=_POLL)
-            except queue.Empty:
-                item = _WAKE  # a quiet poll: looked at as a wake is
-            else:
-                if item is _WAKE:  # a task came to the worker: the loop's first check says whether to give way
-                    inbox.take_wake()
-            if item is None:
-                return ran
-            if item is _WAKE:  # a stream of wakes must not keep a feed past its time, or one nobody wants
+                    return runner.ran
+            item = inbox.next(_POLL)
+            if item is _WAKE:  # a wake, or a quiet poll: a stream of them must not keep a feed past its time
+                inbox.take_wake()
                 if inbox.closed or _abandoned(worker, key) or inbox.expired():
-                    return ran
+                    return runner.ran
+                continue
+            if item is None:
+                return runner.ran
+            if item[0] == LANE:
+                runner.lane_message(item[1])
                 continue
             index, work, slot, about, loop, future = item
-            if inbox.program is not program:  # the first chunk, or the first of a run that rearmed the feed
-                program = inbox.program
-                try:
-                    _initialise(program, device, worker)
-                except Exception as err:  # thread_init failed: so does every chunk sent here
-                    ended = None
-                    inbox.close(err)  # before the reply: a run that starts once it has it finds the feed ended
-                    _resolve(loop, future, _failure(err))
-                    raise
-            start = time.time()
-            try:
-                value, ok = _compute(program, device, work, slot), True
-            except Exception as err:  # the chunk's failure, not the feed's
-                value, ok = err, False
-            stop = time.time()
-            if about is not None:  # before the reply: the dashboard counts a chunk no later than the client does
-                phase = "done" if ok else "failed"
-                worker.log_event(CHUNK_EVENT_TOPIC, (phase, *about[:4], worker.address, about[4], start, stop))
-            _resolve(loop, future, {"ok": ok, "value": ToPickle(value), "start": start, "stop": stop})
-            ran += 1
+            outcome = runner.run(work, slot, about, lambda reply: _resolve(loop, future, reply))
+            _resolve(loop, future, {"ok": outcome[0], "value": ToPickle(outcome[1]), "start": outcome[2],
+                                    "stop": outcome[3]})
+    except _InitFailed:
+        ended = None  # the inbox was closed with the error
+        raise
     finally:
         if ended is not None:
             inbox.close(ended)
+
+
+class _InitFailed(Exception):
+    """A run's ``thread_init`` failed on this feed: it ends, and every chunk sent to it fails with the error."""
+
+
+class _Runner:
+    """A feed's thread: the program it initialised, and running one chunk."""
+
+    def __init__(self, inbox, device, worker):
+        self.inbox, self.device, self.worker = inbox, device, worker
+        self.program = None  # the program initialised on this thread: the inbox's, checked before each chunk
+        self.ran = 0
+
+    def run(self, work, slot, about, fail) -> tuple:
+        """Run one chunk: ``(ok, value, start, stop)``. If the run's ``thread_init`` fails, ``fail(reply)`` tells
+        the chunk and the feed ends (:class:`_InitFailed`)."""
+        inbox = self.inbox
+        if inbox.program is not self.program:  # the first chunk, or the first of a run that rearmed the feed
+            self.program = inbox.program
+            try:
+                _initialise(self.program, self.device, self.worker)
+            except Exception as err:  # thread_init failed: so does every chunk sent here
+                inbox.close(err)  # before the reply: a run that starts once it has it finds the feed ended
+                fail(_failure(err))
+                raise _InitFailed() from err
+        start = time.time()
+        try:
+            value, ok = _compute(self.program, self.device, work, slot), True
+        except Exception as err:  # the chunk's failure, not the feed's
+            value, ok = err, False
+        stop = time.time()
+        if about is not None:  # before the reply: the dashboard counts a chunk no later than the client does
+            worker = self.worker
+            phase = "done" if ok else "failed"
+            worker.log_event(CHUNK_EVENT_TOPIC, (phase, *about[:4], worker.address, about[4], start, stop))
+        self.ran += 1
+        return ok, value, start, stop
+
+    def lane_message(self, message):
+        """A message from the client's fast lane (:mod:`dsched.worker.lane`): chunks, a park or a stop."""
+        inbox, kind = self.inbox, message[0]
+        if kind == lanes.PARK:
+            inbox.park(message[1], message[2])
+            return
+        if kind == lanes.STOP:
+            inbox.stop()
+            return
+        _, rearm, chunks = message
+        if rearm is not None and not inbox.rearm(*rearm):
+            inbox.reply((lanes.ENDED,))
+            return
+        worker = self.worker
+        for index, work, slot, about in chunks:
+            if about is not None:
+                worker.log_event(CHUNK_EVENT_TOPIC, ("start", *about[:4], worker.address, about[4], None, None))
+        for index, work, slot, about in chunks:
+            fail = lambda reply, index=index: inbox.reply(  # noqa: E731
+                (lanes.DONE, index, False, _unwrap(reply["value"]), 0.0, 0.0))
+            ok, value, start, stop = self.run(work, slot, about, fail)
+            inbox.reply((lanes.DONE, index, ok, value, start, stop))
 
 
 def _others_wait(worker, feed, parked=False) -> bool:

@@ -1,0 +1,144 @@
+"""The fast lane, the worker's side: a private Unix socket per worker process, one connection per feed.
+
+A chunk sent over Dask's comms crosses four threads and two event loops on its
+way out and back (the dispatching thread, the client's loop, the worker's loop,
+the feed's thread, and back), each hop 0.1-0.5 ms on a busy machine. A feed
+whose client shares its host needs none of them: the client connects to this
+worker's :class:`LaneServer` once per feed, and from then on the dispatching
+thread writes each chunk's descriptor straight into the socket that the feed's
+own thread reads, and reads the reply straight back (``docs/dataplane.md``).
+
+Privacy: the socket lives in a directory only this user can enter
+(:func:`lane_directory`, mode 0700), and every connection passes the HMAC
+handshake of :mod:`multiprocessing.connection` with a key made per worker
+process, which the client obtains over Dask's own (authenticated, TLS where
+configured) comms. Nothing listens on a network interface.
+
+Messages are pickled tuples (:func:`dumps`, :func:`loads`):
+
+- client to feed: ``("chunks", rearm, [(index, work, slot, about), ...])``,
+  ``("park", linger, epoch)``, ``("stop",)``;
+- feed to client: ``("done", index, ok, value, start, stop)`` per chunk, or
+  ``("ended",)`` when a parked feed had ended before a run's program reached it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import stat
+import tempfile
+import threading
+from multiprocessing.connection import Listener
+
+from distributed.protocol.pickle import dumps as pickle_dumps
+from distributed.protocol.pickle import loads as pickle_loads
+
+__all__ = ["LaneServer", "lane_server", "lane_directory", "dumps", "loads", "sweep_stale_lanes"]
+
+CHUNKS, PARK, STOP, DONE, ENDED = "chunks", "park", "stop", "done", "ended"
+_SOCKET_PREFIX = "lane-"
+
+
+def dumps(message) -> bytes:
+    """``message`` as bytes, as Dask pickles a task: plain pickle where it is enough (fast), cloudpickle for
+    what it refuses or what only this process could import (a function made in ``__main__``, a lambda)."""
+    return pickle_dumps(message)
+
+
+def loads(data: bytes):
+    return pickle_loads(data)
+
+
+def lane_directory() -> str:
+    """This user's directory for lane sockets, ``<tmp>/dsched-<uid>``, made with mode 0700; refused if another
+    user owns it or others may enter it (anyone who can enter could connect)."""
+    path = os.path.join(tempfile.gettempdir(), f"dsched-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{path} is not a private directory of this user: no fast lane")
+    return path
+
+
+class LaneServer:
+    """One worker process's listener: each accepted connection is handed to the feed it names.
+
+    The client opens it with the HMAC handshake, then sends the feed's id; the
+    accept thread attaches the connection to that feed's inbox
+    (:func:`dsched.worker.feed.attach_lane`), whose thread reads and answers it.
+    """
+
+    def __init__(self, attach):
+        self.authkey = os.urandom(32)
+        name = f"{_SOCKET_PREFIX}{os.getpid()}-{os.urandom(6).hex()}.sock"
+        self.address = os.path.join(lane_directory(), name)
+        self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
+        os.chmod(self.address, 0o600)
+        self._attach = attach
+        self._closed = False
+        threading.Thread(target=self._accept, name="dsched-lanes", daemon=True).start()
+
+    def _accept(self):
+        while not self._closed:
+            try:
+                connection = self._listener.accept()  # the HMAC handshake: a stranger is refused here
+                feed = connection.recv_bytes().decode()
+            except Exception:  # noqa: BLE001  a failed handshake, or the listener closed
+                continue
+            self._attach(feed, connection)
+
+    def close(self):
+        """Stop listening and remove the socket file (the process is ending)."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self._listener.close()  # unlinks the socket file
+            except OSError:
+                pass
+
+
+_server: LaneServer | None = None
+_server_lock = threading.Lock()
+
+
+def lane_server(attach) -> LaneServer | None:
+    """This process's :class:`LaneServer`, started on first use; ``None`` where no private socket can be made
+    (the client then sends chunks over Dask's comms)."""
+    global _server
+    with _server_lock:
+        if _server is None:
+            try:
+                _server = LaneServer(attach)
+            except OSError:
+                return None
+            atexit.register(_server.close)
+        return _server
+
+
+def sweep_stale_lanes() -> list:
+    """Remove this user's lane sockets whose worker process is gone (killed before it could remove them)."""
+    try:
+        directory = lane_directory()
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        pid = name[len(_SOCKET_PREFIX):].partition("-")[0]
+        if not name.startswith(_SOCKET_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+        except PermissionError:
+            pass
+    return removed
