@@ -357,7 +357,7 @@ def test_a_rearm_sent_with_several_chunks_applies_once_and_a_late_park_is_ignore
 def test_parked_feeds_of_another_thread_are_kept_apart_and_swept_once_ended(client):
     import threading
 
-    from dsched.dispatch.feeds import _parked
+    from dsched.dispatch.parking import _parked
 
     x = np.arange(300.0)
     with dask.config.set({"dsched.feed-linger": 0.6}):
@@ -403,11 +403,15 @@ def test_a_rearming_run_s_chunks_for_a_feed_that_ended_since_its_rearm_are_sent_
     asyncio.run(check())
 
 
-def test_a_failing_thread_init_closes_the_feed_before_its_chunk_fails(hybrid_client):
+@pytest.mark.parametrize("fast_lane", [True, False])
+def test_a_failing_thread_init_closes_the_feed_before_its_chunk_fails(hybrid_client, fast_lane):
     """What a run learns its chunk failed from comes after the feed's inbox closed: the next run's rearm finds the
-    feed ended, and never gets the old run's error."""
+    feed ended, and never gets the old run's error. On the fast lane as over Dask's comms."""
+    import dask
+
     from dsched import SimpleScheduler, WorkDispatcher
     from dsched.worker import feed as feed_module
+    from dsched.worker import lane as wire
 
     seen = []
 
@@ -417,21 +421,29 @@ def test_a_failing_thread_init_closes_the_feed_before_its_chunk_fails(hybrid_cli
     def chunk(work, device):
         return 1
 
-    original = feed_module._resolve
+    def closed_with(error):
+        return [inbox.closed for inbox in list(feed_module._inboxes.values()) if inbox.error is error]
+
+    original_resolve, original_reply = feed_module._resolve, feed_module._Inbox.reply
 
     def resolve(loop, future, reply):  # at the failing chunk's reply: is its inbox closed already?
         if reply.get("ok") is False:
-            seen.extend(inbox.closed for inbox in list(feed_module._inboxes.values())
-                        if inbox.error is reply["value"].data)
-        original(loop, future, reply)
+            seen.extend(closed_with(reply["value"].data))
+        original_resolve(loop, future, reply)
 
-    feed_module._resolve = resolve
+    def reply(inbox, message):  # the same on the lane, for the chunk whose thread_init failed
+        if message[0] == wire.DONE and message[2] is False and not seen:
+            seen.extend(closed_with(message[3]))
+        original_reply(inbox, message)
+
+    feed_module._resolve, feed_module._Inbox.reply = resolve, reply
     try:
-        with pytest.raises(RuntimeError, match="cannot initialise cuda:0"):
+        with dask.config.set({"dsched.fast-lane": fast_lane}), \
+                pytest.raises(RuntimeError, match="cannot initialise cuda:0"):
             WorkDispatcher(SimpleScheduler("cuda:0", 4), chunk, thread_init=failing_init,
                            client=hybrid_client).run(SliceGenerator(0, 8))
     finally:
-        feed_module._resolve = original
+        feed_module._resolve, feed_module._Inbox.reply = original_resolve, original_reply
     assert seen == [True]
 
 

@@ -136,7 +136,7 @@ def test_a_call_made_while_the_killed_worker_restarts_waits_for_it(dashboard_cli
 
 
 def test_a_call_at_once_after_a_death_leaves_the_dead_workers_parked_feeds(parking_client):
-    from dsched.dispatch.feeds import _parked
+    from dsched.dispatch.parking import _parked
 
     client = parking_client
     x = np.arange(200_000.0)

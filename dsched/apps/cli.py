@@ -349,7 +349,9 @@ def _add_bench(subparsers):
         "bench",
         help="benchmark scheduling (emulated devices) and the data plane (J2 on real arrays) against their peers",
         description=(
-            "Five suites, each measured against its peers in the same run (targets are information: set on a 2-core reference machine, not pass or fail on yours). 'scheduling': emulated devices of known "
+            "Six suites, each measured against its peers in the same run (targets are information: set on a 2-core reference machine, not pass or fail on yours). 'percall': the cost of one call of a no-op "
+            "(dispatch, a WorkDispatcher kept across calls, a Batch step) against plain Dask, Ray where installed, "
+            "and a Pipe round trip to two bare processes, the limit. 'scheduling': emulated devices of known "
             "speed (each serial, sleeping t0 + n/rate per chunk): hybrid efficiency of StaticHybridScheduler "
             "against plain client.map and a thread-per-device loop, and dispatch overhead per chunk (sync, async) "
             "against client.map per task; sleeping emulates the devices, so this measures scheduling, not a GPU. "
@@ -371,7 +373,7 @@ def _add_bench(subparsers):
     bench.set_defaults(handler=_bench)
 
 
-SUITES = ("scheduling", "data", "policy", "batch", "neml2")
+SUITES = ("percall", "scheduling", "data", "policy", "batch", "neml2")
 
 
 def _bench(args) -> int:
@@ -437,8 +439,15 @@ def _bench_neml2(args, say):
     return results, format_neml2_table(results)
 
 
-_BENCH_SUITES = {"scheduling": _bench_scheduling, "data": _bench_data, "policy": _bench_policy,
-                 "batch": _bench_batch, "neml2": _bench_neml2}
+def _bench_percall(args, say):
+    from dsched.apps.bench.percall import format_percall, run_percall_benchmarks
+
+    results = run_percall_benchmarks(quick=args.quick, say=say)
+    return results, format_percall(results)
+
+
+_BENCH_SUITES = {"percall": _bench_percall, "scheduling": _bench_scheduling, "data": _bench_data,
+                 "policy": _bench_policy, "batch": _bench_batch, "neml2": _bench_neml2}
 
 
 def build_parser() -> argparse.ArgumentParser:

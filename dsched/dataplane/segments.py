@@ -12,6 +12,7 @@ for the next call (:class:`SegmentPool`).
 from __future__ import annotations
 
 import atexit
+import math
 import mmap
 import os
 import secrets
@@ -101,9 +102,17 @@ def _forget_vanished_segments():
             pass
 
 
+_FORGET_EVERY = 0.5  # seconds between two looks for vanished segments as chunks start (a look stats each one)
+_next_forget = [0.0]
+
+
 def forget_vanished_segments():
-    """Unmap this process's mappings of segments whose runs ended (called as a chunk starts)."""
-    if _mapped:
+    """Unmap this process's mappings of segments whose runs ended (called as a chunk starts, at most every
+    :data:`_FORGET_EVERY` seconds: a chunk of a solver's step must not pay a ``stat`` per mapped segment; a new
+    segment's mapping looks every time)."""
+    now = time.monotonic()
+    if _mapped and now >= _next_forget[0]:
+        _next_forget[0] = now + _FORGET_EVERY
         with _mapped_lock:
             _forget_vanished_segments()
 
@@ -443,7 +452,7 @@ def shared_empty(shape, dtype=float) -> np.ndarray:
     dtype = np.dtype(dtype)
     if dtype.hasobject:
         raise ValueError(f"dtype: arrays of Python objects cannot be shared, got {dtype}")
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     segment = _Segment(count * dtype.itemsize)
     array = np.frombuffer(segment.buffer, dtype, count=count).reshape(shape)
     note_user_segment(segment.token, array.__array_interface__["data"][0], count * dtype.itemsize)

@@ -32,6 +32,7 @@ or overwrite a run's segments.
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import threading
@@ -61,6 +62,14 @@ from dsched.dataplane.segments import (
     sweep_stale_segments,
 )
 from dsched.dataplane.sources import resolve_rows
+
+_pid = [os.getpid()]  # this process's id, read once per chunk path: os.getpid() is a system call
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
+
+
+def _this_pid() -> int:
+    return _pid[0]
+
 
 # Re-exported: the chunk runner (dsched.worker.chunk) and older code import it from here.
 from dsched.devices import backends
@@ -102,7 +111,7 @@ class ArrayRef:
         ``private``: a copy-on-write mapping, writable without touching the segment
         (for torch, whose tensors cannot be read-only).
         """
-        if self.pid == os.getpid():
+        if self.pid == _this_pid():
             array = _local_arrays.get(self.token)
             if array is not None:
                 view = array[start:stop]
@@ -112,7 +121,7 @@ class ArrayRef:
                 return view
         if not self.shared:
             raise RuntimeError(f"array {self.token} lives in process {self.pid} and was not shared with this one")
-        per_row = int(np.prod(self.shape[1:], dtype=np.int64))
+        per_row = math.prod(self.shape[1:])
         itemsize = np.dtype(self.dtype).itemsize
         count = stop - start
         first = self.offset + start * per_row * itemsize
@@ -258,9 +267,9 @@ class RunStore:
             self._segments.append(segment)
         placed = []
         for (shape, dtype), offset in zip(specs, offsets):
-            count = int(np.prod(shape, dtype=np.int64))
+            count = math.prod(shape)
             view = base[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
-            placed.append((ArrayRef(segment.token, shape, dtype.str, os.getpid(), True, offset), view))
+            placed.append((ArrayRef(segment.token, shape, dtype.str, _this_pid(), True, offset), view))
         return placed
 
     def register(self, array) -> ArrayRef:
@@ -269,7 +278,7 @@ class RunStore:
         with _local_lock:
             _local_arrays[token] = array
         self._tokens.append(token)
-        return ArrayRef(token, tuple(array.shape), array.dtype.str, os.getpid(), False)
+        return ArrayRef(token, tuple(array.shape), array.dtype.str, _this_pid(), False)
 
     def close(self, clean=False):
         """Release everything and drop registrations; the client's views stay valid.
@@ -335,7 +344,7 @@ def find_shared(array):
     if found is None:
         return None
     token, offset = found
-    return ArrayRef(token, tuple(array.shape), array.dtype.str, os.getpid(), True, offset)
+    return ArrayRef(token, tuple(array.shape), array.dtype.str, _this_pid(), True, offset)
 
 
 # --- which workers can read what ---------------------------------------------

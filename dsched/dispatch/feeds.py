@@ -60,10 +60,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
-import hashlib
 import threading
-import time
-import weakref
 from dataclasses import dataclass
 
 import dask
@@ -71,10 +68,20 @@ from distributed.protocol.serialize import ToPickle
 
 from dsched.dataplane.store import classify_workers
 from dsched.devices.device import device_resource, placement_device
-from dsched.devices.ownership import device_owners, forget_cluster_info
+from dsched.devices.ownership import device_owners
 from dsched.dispatch.completion import ask_worker, notify_when_done, until_done, watch_worker
-from dsched.dispatch.lanes import lanes_enabled, open_lane
-from dsched.dispatch.parking import _GONE_FOR, _is_gone, _park, _parked, _state, _take_parked, release_parked
+from dsched.dispatch.lanes import FastLanes, lanes_enabled, open_lane
+from dsched.dispatch.parking import (
+    _is_gone,
+    _new_feed_id,
+    _park,
+    _running,
+    _state,
+    _take_parked,
+    _worker_left,
+    register_plugin,
+    release_parked,
+)
 from dsched.names import CHUNK_EVENT_TOPIC, is_feed_key
 from dsched.worker import lane as wire
 from dsched.worker.feed import CHUNK_OP, CHUNKS_OP, ENDED, PARK_OP, STOP_OP, FeedPlugin, _unwrap, run_feed
@@ -159,7 +166,7 @@ class _Feed:
             owner.put(future)
 
 
-class Feeds:
+class Feeds(FastLanes):
     """The feeds of one run: started (or taken from the parked ones) per device on its first chunk, parked or
     stopped when the run ends.
 
@@ -235,68 +242,6 @@ class Feeds:
         if calls:
             self.client.loop.add_callback(self._call_all, calls)
         return tickets
-
-    # --- the fast lane: chunks written and replies read on the dispatching thread -------
-
-    def _send_lane(self, feed, items):
-        """Write ``items`` (``(ticket, index, work, slot, about)``) into ``feed``'s lane, in one message."""
-        lane = feed.lane
-        rearm = None
-        if feed.rearm:  # taken from the parked ones: the first message carries the run's program
-            program = self.program if feed.program_id != self.program.dispatcher_id else None  # None: the same
-            rearm, feed.rearm, lane.rearming = (program, feed.epoch), False, True
-            feed.program_id = self.program.dispatcher_id
-        for ticket, index, work, slot, about in items:
-            lane.waiting[index] = (ticket, work, slot, about)
-        if not lane.send((wire.CHUNKS, rearm, [(index, work, slot, about) for _, index, work, slot, about in items])):
-            self._lane_broken(feed)
-
-    def waiting_lanes(self) -> dict:
-        """``{connection: feed}`` of the lanes with chunks not yet answered: the run's loop waits on them."""
-        return {f.lane.connection: f for fs in self._feeds.values() for f in fs
-                if f.lane is not None and f.lane.waiting}
-
-    def receive(self, feed) -> list:
-        """Read one message from ``feed``'s lane (readable): the :class:`FeedOutcome` it carries, if any. A lane
-        that ended puts its chunks' outcomes in the run's mailbox (:meth:`_lane_broken`)."""
-        lane = feed.lane
-        try:
-            message = lane.receive()
-        except (EOFError, OSError):
-            message = (wire.ENDED,)
-        if message[0] != wire.DONE:
-            self._lane_broken(feed)
-            return []
-        _, index, ok, value, start, stop = message
-        lane.rearming = False
-        entry = lane.waiting.pop(index, None)
-        if entry is None:
-            return []
-        return [self._answered(feed, FeedOutcome(entry[0], index, feed.address, ok, value, start, stop), put=False)]
-
-    def lane_lost(self, feed):
-        """The event loop gave ``feed`` up (its worker left): its lane's chunks run again elsewhere."""
-        if feed.lane is not None:
-            self._lane_broken(feed)
-
-    def _lane_broken(self, feed):
-        """``feed``'s lane ended (on the dispatching thread). A parked feed taken by this run that ended before
-        its program reached it: a new feed on its worker takes its chunks. Otherwise the feed is lost: its
-        chunks not answered run again as tasks."""
-        lane, feed.lane = feed.lane, None
-        if lane is None:
-            return
-        lane.close()
-        waiting = list(lane.waiting.items())
-        if lane.rearming and not feed.lost:
-            self._renew(feed, [(feed, ticket, index, work, slot, about)
-                               for index, (ticket, work, slot, about) in waiting], on_lane=True)
-            return
-        if not feed.lost:
-            feed.lost, feed.error = True, ConnectionError(f"feed {feed.id} on {feed.address} ended during the run")
-            feed.future.release()
-        for index, (ticket, *_) in waiting:
-            self._answered(feed, _lost_outcome(feed, ticket, index))
 
     async def _call_all(self, calls):
         for call in calls:
@@ -401,6 +346,14 @@ class Feeds:
         for feed in self._all():
             if feed.address == address:
                 self._lose(feed, error)
+
+    @staticmethod
+    def _outcome(feed, ticket, index, ok, value, start, stop) -> FeedOutcome:
+        return FeedOutcome(ticket, index, feed.address, ok, value, start, stop)
+
+    @staticmethod
+    def _lost(feed, ticket, index) -> FeedOutcome:
+        return _lost_outcome(feed, ticket, index)
 
     def _answered(self, feed, outcome, put=True):
         """Account for ``outcome`` on its feed; put it in the run's mailbox (or return it, read on the run's
@@ -632,45 +585,3 @@ def _spawn(coroutine):
     task = asyncio.ensure_future(coroutine)
     _state.calls.add(task)
     task.add_done_callback(_state.calls.discard)
-
-
-# --- workers that leave ---------------------------------------------------------------
-
-def _worker_left(client, address, error):
-    """The worker at ``address`` is gone (on the event loop): the client's parked feeds on it are released, and
-    the feeds of its runs on it lost."""
-    forget_cluster_info(client)  # the next run asks the scheduler which workers it has
-    now = time.monotonic()
-    for old in [a for a, since in _state.gone.items() if now - since > _GONE_FOR]:
-        del _state.gone[old]
-    _state.gone[address] = now
-    with _state.parked_lock:
-        pool = _parked(client)
-        feeds = [f for key in [k for k in pool if k[1] == address] for f in pool.pop(key)]
-        runs = list(_running(client))
-    for feed in feeds:
-        feed.let_go()
-    for run in runs:
-        run.lose_worker(address, error)
-
-
-def _running(client) -> weakref.WeakSet:
-    """The client's runs whose feeds are out (their :class:`Feeds`)."""
-    return client.__dict__.setdefault("_dsched_running_feeds", weakref.WeakSet())
-
-
-# --- parked feeds: a client's feeds kept between its runs ------------------------------
-
-def _new_feed_id(client) -> str:
-    """``dsched-feed-<client and thread>-<n>``: a feed outlives its run, so its name carries who runs it (its
-    worker tells that caller's other feeds from other tasks by it), not the run. Runs of one client on
-    several threads are told apart, as they were when feeds ended with their runs."""
-    token = hashlib.sha1(f"{client.id}-{threading.get_ident()}".encode()).hexdigest()[:16]
-    return f"dsched-feed-{token}-{next(_state.feed_numbers)}"
-
-
-def register_plugin(client, scheduler_id):
-    """Install :class:`FeedPlugin` on ``client``'s cluster, once per scheduler this process talks to."""
-    if scheduler_id is None or scheduler_id not in _state.registered:
-        client.register_plugin(FeedPlugin())
-        _state.registered.add(scheduler_id)

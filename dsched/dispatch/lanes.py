@@ -22,7 +22,7 @@ from dsched.dispatch.completion import ask_worker
 from dsched.worker import lane as wire
 from dsched.worker.feed import LANE_OP
 
-__all__ = ["Lane", "open_lane", "lanes_enabled"]
+__all__ = ["Lane", "FastLanes", "open_lane", "lanes_enabled"]
 
 _ASK_WAIT = 5.0  # seconds a worker has to say where its lane listens
 
@@ -93,3 +93,72 @@ def _lane_info(client, address):
 
 def _forget(client, address):
     client.__dict__.setdefault("_dsched_lanes", {}).pop(address, None)
+
+
+class FastLanes:
+    """The fast-lane side of a run's feeds (:class:`~dsched.dispatch.feeds.Feeds` takes it in): chunks written
+    and replies read on the dispatching thread.
+
+    It relies on the feeds' ``_feeds`` (``{Device: [feed]}``), ``program``, and
+    ``_answered``, ``_outcome``, ``_lost`` and ``_renew``.
+    """
+
+    def _send_lane(self, feed, items):
+        """Write ``items`` (``(ticket, index, work, slot, about)``) into ``feed``'s lane, in one message."""
+        lane = feed.lane
+        rearm = None
+        if feed.rearm:  # taken from the parked ones: the first message carries the run's program
+            program = self.program if feed.program_id != self.program.dispatcher_id else None  # None: the same
+            rearm, feed.rearm, lane.rearming = (program, feed.epoch), False, True
+            feed.program_id = self.program.dispatcher_id
+        for ticket, index, work, slot, about in items:
+            lane.waiting[index] = (ticket, work, slot, about)
+        if not lane.send((wire.CHUNKS, rearm, [(index, work, slot, about) for _, index, work, slot, about in items])):
+            self._lane_broken(feed)
+
+    def waiting_lanes(self) -> dict:
+        """``{connection: feed}`` of the lanes with chunks not yet answered: the run's loop waits on them."""
+        return {f.lane.connection: f for fs in self._feeds.values() for f in fs
+                if f.lane is not None and f.lane.waiting}
+
+    def receive(self, feed) -> list:
+        """Read one message from ``feed``'s lane (readable): the :class:`FeedOutcome` it carries, if any. A lane
+        that ended puts its chunks' outcomes in the run's mailbox (:meth:`_lane_broken`)."""
+        lane = feed.lane
+        try:
+            message = lane.receive()
+        except (EOFError, OSError):
+            message = (wire.ENDED,)
+        if message[0] != wire.DONE:
+            self._lane_broken(feed)
+            return []
+        _, index, ok, value, start, stop = message
+        lane.rearming = False
+        entry = lane.waiting.pop(index, None)
+        if entry is None:
+            return []
+        return [self._answered(feed, self._outcome(feed, entry[0], index, ok, value, start, stop), put=False)]
+
+    def lane_lost(self, feed):
+        """The event loop gave ``feed`` up (its worker left): its lane's chunks run again elsewhere."""
+        if feed.lane is not None:
+            self._lane_broken(feed)
+
+    def _lane_broken(self, feed):
+        """``feed``'s lane ended (on the dispatching thread). A parked feed taken by this run that ended before
+        its program reached it: a new feed on its worker takes its chunks. Otherwise the feed is lost: its
+        chunks not answered run again as tasks."""
+        lane, feed.lane = feed.lane, None
+        if lane is None:
+            return
+        lane.close()
+        waiting = list(lane.waiting.items())
+        if lane.rearming and not feed.lost:
+            self._renew(feed, [(feed, ticket, index, work, slot, about)
+                               for index, (ticket, work, slot, about) in waiting], on_lane=True)
+            return
+        if not feed.lost:
+            feed.lost, feed.error = True, ConnectionError(f"feed {feed.id} on {feed.address} ended during the run")
+            feed.future.release()
+        for index, (ticket, *_) in waiting:
+            self._answered(feed, self._lost(feed, ticket, index))

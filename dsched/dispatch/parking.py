@@ -10,11 +10,16 @@ every client of the process share (the lock, feed numbers, workers known gone).
 from __future__ import annotations
 
 import collections
+import hashlib
 import itertools
 import threading
 import time
+import weakref
 
-__all__ = ["release_parked"]
+from dsched.devices.ownership import forget_cluster_info
+from dsched.worker.feed import FeedPlugin
+
+__all__ = ["release_parked", "register_plugin"]
 
 _REUSE_MARGIN = 0.5  # a parked feed is reused only this long before its worker would end it
 _GONE_FOR = 30.0  # seconds a worker that failed a feed's message is avoided (a restarted one has a new address)
@@ -104,3 +109,43 @@ def _take_parked(client, address, device, holds):
         feed.epoch += 1
         feed.sent, feed.calling, feed.backlog = 0, 0, collections.deque()
         return feed
+
+
+# --- workers that leave ---------------------------------------------------------------
+
+def _worker_left(client, address, error):
+    """The worker at ``address`` is gone (on the event loop): the client's parked feeds on it are released, and
+    the feeds of its runs on it lost."""
+    forget_cluster_info(client)  # the next run asks the scheduler which workers it has
+    now = time.monotonic()
+    for old in [a for a, since in _state.gone.items() if now - since > _GONE_FOR]:
+        del _state.gone[old]
+    _state.gone[address] = now
+    with _state.parked_lock:
+        pool = _parked(client)
+        feeds = [f for key in [k for k in pool if k[1] == address] for f in pool.pop(key)]
+        runs = list(_running(client))
+    for feed in feeds:
+        feed.let_go()
+    for run in runs:
+        run.lose_worker(address, error)
+
+
+def _running(client) -> weakref.WeakSet:
+    """The client's runs whose feeds are out (their :class:`Feeds`)."""
+    return client.__dict__.setdefault("_dsched_running_feeds", weakref.WeakSet())
+
+
+def _new_feed_id(client) -> str:
+    """``dsched-feed-<client and thread>-<n>``: a feed outlives its run, so its name carries who runs it (its
+    worker tells that caller's other feeds from other tasks by it), not the run. Runs of one client on
+    several threads are told apart, as they were when feeds ended with their runs."""
+    token = hashlib.sha1(f"{client.id}-{threading.get_ident()}".encode()).hexdigest()[:16]
+    return f"dsched-feed-{token}-{next(_state.feed_numbers)}"
+
+
+def register_plugin(client, scheduler_id):
+    """Install :class:`FeedPlugin` on ``client``'s cluster, once per scheduler this process talks to."""
+    if scheduler_id is None or scheduler_id not in _state.registered:
+        client.register_plugin(FeedPlugin())
+        _state.registered.add(scheduler_id)

@@ -127,7 +127,8 @@ class _Inbox:
         with self.lock:
             if self.lane is lane:
                 self.lane = None
-        lane.close()
+        if lane is not None:
+            lane.close()
 
     def reply(self, message):
         """Send ``message`` on the lane; a client that went away loses only its reply."""
@@ -228,14 +229,16 @@ class _Inbox:
         if not attached:
             self.close(RuntimeError("the run is over"))
 
-    def close(self, error):
-        """Refuse what comes next, and fail what is still waiting, with ``error``."""
+    def close(self, error, keep_lane=False):
+        """Refuse what comes next, and fail what is still waiting, with ``error``; close the lane unless
+        ``keep_lane`` (the feed's thread still answers on it, then drops it)."""
         with self.lock:
             self.closed = True
             self.error = error
             self.program = None  # closed inboxes are kept a while (to refuse late chunks): not their models
             _fed.discard(self)
-            lane, self.lane = self.lane, None
+            lane = None if keep_lane else self.lane
+            self.lane = self.lane if keep_lane else None
         if lane is not None:  # the client reads the end of the lane as the feed's end
             lane.close()
         self._bell_in.close()  # closed inboxes are kept by the thousand: not their sockets
@@ -430,9 +433,9 @@ def run_feed(program, device, feed: str):
             outcome = runner.run(work, slot, about, lambda reply: _resolve(loop, future, reply))
             _resolve(loop, future, {"ok": outcome[0], "value": ToPickle(outcome[1]), "start": outcome[2],
                                     "stop": outcome[3]})
-    except _InitFailed:
+    except _InitFailed as failed:
         ended = None  # the inbox was closed with the error
-        raise
+        raise failed.args[0] from None
     finally:
         if ended is not None:
             inbox.close(ended)
@@ -459,9 +462,11 @@ class _Runner:
             try:
                 _initialise(self.program, self.device, self.worker)
             except Exception as err:  # thread_init failed: so does every chunk sent here
-                inbox.close(err)  # before the reply: a run that starts once it has it finds the feed ended
+                # Closed before the reply: a run that starts once it has it finds the feed ended. Its lane
+                # stays open for the reply (and the failures of the chunks sent with it), then closes.
+                inbox.close(err, keep_lane=True)
                 fail(_failure(err))
-                raise _InitFailed() from err
+                raise _InitFailed(err) from err
         start = time.time()
         try:
             value, ok = _compute(self.program, self.device, work, slot), True
@@ -492,10 +497,16 @@ class _Runner:
         for index, work, slot, about in chunks:
             if about is not None:
                 worker.log_event(CHUNK_EVENT_TOPIC, ("start", *about[:4], worker.address, about[4], None, None))
-        for index, work, slot, about in chunks:
+        for position, (index, work, slot, about) in enumerate(chunks):
             fail = lambda reply, index=index: inbox.reply(  # noqa: E731
                 (lanes.DONE, index, False, _unwrap(reply["value"]), 0.0, 0.0))
-            ok, value, start, stop = self.run(work, slot, about, fail)
+            try:
+                ok, value, start, stop = self.run(work, slot, about, fail)
+            except _InitFailed as failed:  # the message's other chunks fail with it, then the lane closes
+                for index, *_ in chunks[position + 1:]:
+                    inbox.reply((lanes.DONE, index, False, failed.args[0], 0.0, 0.0))
+                inbox.drop_lane(inbox.lane)
+                raise
             inbox.reply((lanes.DONE, index, ok, value, start, stop))
 
 

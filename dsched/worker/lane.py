@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import atexit
 import os
+import pickle
 import stat
 import tempfile
 import threading
 from multiprocessing.connection import Listener
 
-from distributed.protocol.pickle import dumps as pickle_dumps
-from distributed.protocol.pickle import loads as pickle_loads
+import cloudpickle
 
 __all__ = ["LaneServer", "lane_server", "lane_directory", "dumps", "loads", "sweep_stale_lanes"]
 
@@ -41,13 +41,20 @@ _SOCKET_PREFIX = "lane-"
 
 
 def dumps(message) -> bytes:
-    """``message`` as bytes, as Dask pickles a task: plain pickle where it is enough (fast), cloudpickle for
-    what it refuses or what only this process could import (a function made in ``__main__``, a lambda)."""
-    return pickle_dumps(message)
+    """``message`` as bytes, by Dask's rule for a task: plain pickle where it is enough (fast), cloudpickle where
+    the message holds what only this process could import (a function made in ``__main__``, a lambda, a module
+    registered to pickle by value)."""
+    try:
+        data = pickle.dumps(message, protocol=5)
+        if b"__main__" not in data and not cloudpickle.list_registry_pickle_by_value():
+            return data
+    except Exception:  # noqa: BLE001  anything plain pickle refuses: cloudpickle's turn
+        pass
+    return cloudpickle.dumps(message, protocol=5)
 
 
 def loads(data: bytes):
-    return pickle_loads(data)
+    return pickle.loads(data)
 
 
 def lane_directory() -> str:

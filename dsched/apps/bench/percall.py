@@ -1,0 +1,176 @@
+"""Benchmark of the cost of one call: what a solver pays per Newton iteration, whatever its model costs.
+
+Every row times one call of a model that does nothing, over two chunks, one
+on each of two single-thread worker processes (``cpu`` and an **emulated**
+``cuda:0``: a CPU process claiming the device), in the same run:
+
+- ``pipe round trip`` (the limit): two bare ``multiprocessing`` processes, a
+  ``Pipe`` each; send each a small descriptor, receive each a small reply.
+  What a same-host message costs in Python, with no framework at all;
+- ``dsched.dispatch``: the one-call form on a no-op, inputs and outputs of 2
+  x 100 rows through the data plane;
+- ``WorkDispatcher.run``: the same through one dispatcher kept across calls;
+- ``Batch update + get``: a resident batch's step, an update of a no-op on its
+  field, then ``get`` of the field;
+- ``dask submit + gather``: plain Dask, two no-op tasks pinned to the two
+  workers, then ``gather``;
+- ``ray tasks + get`` (only where Ray is installed): two no-op tasks, then
+  ``ray.get``.
+
+Medians over many calls after a warm-up; the ratio is to the pipe round trip.
+Nothing here measures a GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from multiprocessing import get_context
+
+import numpy as np
+
+import dsched
+from dsched.apps.bench.scheduling import verdict
+
+__all__ = ["run_percall_benchmarks", "format_percall", "TARGETS"]
+
+#: the issue's targets, as multiples of the pipe round trip
+TARGETS = {"dsched.dispatch": 5.0, "Batch update + get": 5.0}
+ROWS = 100  # rows per chunk
+
+
+def _echo(x):
+    return x
+
+
+def _noop(*args):
+    return None
+
+
+def _step(x):
+    return {"x": x}
+
+
+def _pipe_server(connection):
+    while True:
+        message = connection.recv_bytes()
+        if message == b"stop":
+            return
+        connection.send_bytes(b"r" * 64)
+
+
+def _median_us(call, calls, warmup) -> float:
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def time_pipe(calls, warmup) -> float:
+    """Median microseconds of a small round trip to two processes at once, a ``Pipe`` each."""
+    context = get_context("spawn")
+    ends, processes = [], []
+    for _ in range(2):
+        here, there = context.Pipe()
+        process = context.Process(target=_pipe_server, args=(there,), daemon=True)
+        process.start()
+        ends.append(here)
+        processes.append(process)
+    descriptor = b"d" * 200
+
+    def round_trip():
+        for end in ends:
+            end.send_bytes(descriptor)
+        for end in ends:
+            end.recv_bytes()
+
+    try:
+        return _median_us(round_trip, calls, warmup)
+    finally:
+        for end in ends:
+            end.send_bytes(b"stop")
+        for process in processes:
+            process.join(5)
+
+
+def time_dsched(client, calls, warmup) -> dict:
+    """Median microseconds per call of each dsched form, on ``client``'s two device workers."""
+    scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=ROWS)
+    x = np.zeros((2 * ROWS, 3))
+    out = {"dsched.dispatch": _median_us(lambda: dsched.dispatch(_echo, x, scheduler=scheduler, client=client),
+                                         calls, warmup)}
+    from dsched.dataplane.loaders import MappingLoader
+
+    dispatcher = dsched.WorkDispatcher(scheduler, lambda work, device: {"x": work["x"]}, join="concat",
+                                       output_spec={"x": ((3,), "f8")}, client=client)
+    out["WorkDispatcher.run"] = _median_us(lambda: dispatcher.run(MappingLoader({"x": x})), calls, warmup)
+    batch = dsched.Batch({"x": x}, scheduler, client=client)
+    try:
+        def step():
+            batch.update(_step, reads=["x"], writes=["x"])
+            batch.get("x")
+
+        out["Batch update + get"] = _median_us(step, max(10, calls // 10), max(3, warmup // 10))
+    finally:
+        batch.close()
+    return out
+
+
+def time_dask(client, calls, warmup) -> float:
+    """Median microseconds of two no-op tasks, one per worker, submitted and gathered with plain Dask."""
+    workers = sorted(client.scheduler_info()["workers"])
+
+    def call():
+        futures = [client.submit(_noop, i, workers=[w], pure=False) for i, w in enumerate(workers[:2])]
+        client.gather(futures)
+
+    return _median_us(call, max(10, calls // 5), max(3, warmup // 5))
+
+
+def time_ray(calls, warmup):
+    """Median microseconds of two no-op Ray tasks and ``ray.get``; ``None`` without Ray."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        noop = ray.remote(_noop)
+        return _median_us(lambda: ray.get([noop.remote(i) for i in range(2)]), max(10, calls // 5),
+                          max(3, warmup // 5))
+    finally:
+        ray.shutdown()
+
+
+def run_percall_benchmarks(*, quick=False, say=print) -> dict:
+    """Every row, in one run; ``{"calls", "rows": {name: microseconds}, "ratios": {name: x pipe}}``."""
+    calls, warmup = (300, 50) if quick else (2000, 200)
+    say("percall: the pipe round trip")
+    rows = {"pipe round trip": time_pipe(calls, warmup)}
+    say("percall: dsched on two worker processes (cpu, emulated cuda:0)")
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1) as cluster, \
+            cluster.get_client() as client:
+        rows.update(time_dsched(client, calls, warmup))
+        say("percall: plain Dask")
+        rows["dask submit + gather"] = time_dask(client, calls, warmup)
+    ray = time_ray(calls, warmup)
+    if ray is not None:
+        rows["ray tasks + get"] = ray
+    limit = rows["pipe round trip"]
+    return {"calls": calls, "rows": rows, "ratios": {name: us / limit for name, us in rows.items()}}
+
+
+def format_percall(results) -> str:
+    lines = [f"{'per call (2 chunks, 2 worker processes)':<44}{'median':>12}{'x pipe':>9}  target"]
+    for name, us in results["rows"].items():
+        ratio = results["ratios"][name]
+        target = TARGETS.get(name)
+        mark = "" if target is None else f"<= {target:g} x: {verdict(ratio <= target)}"
+        shown = f"{us:,.0f} us" if us >= 10 else f"{us:.1f} us"
+        lines.append(f"{name:<44}{shown:>12}{ratio:>8.1f}x  {mark}")
+    lines.append("cuda:0 is emulated (a CPU process): this measures the cost of a call, not a GPU.")
+    return "\n".join(lines)
