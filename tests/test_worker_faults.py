@@ -26,7 +26,7 @@ import dsched
 from dsched.cluster.placement import PlacementWarning
 from dsched.dataplane.segments import SHM_DIR, record_semaphores, sweep_stale_segments
 from dsched.devices.ownership import cluster_info
-from dsched.names import CHUNK_EVENT_TOPIC
+from dsched.names import CHUNK_BATCH_TOPIC, CHUNK_EVENT_TOPIC
 
 
 def sleepy_double(x):
@@ -84,6 +84,8 @@ def test_a_worker_killed_mid_run_with_the_dashboard_on_costs_only_its_chunks(das
     dsched.dispatch(sleepy_double, np.arange(20_000.0), scheduler=scheduler(), client=client)  # workers warm
     fed = set()  # (start, stop) of each chunk a feed ran: the chunk events the dashboard hears
     client.subscribe_topic(CHUNK_EVENT_TOPIC, lambda event: fed.add((event[1][7], event[1][8])))
+    # Chunks on a fast lane: the client sends their events, in batches.
+    client.subscribe_topic(CHUNK_BATCH_TOPIC, lambda event: fed.update((e[7], e[8]) for e in event[1]))
     killed, back = [], []
 
     def kill_then_wait(record):  # on the dispatching thread: the kill lands mid-run, with chunks out on cuda:0
@@ -111,6 +113,7 @@ def test_a_worker_killed_mid_run_with_the_dashboard_on_costs_only_its_chunks(das
             time.sleep(0.05)
     finally:
         client.unsubscribe_topic(CHUNK_EVENT_TOPIC)
+        client.unsubscribe_topic(CHUNK_BATCH_TOPIC)
     assert all((r.start, r.stop) in fed for r in late), \
         f"{sum((r.start, r.stop) not in fed for r in late)} of {len(late)} late cuda:0 chunks ran as tasks"
     assert client.run_on_scheduler(_stuck_tasks) == {}

@@ -346,6 +346,7 @@ class AsyncRun:
                 self._submit(fallback, [(e.record, e.work) for e in moved], retry=True)
         if self.feeds is not None:  # feeds on workers that left are lost; a restarted worker gets new ones
             self.feeds.follow(self.watch.workers)
+            self.feeds.flush_events()  # the page's view of lane chunks, once a tick
 
     def abandon(self):
         """Cancel every chunk still out, in one call, and give its load back."""

@@ -198,6 +198,7 @@ class Feeds(FastLanes):
         self._events = bool(cluster.get("dsched-dashboard"))  # whether the scheduler has the dashboard
         self._by_key = {}  # task key -> feed, for the tasks not yet ended
         self._fast_lane = lanes_enabled()
+        self._chunk_events = []  # the dashboard's events of lane chunks not yet sent (FastLanes.flush_events)
         # A feed's task ending (the dispatcher's thread) and its renewal (the event loop) swap its task.
         self._tasks_lock = threading.Lock()
         register_plugin(client, cluster.get("id"))
@@ -507,13 +508,16 @@ class Feeds(FastLanes):
         """The run is over (its feeds' inboxes are empty): park its feeds for the client's next run, or stop
         them and release their tasks. Feeds whose worker is gone were released already.
 
-        With the dashboard, stop them and wait for their tasks to end: their
-        chunk events then reached the scheduler before the run returns.
+        With the dashboard, the page hears of every chunk before the run returns:
+        the lanes' events in one message the scheduler answers; for feeds without a
+        lane, by stopping them and waiting for their tasks to end.
         """
         feeds = [f for f in self._forget() if not f.lost]
         if not feeds:
             return
-        if self._events:
+        if self._events:  # the page counts this run's lane chunks before it returns
+            self.flush_events(wait=True)
+        if self._events and any(f.lane is None for f in feeds):  # chunks over Dask's comms: their events too
             self.client.sync(self._stop_and_wait, feeds)
         elif self._linger > 0:  # parked for the client's next run; the others stop
             parked = [f for f in feeds if not (f.lost or f.stopped) and f.future.status == "pending"]

@@ -28,6 +28,7 @@ from dsched.dataplane.store import resolve_work
 from dsched.devices import backends
 from dsched.devices.threads import limit_this_thread
 from dsched.dispatch.dispatcher import WorkDispatcher
+from dsched.dispatch.reuse import RecentCalls
 from dsched.dispatch.reduce import concat_reduce
 from dsched.errors import as_recoverable
 
@@ -183,6 +184,10 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file
     if _batch_is_empty(layout.mapping, axis):
         return _empty_result(out, axis)
     loader = MappingLoader(layout.mapping, axis=axis)
+    reused = None if keep_grad or trace_file is not None or mode != "async" else _REUSED.take(
+        fn, layout, kwargs, scheduler=scheduler, client=client, axis=axis, timeout=timeout)
+    if reused is not None:  # a call like a recent one: its dispatcher, program and feeds again
+        return reused.run(loader, layout, out, overwrite)
     # Kept autograd needs the tensors themselves joined (torch.cat), not their values copied in place.
     join = dict(reduce=functools.partial(concat_reduce, axis=axis)) if keep_grad else dict(
         join="concat", axis=axis, out=out, overwrite=overwrite)
@@ -288,3 +293,8 @@ def _empty_result(out, axis):
         return check_out(out, 0, axis)
     raise ValueError(f"args: the batch is empty (0 items along axis {axis}); with nothing to run, dispatch cannot "
                      "know the outputs' shapes: pass out= arrays of 0 items to get them back")
+
+
+# The dispatchers of recent calls, per thread (dsched.dispatch.reuse): built from this module's pieces.
+_REUSED = RecentCalls(lambda fn, layout, kwargs, axis: _CallOnChunk(fn, layout, kwargs),
+                      lambda fn, layout, kwargs, axis: functools.partial(_probe_layout, fn, layout, kwargs, axis))

@@ -19,6 +19,7 @@ from multiprocessing.connection import Client as connect_to
 import dask
 
 from dsched.dispatch.completion import ask_worker
+from dsched.names import CHUNK_BATCH_TOPIC
 from dsched.worker import lane as wire
 from dsched.worker.feed import LANE_OP
 
@@ -113,8 +114,29 @@ class FastLanes:
             feed.program_id = self.program.dispatcher_id
         for ticket, index, work, slot, about in items:
             lane.waiting[index] = (ticket, work, slot, about)
-        if not lane.send((wire.CHUNKS, rearm, [(index, work, slot, about) for _, index, work, slot, about in items])):
+            if about is not None:  # the dashboard hears of it from here, in batches (flush_events)
+                self._chunk_events.append(("start", *about[:4], feed.address, about[4], None, None))
+        # The worker logs no event per chunk: ``about`` stays here.
+        if not lane.send((wire.CHUNKS, rearm, [(index, work, slot, None) for _, index, work, slot, _ in items])):
             self._lane_broken(feed)
+
+    def flush_events(self, wait=False):
+        """Send the dashboard the events of this run's lane chunks heard since the last flush, in one message
+        (each tick of the run, and at its end). ``wait``: until the scheduler has them, so that a run that returns
+        is counted on the page."""
+        events, self._chunk_events = self._chunk_events, []
+        if not events:
+            return
+        if wait:
+            self.client.log_event(CHUNK_BATCH_TOPIC, events)
+        else:
+            self.client.loop.add_callback(self._log_events, events)
+
+    async def _log_events(self, events):
+        try:
+            await self.client.scheduler.log_event(topic=CHUNK_BATCH_TOPIC, msg=events)
+        except Exception:  # noqa: BLE001  the scheduler is gone: so is its page
+            pass
 
     def waiting_lanes(self) -> dict:
         """``{connection: feed}`` of the lanes with chunks not yet answered: the run's loop waits on them."""
@@ -137,6 +159,9 @@ class FastLanes:
         entry = lane.waiting.pop(index, None)
         if entry is None:
             return []
+        about = entry[3]
+        if about is not None:
+            self._chunk_events.append(("done" if ok else "failed", *about[:4], feed.address, about[4], start, stop))
         return [self._answered(feed, self._outcome(feed, entry[0], index, ok, value, start, stop), put=False)]
 
     def lane_lost(self, feed):
@@ -160,5 +185,7 @@ class FastLanes:
         if not feed.lost:
             feed.lost, feed.error = True, ConnectionError(f"feed {feed.id} on {feed.address} ended during the run")
             feed.future.release()
-        for index, (ticket, *_) in waiting:
+        for index, (ticket, _, _, about) in waiting:
+            if about is not None:  # not run here: it runs again elsewhere, and ends there
+                self._chunk_events.append(("failed", *about[:4], feed.address, about[4], None, None))
             self._answered(feed, self._lost(feed, ticket, index))

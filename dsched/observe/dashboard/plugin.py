@@ -43,6 +43,7 @@ from dsched.checks import check_positive_int
 from dsched.devices.device import UNLIMITED_CAPACITY, Device, device_of_resources
 from dsched.devices.ownership import dashboard_registered
 from dsched.names import (
+    CHUNK_BATCH_TOPIC,
     CHUNK_EVENT_TOPIC,
     DASHBOARD_PLUGIN,
     EMULATED_RESOURCE,
@@ -281,6 +282,10 @@ class DashboardPlugin(SchedulerPlugin):
             with self._lock:
                 if client not in self._announced:
                     self._announced[client] = (None, total, time.time())
+            return
+        if topic == CHUNK_BATCH_TOPIC:  # a client's events of chunks on fast lanes, batched off the hot path
+            for event in msg:
+                self.log_event(CHUNK_EVENT_TOPIC, event)
             return
         if topic != CHUNK_EVENT_TOPIC:
             return

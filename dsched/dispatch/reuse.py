@@ -1,0 +1,158 @@
+"""Calls like a recent one reuse its dispatcher: a solver's call, again and again, pays for its set-up once.
+
+:func:`dsched.dispatch` builds a :class:`~dsched.dispatch.dispatcher.WorkDispatcher`,
+its chunk program and a probe of the function on the batch's first item for
+every call. A solver calls the same function on arrays of the same shapes at
+every iteration. So a call like one of the last few made on the same thread
+runs on that call's dispatcher: its program is the one the parked feeds hold
+already, so nothing of it travels again (:mod:`dsched.dispatch.feeds`), and
+the layout of the function's result, probed on the first call, is known for
+the next calls with inputs of the same shapes and types.
+
+A call is *like* a recent one when it names the same function object,
+scheduler, client (or the same default client), axis and timeout, and its
+arguments that are not split and its keyword arguments are equal plain values
+(numbers, strings, ``None``). Calls with anything else among those build their
+own dispatcher, so that no caller's array or model is kept alive here beyond
+the function itself. At most :data:`MAX_KEPT` calls are kept per thread; a
+reused dispatcher forgets each call's inputs and outputs once it returns.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from dsched.devices import backends
+from dsched.dispatch.dispatcher import WorkDispatcher
+
+__all__ = ["RecentCalls", "MAX_KEPT"]
+
+MAX_KEPT = 4  # recent calls kept per thread
+_PLAIN = (int, float, complex, str, bytes, bool, type(None))
+
+
+def _plain(value) -> bool:
+    return type(value) in _PLAIN
+
+
+def _same(a, b) -> bool:
+    return type(a) is type(b) and (a is b or a == b)
+
+
+class _Recent:
+    """One recent call: what makes another call like it, and its dispatcher."""
+
+    def __init__(self, fn, scheduler, client, axis, timeout, skeleton, kwargs, dispatcher):
+        self.fn, self.scheduler, self.client, self.axis, self.timeout = fn, scheduler, client, axis, timeout
+        self.skeleton, self.kwargs, self.dispatcher = skeleton, kwargs, dispatcher
+        self.layouts = {}  # the input signature -> the layout of fn's result probed for it
+
+    def matches(self, fn, scheduler, client, axis, timeout, skeleton, kwargs) -> bool:
+        return (fn is self.fn and scheduler is self.scheduler and client is self.client and axis == self.axis
+                and timeout == self.timeout and len(skeleton) == len(self.skeleton)
+                and all(_same(a, b) for a, b in zip(skeleton, self.skeleton))
+                and kwargs.keys() == self.kwargs.keys() and all(_same(v, self.kwargs[k]) for k, v in kwargs.items()))
+
+    def run(self, loader, layout, out, overwrite, probe):
+        """Run the call on the kept dispatcher; the joined result."""
+        dispatcher = self.dispatcher
+        signature = _signature(layout.mapping, self.axis)
+        known = self.layouts.get(signature)
+        dispatcher.out, dispatcher.overwrite = out, bool(overwrite)
+        dispatcher._layout = known
+        dispatcher._layout_probe = None if known is not None else self._learning(probe, signature)
+        try:
+            return dispatcher.run(loader)
+        finally:  # the caller's arrays, in and out, are not kept here (outputs lent from the pool go back)
+            dispatcher.out = dispatcher.last_run = dispatcher._last_generator = dispatcher._layout_probe = None
+
+    def _learning(self, probe, signature):
+        def learn():
+            found = probe()
+            if found is not None:
+                self.layouts[signature] = found
+            return found
+
+        return learn
+
+
+def _signature(mapping, axis) -> tuple:
+    """What the layout of a result depends on: each input's type, its shape but for the batch's length (only
+    whether it is 1, broadcast) and its dtype."""
+    out = []
+    for key, value in mapping.items():
+        shape = tuple(backends.batch_shape(value))
+        items = shape[axis] if len(shape) > axis else None
+        shape = shape[:axis] + shape[axis + 1:] if items is not None else shape
+        out.append((key, type(value), shape, items == 1, str(getattr(value, "dtype", None))))
+    return tuple(out)
+
+
+class RecentCalls:
+    """The recent calls of each thread (:class:`_Recent`), and the dispatchers they run on.
+
+    Parameters
+    ----------
+    make_call : callable
+        ``make_call(fn, layout, kwargs, axis)`` -> the ``do_work`` of a call (:func:`dsched.dispatch`'s).
+    make_probe : callable
+        ``make_probe(fn, layout, kwargs, axis)`` -> ``probe()``, the layout of ``fn``'s result.
+    """
+
+    def __init__(self, make_call, make_probe):
+        self.make_call, self.make_probe = make_call, make_probe
+        self._local = threading.local()
+
+    def take(self, fn, layout, kwargs, *, scheduler, client, axis, timeout):
+        """The call's runner: a recent call's, or a new one kept from now on; ``None`` if the call cannot be
+        kept (arguments that are not plain values, or no client to run on without starting a cluster)."""
+        skeleton = list(layout.skeleton)  # split arguments' marks, and the others' values, in order
+        if not all(_is_split(v) or _plain(v) for v in skeleton) or not all(_plain(v) for v in kwargs.values()):
+            return None
+        if client is None:
+            from distributed import default_client
+
+            try:
+                client = default_client()
+            except ValueError:  # no client: the call starts (and closes) a cluster of its own
+                return None
+        if getattr(client, "status", "running") != "running":
+            return None
+        kept = self._local.__dict__.setdefault("calls", [])
+        for i, recent in enumerate(kept):
+            if recent.matches(fn, scheduler, client, axis, timeout, skeleton, kwargs):
+                kept.insert(0, kept.pop(i))
+                break
+        else:
+            stripped = _without_arrays(layout)
+            dispatcher = WorkDispatcher(scheduler, self.make_call(fn, stripped, dict(kwargs), axis), join="concat",
+                                        axis=axis, timeout=timeout, client=client)
+            recent = _Recent(fn, scheduler, client, axis, timeout, skeleton, dict(kwargs), dispatcher)
+            kept.insert(0, recent)
+            del kept[MAX_KEPT:]
+        return _Runner(recent, self.make_probe(fn, layout, kwargs, axis))
+
+
+class _Runner:
+    """One call on a recent call's dispatcher."""
+
+    def __init__(self, recent, probe):
+        self.recent, self.probe = recent, probe
+
+    def run(self, loader, layout, out, overwrite):
+        return self.recent.run(loader, layout, out, overwrite, self.probe)
+
+
+def _is_split(arg) -> bool:
+    """Whether a skeleton entry of :class:`~dsched.dispatch.front._ArgsLayout` stands for a split argument."""
+    return type(arg).__name__ in ("_Batched", "_MappingKeys")
+
+
+def _without_arrays(layout):
+    """A copy of ``layout`` without its arrays: the kept dispatcher's program must not hold the first call's
+    batch (a worker rebuilds each chunk's arguments from the skeleton alone)."""
+    import copy
+
+    stripped = copy.copy(layout)
+    stripped.mapping = {}
+    return stripped
