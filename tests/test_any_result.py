@@ -136,7 +136,8 @@ def test_consecutive_probes_run_on_one_thread_kept_for_them(process_client):
     scheduler = dsched.SimpleScheduler("cpu", 4)
     dsched.dispatch(counted, np.arange(8.0), scheduler=scheduler, client=process_client)
     _PROBE_THREADS.clear()
-    for _ in range(3):
+    for _ in range(3):  # a scheduler of its own each: a call like the one before would reuse its probed layout
+        scheduler = dsched.SimpleScheduler("cpu", 4)
         assert dsched.dispatch(counted, np.arange(8.0), scheduler=scheduler, client=process_client).tolist() == \
             list(range(1, 9))
     assert len(_PROBE_THREADS) == 3 and len(set(_PROBE_THREADS)) == 1

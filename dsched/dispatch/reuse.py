@@ -21,6 +21,7 @@ reused dispatcher forgets each call's inputs and outputs once it returns.
 from __future__ import annotations
 
 import threading
+import weakref
 
 from dsched.devices import backends
 from dsched.dispatch.dispatcher import WorkDispatcher
@@ -40,12 +41,22 @@ def _same(a, b) -> bool:
 
 
 class _Recent:
-    """One recent call: what makes another call like it, and its dispatcher."""
+    """One recent call: what makes another call like it, and its dispatcher.
 
-    def __init__(self, fn, scheduler, client, axis, timeout, skeleton, kwargs, dispatcher):
-        self.fn, self.scheduler, self.client, self.axis, self.timeout = fn, scheduler, client, axis, timeout
-        self.skeleton, self.kwargs, self.dispatcher = skeleton, kwargs, dispatcher
+    The function is held weakly, and the dispatcher's program (``call``) holds it
+    only while a call runs: a model the caller lets go of is not kept alive here.
+    """
+
+    def __init__(self, fn, scheduler, client, axis, timeout, skeleton, kwargs, dispatcher, call):
+        self.fn_ref = _weak(fn)
+        self.scheduler, self.client, self.axis, self.timeout = scheduler, client, axis, timeout
+        self.skeleton, self.kwargs, self.dispatcher, self.call = skeleton, kwargs, dispatcher, call
         self.layouts = {}  # the input signature -> the layout of fn's result probed for it
+        call.fn = None
+
+    @property
+    def fn(self):
+        return self.fn_ref()
 
     def matches(self, fn, scheduler, client, axis, timeout, skeleton, kwargs) -> bool:
         return (fn is self.fn and scheduler is self.scheduler and client is self.client and axis == self.axis
@@ -53,9 +64,10 @@ class _Recent:
                 and all(_same(a, b) for a, b in zip(skeleton, self.skeleton))
                 and kwargs.keys() == self.kwargs.keys() and all(_same(v, self.kwargs[k]) for k, v in kwargs.items()))
 
-    def run(self, loader, layout, out, overwrite, probe):
-        """Run the call on the kept dispatcher; the joined result."""
+    def run(self, fn, loader, layout, out, overwrite, probe):
+        """Run the call of ``fn`` on the kept dispatcher; the joined result."""
         dispatcher = self.dispatcher
+        self.call.fn = fn
         signature = _signature(layout.mapping, self.axis)
         known = self.layouts.get(signature)
         dispatcher.out, dispatcher.overwrite = out, bool(overwrite)
@@ -63,8 +75,9 @@ class _Recent:
         dispatcher._layout_probe = None if known is not None else self._learning(probe, signature)
         try:
             return dispatcher.run(loader)
-        finally:  # the caller's arrays, in and out, are not kept here (outputs lent from the pool go back)
+        finally:  # the caller's model and arrays, in and out, are not kept here (lent outputs go back to the pool)
             dispatcher.out = dispatcher.last_run = dispatcher._last_generator = dispatcher._layout_probe = None
+            self.call.fn = None
 
     def _learning(self, probe, signature):
         def learn():
@@ -94,7 +107,8 @@ class RecentCalls:
     Parameters
     ----------
     make_call : callable
-        ``make_call(fn, layout, kwargs, axis)`` -> the ``do_work`` of a call (:func:`dsched.dispatch`'s).
+        ``make_call(fn, layout, kwargs, axis)`` -> the ``do_work`` of a call (:func:`dsched.dispatch`'s), whose
+        ``fn`` attribute is the function it calls (set while a call runs).
     make_probe : callable
         ``make_probe(fn, layout, kwargs, axis)`` -> ``probe()``, the layout of ``fn``'s result.
     """
@@ -119,28 +133,45 @@ class RecentCalls:
         if getattr(client, "status", "running") != "running":
             return None
         kept = self._local.__dict__.setdefault("calls", [])
+        kept[:] = [recent for recent in kept if recent.fn is not None]  # functions let go of since
         for i, recent in enumerate(kept):
             if recent.matches(fn, scheduler, client, axis, timeout, skeleton, kwargs):
                 kept.insert(0, kept.pop(i))
                 break
         else:
-            stripped = _without_arrays(layout)
-            dispatcher = WorkDispatcher(scheduler, self.make_call(fn, stripped, dict(kwargs), axis), join="concat",
-                                        axis=axis, timeout=timeout, client=client)
-            recent = _Recent(fn, scheduler, client, axis, timeout, skeleton, dict(kwargs), dispatcher)
+            call = self.make_call(fn, _without_arrays(layout), dict(kwargs), axis)
+            dispatcher = WorkDispatcher(scheduler, call, join="concat", axis=axis, timeout=timeout, client=client)
+            recent = _Recent(fn, scheduler, client, axis, timeout, skeleton, dict(kwargs), dispatcher, call)
             kept.insert(0, recent)
             del kept[MAX_KEPT:]
-        return _Runner(recent, self.make_probe(fn, layout, kwargs, axis))
+        return _Runner(recent, fn, self.make_probe(fn, layout, kwargs, axis))
 
 
 class _Runner:
     """One call on a recent call's dispatcher."""
 
-    def __init__(self, recent, probe):
-        self.recent, self.probe = recent, probe
+    def __init__(self, recent, fn, probe):
+        self.recent, self.fn, self.probe = recent, fn, probe
 
     def run(self, loader, layout, out, overwrite):
-        return self.recent.run(loader, layout, out, overwrite, self.probe)
+        return self.recent.run(self.fn, loader, layout, out, overwrite, self.probe)
+
+
+class _Strong:
+    """A function that cannot be referenced weakly (a builtin): held, like a weak reference's target."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self):
+        return self.fn
+
+
+def _weak(fn):
+    try:
+        return weakref.ref(fn)
+    except TypeError:
+        return _Strong(fn)
 
 
 def _is_split(arg) -> bool:

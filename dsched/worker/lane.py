@@ -80,6 +80,7 @@ class LaneServer:
     """
 
     def __init__(self, attach):
+        sweep_stale_lanes()  # sockets of worker processes killed before they could remove theirs
         self.authkey = os.urandom(32)
         name = f"{_SOCKET_PREFIX}{os.getpid()}-{os.urandom(6).hex()}.sock"
         self.address = os.path.join(lane_directory(), name)

@@ -1,0 +1,192 @@
+"""The fast lane: a feed's chunks go from the dispatching thread straight into a private Unix socket that the
+feed's own thread reads, and the replies come straight back (dsched.worker.lane, dsched.dispatch.lanes).
+
+On worker processes, against the same runs over Dask's comms (``dsched.fast-lane: false``).
+"""
+
+import gc
+import os
+import stat
+import weakref
+from multiprocessing.connection import AuthenticationError
+from multiprocessing.connection import Client as connect_to
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client
+
+import dsched
+from dsched.dispatch import front
+from dsched.dispatch.feeds import Feeds
+from dsched.dispatch.lanes import FastLanes
+from dsched.worker import lane as wire
+
+
+@pytest.fixture(scope="module")
+def client():
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                                   dashboard_address=None) as cluster, Client(cluster) as c:
+        yield c
+
+
+def scheduler():
+    return dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[100, 300], capacities=[200, 600])
+
+
+def triple(x):
+    return 3.0 * x
+
+
+def scale(x, factor):
+    return factor * x
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    """Chunks sent per path: ``lane`` (the fast lane) and ``comms`` (Dask's comms), and each lane message's
+    rearm."""
+    seen = {"lane": 0, "comms": 0, "rearms": []}
+    lane_send, comms_send = FastLanes._send_lane, Feeds._call_all
+
+    def on_lane(self, feed, items):
+        seen["lane"] += len(items)
+        if feed.rearm:
+            seen["rearms"].append(self.program if feed.program_id != self.program.dispatcher_id else None)
+        return lane_send(self, feed, items)
+
+    def on_comms(self, calls):
+        seen["comms"] += len(calls)
+        return comms_send(self, calls)
+
+    monkeypatch.setattr(FastLanes, "_send_lane", on_lane)
+    monkeypatch.setattr(Feeds, "_call_all", on_comms)
+    return seen
+
+
+def _run(client, x):
+    d = dsched.WorkDispatcher(scheduler(), lambda w, dev: triple(w), join="concat", client=client)
+    out = d.run(dsched.ArrayLoader(x))
+    return out, len(d.last_run.records)
+
+
+def test_every_chunk_of_a_run_on_worker_processes_travels_on_a_lane(client, sent):
+    x = np.arange(4000.0).reshape(2000, 2)
+    out, chunks = _run(client, x)
+    np.testing.assert_array_equal(out, 3 * x)
+    assert (sent["lane"], sent["comms"]) == (chunks, 0)
+
+
+def test_fast_lane_off_sends_the_same_chunks_over_dasks_comms(client, sent):
+    from dsched.dispatch.parking import release_parked
+
+    x = np.arange(2000.0)
+    release_parked(client)  # parked feeds keep their lanes: the run gets new feeds, without one
+    try:
+        with dask.config.set({"dsched.fast-lane": False}):
+            out, chunks = _run(client, x)
+    finally:
+        release_parked(client)
+    np.testing.assert_array_equal(out, 3 * x)
+    assert (sent["lane"], sent["comms"]) == (0, chunks)
+
+
+def test_a_failed_chunk_on_a_lane_keeps_the_others_results(client):
+    def fragile(x):
+        if x[0] <= 300 < x[0] + len(x):
+            raise ValueError("the chunk of item 300 failed")
+        return x + 1
+
+    x = np.arange(2000.0)
+    d = dsched.WorkDispatcher(scheduler(), lambda w, dev: fragile(w), join="concat", client=client)
+    with pytest.raises(ValueError, match="the chunk of item 300 failed"):
+        d.run(dsched.ArrayLoader(x))
+    out = d.last_run.output
+    failed = [r for r in d.last_run.records if r.error is not None]
+    assert len(failed) == 1 and failed[0].offset <= 300 < failed[0].offset + failed[0].size
+    assert np.isnan(out[failed[0].offset:failed[0].offset + failed[0].size]).all()
+    done = [r for r in d.last_run.records if r.error is None]
+    assert done, "no other chunk ran"
+    for r in done:  # every chunk dispatched besides the failed one wrote its rows
+        np.testing.assert_array_equal(out[r.offset:r.offset + r.size], x[r.offset:r.offset + r.size] + 1)
+
+
+async def _lane_of_a_worker(dask_worker=None):
+    from dsched.worker.feed import _lane_address
+
+    return await _lane_address()
+
+
+def test_a_lane_listens_on_a_private_unix_socket_and_refuses_a_wrong_key(client):
+    info = client.run(_lane_of_a_worker)
+    for address, lane in info.items():
+        path = lane["address"]
+        directory = os.path.dirname(path)
+        assert stat.S_ISSOCK(os.stat(path).st_mode), address
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700 and os.stat(directory).st_uid == os.getuid()
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        with pytest.raises(AuthenticationError):
+            connect_to(path, family="AF_UNIX", authkey=b"not the worker's key")
+        connection = connect_to(path, family="AF_UNIX", authkey=lane["authkey"])  # the right key is let in
+        connection.close()
+
+
+def test_sockets_of_dead_worker_processes_are_swept(tmp_path):
+    directory = wire.lane_directory()
+    dead = 2 ** 22 + 12345  # above the kernel's default pid_max: no process has it
+    stale = os.path.join(directory, f"lane-{dead}-abcdef.sock")
+    mine = os.path.join(directory, f"lane-{os.getpid()}-abcdef.sock")
+    open(stale, "w").close()
+    open(mine, "w").close()
+    try:
+        assert os.path.basename(stale) in wire.sweep_stale_lanes()
+        assert not os.path.exists(stale) and os.path.exists(mine)
+    finally:
+        for path in (stale, mine):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_like_calls_reuse_one_dispatcher_and_send_its_program_once(client, sent):
+    s = scheduler()
+    x = np.arange(1000.0)
+    np.testing.assert_array_equal(dsched.dispatch(triple, x, scheduler=s, client=client), 3 * x)
+    first = len(sent["rearms"])  # the program reached the feeds with the first call (task or rearm)
+    for _ in range(2):
+        np.testing.assert_array_equal(dsched.dispatch(triple, x, scheduler=s, client=client), 3 * x)
+    kept = front._REUSED._local.calls
+    assert sum(r.fn is triple and r.scheduler is s for r in kept) == 1
+    # The next calls take the same parked feeds, and their rearms name no program: the feeds hold it.
+    later = sent["rearms"][first:]
+    assert later and all(program is None for program in later)
+
+
+def test_calls_that_differ_in_a_plain_argument_get_dispatchers_of_their_own(client):
+    s = scheduler()
+    x = np.arange(1000.0)
+    np.testing.assert_array_equal(dsched.dispatch(scale, x, 2.0, scheduler=s, client=client), 2 * x)
+    np.testing.assert_array_equal(dsched.dispatch(scale, x, 5.0, scheduler=s, client=client), 5 * x)
+    np.testing.assert_array_equal(dsched.dispatch(scale, x, 7.0, scheduler=s, client=client), 7 * x)
+    kept = [r for r in front._REUSED._local.calls if r.fn is scale and r.scheduler is s]
+    assert sorted(r.skeleton[1] for r in kept) == [2.0, 5.0, 7.0]
+
+
+def test_a_call_with_an_array_kept_whole_is_not_kept(client):
+    s = scheduler()
+    x = np.arange(1000.0)
+    factor = np.array([2.0])  # size 1 along the axis: passed whole, and not a plain value
+    np.testing.assert_array_equal(dsched.dispatch(scale, x, factor=factor, scheduler=s, client=client), 2 * x)
+    assert not any(r.scheduler is s for r in front._REUSED._local.calls)
+
+
+def test_a_kept_dispatcher_holds_neither_the_callers_inputs_nor_its_outputs(client):
+    s = scheduler()
+    x = np.arange(1000.0)
+    dsched.dispatch(triple, x, scheduler=s, client=client)
+    x2 = np.arange(1000.0)
+    inputs = weakref.ref(x2)
+    out = dsched.dispatch(triple, x2, scheduler=s, client=client)
+    outputs = weakref.ref(out)
+    del x2, out
+    gc.collect()
+    assert inputs() is None and outputs() is None
