@@ -152,7 +152,8 @@ def run_percall_benchmarks(*, quick=False, say=print) -> dict:
     say("percall: the pipe round trip")
     rows = {"pipe round trip": time_pipe(calls, warmup)}
     say("percall: dsched on two worker processes (cpu, emulated cuda:0)")
-    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1) as cluster, \
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                                   dashboard_address=None) as cluster, \
             cluster.get_client() as client:
         rows.update(time_dsched(client, calls, warmup))
         say("percall: plain Dask")
