@@ -256,7 +256,7 @@ class RunStore:
         offsets, end = [], 0
         for shape, dtype in specs:
             offsets.append(end)
-            end += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // 64) * 64  # 64-byte aligned
+            end += -(-math.prod(shape) * dtype.itemsize // 64) * 64  # 64-byte aligned
         reused = POOL.take(end)
         segment = reused or _Segment(round_to_pages(end))
         base = np.frombuffer(segment.buffer, np.uint8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import socket
+import threading
 import time
 import weakref
 from multiprocessing.connection import wait as wait_for_readable
@@ -81,9 +82,12 @@ class Mailbox:
 
     def __init__(self):
         self._queue = queue.SimpleQueue()
-        self._bell_out, self._bell_in = socket.socketpair()
-        self._bell_in.setblocking(False)
-        self._bell_out.setblocking(False)
+        try:  # a bell of an earlier run of this thread's (a socket pair costs a few system calls)
+            self._bell_out, self._bell_in = _idle_bells.__dict__.pop("bells")
+        except KeyError:
+            self._bell_out, self._bell_in = socket.socketpair()
+            self._bell_in.setblocking(False)
+            self._bell_out.setblocking(False)
 
     def put(self, item):
         self._queue.put(item)
@@ -126,8 +130,21 @@ class Mailbox:
         return ready
 
     def close(self):
-        self._bell_in.close()
-        self._bell_out.close()
+        """The run is over: its bell, quiet again, waits for the thread's next run (one is kept per thread); a
+        notice that comes later (a late event of the loop) rings a bell nobody waits on, which is harmless."""
+        try:
+            while self._bell_out.recv(4096):
+                pass
+        except OSError:  # nothing more to read (or closed)
+            pass
+        if "bells" not in _idle_bells.__dict__:
+            _idle_bells.bells = (self._bell_out, self._bell_in)
+        else:
+            self._bell_in.close()
+            self._bell_out.close()
+
+
+_idle_bells = threading.local()  # per thread, the bell of its last run, for its next
 
 
 def wait_for_one(done, timeout):
