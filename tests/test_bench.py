@@ -108,13 +108,13 @@ def test_data_benchmarks_structure_and_honesty():
     out = run_data_benchmarks(points=40_000, repeats=1, output_points=50_000)
     ray = {"ray, put and tasks"} & set(out["items_per_s"])  # an optional peer, where Ray is installed
     assert set(out["items_per_s"]) - ray == {"numpy", "threads", "dispatch, plain", "dispatch, plain, copied",
-                                             "dispatch, processes",
+                                             "dispatch, plain, 32,768-point chunks", "dispatch, processes",
                                              "dispatch, processes, shared", "dispatch, processes, shared, tasks",
                                              "dispatch, processes, shared, half chunks",
                                              "job numpy", "job threads", "dsched run, in-process"}
     assert set(out["ratios"]) - {"dispatch, plain / ray, put and tasks (best)"} == {
-        "dispatch, plain / numpy (best)", "dispatch, processes, shared / numpy (best)",
-        "placed / copied (dispatch, plain)", "dispatch, processes / numpy", "dispatch, processes, shared / numpy",
+        "dispatch, plain / numpy (best)", "dispatch, plain, 32,768-point chunks / numpy (best)",
+        "dispatch, processes, shared / numpy (best)", "placed / copied (dispatch, plain)", "dispatch, processes / numpy", "dispatch, processes, shared / numpy",
         "feeds / tasks (dispatch, processes, shared)", "chunks / half chunks (dispatch, processes, shared)",
         "dsched run in-process / best of job numpy, job threads"}
     assert set(out["page_faults"]) == set(out["items_per_s"])
@@ -129,3 +129,18 @@ def test_data_benchmarks_structure_and_honesty():
     assert out["client_rss"]["peak"] >= out["client_rss"]["before"] > 0
     table = format_data_table(out)
     assert "emulated" in table and "target bytes through the scheduler per chunk <= 1 KiB: reached" in table
+
+
+def test_percall_benchmarks_time_every_form_against_the_pipe_round_trip():
+    """A tiny run of the percall suite: every row, ratios to the pipe, the targets named."""
+    from dsched.apps.bench.percall import format_percall, run_percall_benchmarks
+
+    out = run_percall_benchmarks(calls=20, say=lambda line: None)
+    ray = {"ray tasks + get"} & set(out["rows"])  # an optional peer, where Ray is installed
+    assert set(out["rows"]) - ray == {"pipe round trip", "dsched.dispatch", "WorkDispatcher.run",
+                                      "dsched.dispatch, dashboard on", "Batch update + get", "dask submit + gather"}
+    assert all(us > 0 for us in out["rows"].values()) and out["ratios"]["pipe round trip"] == 1.0
+    assert set(out["targets"]) == {"dsched.dispatch <= 5 x the pipe round trip",
+                                   "Batch update + get <= 5 x the pipe round trip"}
+    table = format_percall(out)
+    assert "emulated" in table and "dsched.dispatch" in table

@@ -1,7 +1,8 @@
 """Benchmark of the cost of one call: what a solver pays per Newton iteration, whatever its model costs.
 
 Every row times one call of a model that does nothing, over two chunks, one
-on each of two single-thread worker processes (``cpu`` and an **emulated**
+on each of two single-thread worker processes (the cluster without the
+dashboard but for the row that says so) (``cpu`` and an **emulated**
 ``cuda:0``: a CPU process claiming the device), in the same run:
 
 - ``pipe round trip`` (the limit): two bare ``multiprocessing`` processes, a
@@ -10,6 +11,10 @@ on each of two single-thread worker processes (``cpu`` and an **emulated**
 - ``dsched.dispatch``: the one-call form on a no-op, inputs and outputs of 2
   x 100 rows through the data plane;
 - ``WorkDispatcher.run``: the same through one dispatcher kept across calls;
+- ``dsched.dispatch, dashboard on``: the one-call form on a cluster whose
+  scheduler serves dsched's dashboard page (``LocalHybridCluster``'s default):
+  the page hears of each call's chunks before it returns, one more message to
+  the scheduler per call;
 - ``Batch update + get``: a resident batch's step, an update of a no-op on its
   field, then ``get`` of the field;
 - ``dask submit + gather``: plain Dask, two no-op tasks pinned to the two
@@ -146,9 +151,14 @@ def time_ray(calls, warmup):
         ray.shutdown()
 
 
-def run_percall_benchmarks(*, quick=False, say=print) -> dict:
-    """Every row, in one run; ``{"calls", "rows": {name: microseconds}, "ratios": {name: x pipe}}``."""
-    calls, warmup = (300, 50) if quick else (2000, 200)
+def run_percall_benchmarks(*, quick=False, calls=None, say=print) -> dict:
+    """Every row, in one run; ``{"calls", "rows": {name: microseconds}, "ratios": {name: x pipe}, "targets"}``.
+
+    ``calls`` (default 2,000; 300 quick) timed calls of the cheap rows (a tenth, at least 10, of the slow ones),
+    after a warm-up of a tenth as many.
+    """
+    calls = calls or (300 if quick else 2000)
+    warmup = max(5, calls // 10)
     say("percall: the pipe round trip")
     rows = {"pipe round trip": time_pipe(calls, warmup)}
     say("percall: dsched on two worker processes (cpu, emulated cuda:0)")
@@ -158,11 +168,21 @@ def run_percall_benchmarks(*, quick=False, say=print) -> dict:
         rows.update(time_dsched(client, calls, warmup))
         say("percall: plain Dask")
         rows["dask submit + gather"] = time_dask(client, calls, warmup)
+    say("percall: dsched.dispatch with the dashboard on the scheduler")
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                                   dashboard_address="127.0.0.1:0") as cluster, cluster.get_client() as client:
+        scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=ROWS)
+        x = np.zeros((2 * ROWS, 3))
+        rows["dsched.dispatch, dashboard on"] = _median_us(
+            lambda: dsched.dispatch(_echo, x, scheduler=scheduler, client=client), max(10, calls // 2), warmup)
     ray = time_ray(calls, warmup)
     if ray is not None:
         rows["ray tasks + get"] = ray
     limit = rows["pipe round trip"]
-    return {"calls": calls, "rows": rows, "ratios": {name: us / limit for name, us in rows.items()}}
+    ratios = {name: us / limit for name, us in rows.items()}
+    targets = {f"{name} <= {bound:g} x the pipe round trip": ratios[name] <= bound for name, bound in TARGETS.items()}
+    return {"calls": calls, "rows": rows, "ratios": ratios, "targets": targets,
+            "emulation": "the cuda:0 worker is emulated (a CPU process): two worker processes, no GPU"}
 
 
 def format_percall(results) -> str:
