@@ -174,7 +174,8 @@ def test_the_bench_measures_a_scenario_and_judges_the_targets(process_client):
     assert result["seconds"]["lockstep"] >= result["seconds"]["limit"]  # every step waits for its slower half
     assert all(e["same_chunks"] == 0.0 for e in result["error"].values())
     targets = verdicts([result])
-    assert set(targets) == {"every form >= 0.8 x the limit", "median >= 1.0 x NEML2 on 2 threads",
+    assert set(targets) == {"every form >= 0.8 x the limit", "median >= 1.1 x NEML2 on 2 threads",
+                            "every dispatch and Batch form >= 0.9 x side by side",
                             "typed within 1.2 x NumPy (time)", "Batch >= dispatch every step",
                             "driver >= dispatch every step"}
     table = format_neml2_table({"scenarios": [result], "forms": ["numpy", "typed", "batch", "driver"], "steps": 2,

@@ -7,8 +7,8 @@ Pages mark where figures go with a pair of HTML comments::
     <!-- /bench:data -->
 
 and ``python -m dsched.apps.bench.figures results.json README.md docs/*.md``
-rewrites every marked block from the file: ``bench:<suite>`` (``scheduling``,
-``data``, ``policy``, ``batch``, ``neml2``) holds the suite's table as
+rewrites every marked block from the file: ``bench:<suite>`` (``percall``,
+``scheduling``, ``data``, ``policy``, ``batch``, ``neml2``) holds the suite's table as
 ``dsched bench`` prints it, ``bench:summary`` a table of the headline ratios
 with their targets, and ``bench:machine`` the machine and command they come
 from. A block whose suite is not in the file is left as it is.
@@ -34,13 +34,14 @@ import sys
 from dsched.apps.bench.batch import format_load_steps
 from dsched.apps.bench.data import format_data_table
 from dsched.apps.bench.neml2 import format_neml2_table
+from dsched.apps.bench.percall import format_percall
 from dsched.apps.bench.policy import format_policy_table
 from dsched.apps.bench.scheduling import format_table
 
 __all__ = ["blocks", "fill", "machine_info", "main"]
 
-FORMATTERS = {"scheduling": format_table, "data": format_data_table, "policy": format_policy_table,
-              "batch": format_load_steps, "neml2": format_neml2_table}
+FORMATTERS = {"percall": format_percall, "scheduling": format_table, "data": format_data_table,
+              "policy": format_policy_table, "batch": format_load_steps, "neml2": format_neml2_table}
 _BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 
 

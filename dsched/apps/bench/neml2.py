@@ -86,7 +86,8 @@ __all__ = ["FORMS", "TARGETS", "run_neml2_benchmarks", "measure_scenario", "lock
 
 FORMS = ("numpy", "typed", "batch", "driver")
 FORM_TITLES = {"numpy": "dispatch, NumPy", "typed": "dispatch, typed", "batch": "Batch", "driver": "driver"}
-TARGETS = {"limit": 0.8, "median_vs_neml2_2": 1.0, "typed_vs_numpy": 1.2, "batch_vs_numpy": 1.0}
+TARGETS = {"limit": 0.8, "side_by_side": 0.9, "median_vs_neml2_2": 1.1, "typed_vs_numpy": 1.2,
+           "batch_vs_numpy": 1.0}
 QUICK_DIVISOR = 10  # --quick: a tenth of the points
 REPEATS = 5  # measured rounds: the machine's noise is a tenth of a row's time, and every row takes its best
 
@@ -311,8 +312,12 @@ def verdicts(measured, forms=FORMS) -> dict:
     out = {}
     lowest = min(s["efficiency"][f] for s in measured for f in forms)
     out["every form >= 0.8 x the limit"] = (lowest, TARGETS["limit"], lowest >= TARGETS["limit"])
+    side = min((s["vs_side_by_side"][f] for s in measured for f in forms if f != "driver"), default=None)
+    if side is not None:
+        out["every dispatch and Batch form >= 0.9 x side by side"] = (side, TARGETS["side_by_side"],
+                                                                      side >= TARGETS["side_by_side"])
     median = statistics.median(s["vs_neml2_2"][f] for s in measured for f in forms)
-    out["median >= 1.0 x NEML2 on 2 threads"] = (median, TARGETS["median_vs_neml2_2"],
+    out["median >= 1.1 x NEML2 on 2 threads"] = (median, TARGETS["median_vs_neml2_2"],
                                                   median >= TARGETS["median_vs_neml2_2"])
     if {"numpy", "typed"} <= set(forms):
         worst = max(s["seconds"]["typed"] / s["seconds"]["numpy"] for s in measured)

@@ -33,6 +33,7 @@ import time
 from multiprocessing import get_context
 
 import numpy as np
+from distributed import Client
 
 import dsched
 from dsched.apps.bench.scheduling import verdict
@@ -164,13 +165,14 @@ def run_percall_benchmarks(*, quick=False, calls=None, say=print) -> dict:
     say("percall: dsched on two worker processes (cpu, emulated cuda:0)")
     with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
                                    dashboard_address=None) as cluster, \
-            cluster.get_client() as client:
+            Client(cluster, set_as_default=False) as client:
         rows.update(time_dsched(client, calls, warmup))
         say("percall: plain Dask")
         rows["dask submit + gather"] = time_dask(client, calls, warmup)
     say("percall: dsched.dispatch with the dashboard on the scheduler")
     with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
-                                   dashboard_address="127.0.0.1:0") as cluster, cluster.get_client() as client:
+                                   dashboard_address="127.0.0.1:0") as cluster, \
+            Client(cluster, set_as_default=False) as client:
         scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=ROWS)
         x = np.zeros((2 * ROWS, 3))
         rows["dsched.dispatch, dashboard on"] = _median_us(

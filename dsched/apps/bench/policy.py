@@ -219,8 +219,8 @@ def run_policy_benchmarks(json_path=None, quick=False, *, total=None, repeats=No
 def _targets(results) -> dict:
     long, short = (h["rows"]["PerformanceModelScheduler"]["efficiency"] for h in results["hybrid"])
     return {
-        "hybrid efficiency >= 0.98 with 10-20 ms chunks": long >= 0.98,
-        "hybrid efficiency >= 0.97 with 5-10 ms chunks": short >= 0.97,
+        "hybrid efficiency >= 0.99 with 10-20 ms chunks": long >= 0.99,
+        "hybrid efficiency >= 0.985 with 5-10 ms chunks": short >= 0.985,
         "with a device 150x faster, within 2 % of it alone": results["fast"]["rows"]["PerformanceModelScheduler"]["vs_alone"] <= 1.02,
         "speeds unknown: >= 0.95 of the ideal in the first run": results["learning"]["first_run_efficiency"] >= 0.95,
         "speeds unknown: >= 0.97 of the ideal in the second run": results["learning"]["second_run_efficiency"] >= 0.97,
