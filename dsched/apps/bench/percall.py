@@ -10,7 +10,8 @@ dashboard but for the row that says so) (``cpu`` and an **emulated**
   What a same-host message costs in Python, with no framework at all;
 - ``dsched.dispatch``: the one-call form on a no-op, inputs and outputs of 2
   x 100 rows through the data plane;
-- ``WorkDispatcher.run``: the same through one dispatcher kept across calls;
+- ``WorkDispatcher.run``: the same through one dispatcher kept across calls, and
+  a timeline of such a call from the run's hooks (:class:`Timeline`);
 - ``dsched.dispatch, dashboard on``: the one-call form on a cluster whose
   scheduler serves dsched's dashboard page (``LocalHybridCluster``'s default):
   the page hears of each call's chunks before it returns, one more message to
@@ -114,6 +115,11 @@ def time_dsched(client, calls, warmup) -> dict:
     dispatcher = dsched.WorkDispatcher(scheduler, lambda work, device: {"x": work["x"]}, join="concat",
                                        output_spec={"x": ((3,), "f8")}, client=client)
     out["WorkDispatcher.run"] = _median_us(lambda: dispatcher.run(MappingLoader({"x": x})), calls, warmup)
+    timeline = Timeline()
+    watched = dsched.WorkDispatcher(scheduler, lambda work, device: {"x": work["x"]}, join="concat",
+                                    output_spec={"x": ((3,), "f8")}, client=client, observers=[timeline])
+    _median_us(lambda: watched.run(MappingLoader({"x": x})), calls, warmup)
+    out["timeline"] = timeline.medians()
     batch = dsched.Batch({"x": x}, scheduler, client=client)
     try:
         def step():
@@ -124,6 +130,44 @@ def time_dsched(client, calls, warmup) -> dict:
     finally:
         batch.close()
     return out
+
+
+class Timeline(dsched.RunObserver):
+    """Where one call's time goes, from the hooks of a run (the client's clock and the workers', one host):
+    ``set-up`` (the call until its first chunk is dispatched), ``to the worker`` (a chunk's dispatch until its
+    worker starts it), ``on the worker`` (the chunk's run there), ``back`` (its end there until the client
+    accounts for it), ``end of the call`` (the last accounted chunk until the run returns)."""
+
+    PHASES = ("set-up", "to the worker", "on the worker", "back", "end of the call", "whole call")
+
+    def __init__(self):
+        self.runs = []
+        self._dispatched, self._done = [], []
+
+    def work_dispatched(self, device, n, start, stop):
+        self._dispatched.append(stop)
+
+    def chunk_completed(self, record):
+        self._done.append((record.index, record.start, record.stop, time.time()))
+
+    def run_finished(self, report):
+        dispatched, done, self._dispatched, self._done = self._dispatched, self._done, [], []
+        if not dispatched or len(done) != len(dispatched):
+            return
+        chunks = [(dispatched[index], start, stop, heard) for index, start, stop, heard in done]
+        self.runs.append({
+            "set-up": dispatched[0] - report.wall_start,
+            "to the worker": statistics.median(start - sent for sent, start, _, _ in chunks),
+            "on the worker": statistics.median(stop - start for _, start, stop, _ in chunks),
+            "back": statistics.median(heard - stop for _, _, stop, heard in chunks),
+            "end of the call": report.wall_stop - max(heard for *_, heard in chunks),
+            "whole call": report.wall_stop - report.wall_start,
+        })
+
+    def medians(self) -> dict:
+        """Microseconds per phase, medians over the calls watched."""
+        return {phase: statistics.median(run[phase] for run in self.runs) * 1e6 for phase in self.PHASES} \
+            if self.runs else {}
 
 
 def time_dask(client, calls, warmup) -> float:
@@ -167,6 +211,7 @@ def run_percall_benchmarks(*, quick=False, calls=None, say=print) -> dict:
                                    dashboard_address=None) as cluster, \
             Client(cluster, set_as_default=False) as client:
         rows.update(time_dsched(client, calls, warmup))
+        timeline = rows.pop("timeline")
         say("percall: plain Dask")
         rows["dask submit + gather"] = time_dask(client, calls, warmup)
     say("percall: dsched.dispatch with the dashboard on the scheduler")
@@ -183,7 +228,7 @@ def run_percall_benchmarks(*, quick=False, calls=None, say=print) -> dict:
     limit = rows["pipe round trip"]
     ratios = {name: us / limit for name, us in rows.items()}
     targets = {f"{name} <= {bound:g} x the pipe round trip": ratios[name] <= bound for name, bound in TARGETS.items()}
-    return {"calls": calls, "rows": rows, "ratios": ratios, "targets": targets,
+    return {"calls": calls, "rows": rows, "ratios": ratios, "targets": targets, "timeline": timeline,
             "emulation": "the cuda:0 worker is emulated (a CPU process): two worker processes, no GPU"}
 
 
@@ -195,5 +240,11 @@ def format_percall(results) -> str:
         mark = "" if target is None else f"<= {target:g} x: {verdict(ratio <= target)}"
         shown = f"{us:,.0f} us" if us >= 10 else f"{us:.1f} us"
         lines.append(f"{name:<44}{shown:>12}{ratio:>8.1f}x  {mark}")
+    timeline = results.get("timeline") or {}
+    if timeline:
+        lines.append("")
+        lines.append("one WorkDispatcher.run, phase by phase (medians; 'to the worker', 'on the worker' and 'back' "
+                     "per chunk, the two chunks at once):")
+        lines.append("  " + ", ".join(f"{phase} {us:,.0f} us" for phase, us in timeline.items()))
     lines.append("cuda:0 is emulated (a CPU process): this measures the cost of a call, not a GPU.")
     return "\n".join(lines)
