@@ -63,6 +63,24 @@ def test_set_streams_host_values(hybrid_client):
         np.testing.assert_array_equal(batch.get("y"), np.ones((12, 3)))
 
 
+def test_get_takes_the_last_layout_and_follows_an_update_that_changed_it(hybrid_client):
+    """A step's get reuses the item shape and dtype its last get found (one round trip through Dask); an update
+    that changed them since is followed, not refused."""
+    x = np.arange(24.0).reshape(12, 2)
+    with Batch({"x": x}, hybrid_scheduler(), client=hybrid_client) as batch:
+        np.testing.assert_array_equal(batch.get("x"), x)
+        assert batch._seen_layouts["x"] == ((2,), np.dtype("f8").str)
+        batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])
+        np.testing.assert_array_equal(batch.get("x"), x + 1)
+        batch.update(lambda x: {"x": np.concatenate([x, x[:, :1]], axis=1).astype(np.float32)}, reads=["x"],
+                     writes=["x"])
+        wider = np.concatenate([x + 1, x[:, :1] + 1], axis=1).astype(np.float32)
+        got = batch.get("x")
+        assert got.dtype == np.float32 and got.shape == (12, 3)
+        np.testing.assert_array_equal(got, wider)
+        assert batch._seen_layouts["x"] == ((3,), np.dtype("f4").str)
+
+
 def test_inplace_update_mutates_after_earlier_reads(hybrid_client):
     def mutate(x):
         x *= 3  # in place: allowed only because the engine ran the earlier reads first

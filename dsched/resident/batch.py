@@ -51,7 +51,7 @@ import numpy as np
 
 from dsched.blocks.planning import plan
 from dsched.checks import check_positive_int
-from dsched.dataplane.outputs import ZarrTarget, check_out_path
+from dsched.dataplane.outputs import ChunkResultError, ZarrTarget, check_out_path
 from dsched.dataplane.store import (
     ArrayRef,
     RunStore,
@@ -158,6 +158,7 @@ class Batch:
         self._in_dask = {c.index: 0 for c in self.chunks}
         self._submit_lock = threading.Lock()
         self._inputs = []  # (_Kept, tasks) of updates' inputs and outputs: released once their tasks have ended
+        self._seen_layouts = {}  # field -> (item shape, dtype) its last get found
         # The first values wait for the first operation, to go to Dask with it (one message, one task).
         self._held = True
         self._load_values(arrays, "init")
@@ -243,11 +244,26 @@ class Batch:
             return self._load_values({field: array}, f"set-{field}")
 
     def get(self, field) -> np.ndarray:
-        """``field`` for every item, in dispatch order (waits for the updates that write it)."""
+        """``field`` for every item, in dispatch order (waits for the updates that write it).
+
+        The field's item shape and dtype are taken from the last ``get`` of it, so a step's ``get`` costs
+        one round trip through Dask, not two; should an update have changed them since, the chunks refuse
+        that layout, and ``get`` asks chunk 0 for the new one and writes again.
+        """
         self._check_open()
+        guess = self._seen_layouts.pop(field, None)
+        try:
+            return self._get(field, guess)
+        except ChunkResultError:
+            if guess is None:
+                raise
+        return self._get(field, None)  # the layout changed since the last get: asked of chunk 0
+
+    def _get(self, field, layout):
         with RunStore(shared=self._shared) as store:
-            layout, tasks, view = self._write_out(field, lambda shape, dtype: store.allocate(shape, dtype))
+            layout, tasks, view = self._write_out(field, lambda shape, dtype: store.allocate(shape, dtype), layout)
             _wait_tasks(tasks)
+        self._seen_layouts[field] = layout
         return view
 
     def get_many(self, fields, layouts=None) -> dict:
@@ -533,16 +549,20 @@ class Batch:
         """The current version of ``field`` on ``chunk``: its op's result, once handed to Dask."""
         return _Version(self._vars[(field, chunk.index)].last_write, field)
 
-    def _write_out(self, field, allocate):
-        """One task per chunk writing ``field`` into what ``allocate(shape, dtype)`` returns (a target, a view)."""
+    def _write_out(self, field, allocate, layout=None):
+        """One task per chunk writing ``field`` into what ``allocate(shape, dtype)`` returns (a target, a view);
+        ``layout`` (item shape, dtype) if known, else asked of chunk 0."""
         self._check_field(field)
         with self._lock:
             self._rollback_failed()
             first = self._vars[(field, 0)].last_write
-        layout_future = self.client.submit(_item_layout, _handed(first), field, key=f"{self._id}-layout-{next(self._ops)}",
-                                           resources={device_resource(self.chunks[0].device): 1})
-        _wait_all([layout_future])
-        item_shape, dtype = layout_future.result()
+        if layout is None:
+            layout_future = self.client.submit(_item_layout, _handed(first), field,
+                                               key=f"{self._id}-layout-{next(self._ops)}",
+                                               resources={device_resource(self.chunks[0].device): 1})
+            _wait_all([layout_future])
+            layout = layout_future.result()
+        item_shape, dtype = layout
         target, view = allocate((self.n,) + item_shape, dtype)
         tasks = []
         with self._lock:
