@@ -362,3 +362,51 @@ def test_a_dispatch_output_given_as_an_update_input_is_kept_until_the_update_ran
         added.wait()
         np.testing.assert_array_equal(batch.get("x"), np.full(n, 2.0))  # the load as it was, not 14 (or 7)
     np.testing.assert_array_equal(other, np.full(n, 14.0))
+
+
+def _shm_bytes():
+    """Bytes of this process's segments in /dev/shm."""
+    prefix = f"dsched-{os.getpid()}-"
+    return sum(os.path.getsize(os.path.join("/dev/shm", name)) for name in os.listdir("/dev/shm")
+               if name.startswith(prefix))
+
+
+def _add_strain(strain, x):
+    return {"x": x + strain}
+
+
+def test_set_again_and_again_keeps_dev_shm_flat(process_client):
+    """A solver sets a field at every step: the field's segment is written again, not a new one each time."""
+    n = 4000
+    field = n * 6 * 8
+    with Batch({"x": np.zeros((n, 6))}, hybrid_scheduler(1000, 2000), client=process_client) as batch:
+        batch.set("strain", np.zeros((n, 6)))
+        batch.update(_add_strain, reads=["strain", "x"], writes=["x"])
+        batch.get("x")
+        before = _shm_bytes()
+        for step in range(60):
+            batch.set("strain", np.full((n, 6), float(step)))
+            batch.update(_add_strain, reads=["strain", "x"], writes=["x"])
+        np.testing.assert_array_equal(batch.get("x"), np.full((n, 6), float(sum(range(60)))))
+        after = _shm_bytes()
+    assert after - before < field, f"/dev/shm grew by {(after - before) / field:.1f} fields over 60 set() calls"
+
+
+def test_a_set_load_run_again_after_its_values_were_overwritten_fails_naming_them(process_client):
+    """What Dask would run to rebuild a lost chunk from values a later set() overwrote is refused, not loaded."""
+    from dsched.resident.batch import _SetSegment
+    from dsched.resident.tasks import _Chunk, _load_set
+
+    from dsched.dataplane.store import SliceRef
+
+    kept = _SetSegment(np.zeros((10, 2)))
+    try:
+        kept.write(np.ones((10, 2)))
+        rows = {"strain": SliceRef(kept.ref, 0, 0, 5)}
+        chunk = _Chunk(0, dsched.Device("cpu"), 0, 5)
+        np.testing.assert_array_equal(_load_set(chunk, rows, kept.generation_ref, 1)["strain"], np.ones((5, 2)))
+        kept.write(np.full((10, 2), 2.0))
+        with pytest.raises(RuntimeError, match="generation 1 of strain were overwritten by generation 2"):
+            _load_set(chunk, rows, kept.generation_ref, 1)
+    finally:
+        kept.store.close()

@@ -135,12 +135,14 @@ def test_percall_benchmarks_time_every_form_against_the_pipe_round_trip():
     """A tiny run of the percall suite: every row, ratios to the pipe, the targets named."""
     from dsched.apps.bench.percall import format_percall, run_percall_benchmarks
 
-    out = run_percall_benchmarks(calls=20, say=lambda line: None)
+    out = run_percall_benchmarks(calls=20, sets=20, say=lambda line: None)
     ray = {"ray tasks + get"} & set(out["rows"])  # an optional peer, where Ray is installed
     assert set(out["rows"]) - ray == {"pipe round trip", "dsched.dispatch", "WorkDispatcher.run",
                                       "dsched.dispatch, dashboard on", "Batch update + get", "dask submit + gather"}
     assert all(us > 0 for us in out["rows"].values()) and out["ratios"]["pipe round trip"] == 1.0
     assert set(out["targets"]) == {"dsched.dispatch <= 5 x the pipe round trip",
-                                   "Batch update + get <= 5 x the pipe round trip"}
+                                   "Batch update + get <= 5 x the pipe round trip",
+                                   "/dev/shm flat over 20 Batch.set calls"}
+    assert out["targets"]["/dev/shm flat over 20 Batch.set calls"], out["shm"]
     table = format_percall(out)
     assert "emulated" in table and "dsched.dispatch" in table

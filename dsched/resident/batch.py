@@ -72,6 +72,7 @@ from dsched.resident.tasks import (
     _item_layout,
     _item_layouts,
     _load,
+    _load_set,
     _on_loop_thread,
     _ordered,
     _partial,
@@ -159,6 +160,8 @@ class Batch:
         self._submit_lock = threading.Lock()
         self._inputs = []  # (_Kept, tasks) of updates' inputs and outputs: released once their tasks have ended
         self._seen_layouts = {}  # field -> (item shape, dtype) its last get found
+        self._set_segments = {}  # field -> _SetSegment: where set() writes its values, again and again
+        self._set_stores = []  # their stores, unlinked at close()
         # The first values wait for the first operation, to go to Dask with it (one message, one task).
         self._held = True
         self._load_values(arrays, "init")
@@ -234,14 +237,40 @@ class Batch:
         return Update(label, tasks)
 
     def set(self, field, values) -> Update:
-        """New values of ``field`` (a new field too) from the host, streamed to where each chunk lives."""
+        """New values of ``field`` (a new field too) from the host, streamed to where each chunk lives.
+
+        On worker processes the values go into the field's own segment of shared memory, written again by
+        the next ``set`` of the same shape and dtype (once the previous values were loaded where the chunks
+        live): a solver that sets a field at every step keeps ``/dev/shm`` flat.
+        """
         self._check_open()
         if not isinstance(field, str):
             raise ValueError(f"field: expected a field name, got {field!r}")
         [array] = _check_fields({field: values}, n=self.n).values()
+        if self._shared and array.dtype.kind in "biufc":
+            return self._set_shared(field, array)
         with self._lock:
             self._rollback_failed()
             return self._load_values({field: array}, f"set-{field}")
+
+    def _set_shared(self, field, array) -> Update:
+        """:meth:`set` on worker processes: the field's segment written again, or a new one for a new layout."""
+        kept = self._set_segments.get(field)
+        if kept is not None and kept.fits(array):
+            _wait([task.result() for task in kept.tasks])  # the previous values were loaded (or failed)
+        else:
+            kept = self._set_segments[field] = _SetSegment(array)
+            self._set_stores.append(kept.store)
+        kept.write(array)
+        with self._lock:
+            self._rollback_failed()
+            tasks, step = [], next(self._ops)
+            for chunk in self.chunks:
+                rows = {field: SliceRef(kept.ref, 0, chunk.start, chunk.stop)}
+                tasks.append(self._push(chunk, (), (field,), f"set-{field}-{step}", _load_set, chunk, rows,
+                                        kept.generation_ref, kept.generation))
+            kept.tasks = tasks
+        return Update(f"set-{field}", tasks)
 
     def get(self, field) -> np.ndarray:
         """``field`` for every item, in dispatch order (waits for the updates that write it).
@@ -381,6 +410,8 @@ class Batch:
             del pending
         self._release_inputs(everything=True)
         self._store.close()
+        for store in self._set_stores:
+            store.close()
 
     def __enter__(self):
         return self
@@ -598,6 +629,27 @@ class Batch:
             raise RuntimeError("this Batch is closed")
         if flush:
             self._flush()
+
+
+class _SetSegment:
+    """A field's values given by :meth:`Batch.set`, in a segment of their own that the next ``set`` writes again,
+    with a generation number beside them (:func:`~dsched.resident.tasks._load_set` checks it)."""
+
+    def __init__(self, array):
+        self.shape, self.dtype = array.shape, array.dtype
+        self.store = RunStore(shared=True)
+        (self.ref, self.view), (self.generation_ref, self._generation) = self.store.allocate_many(
+            [(array.shape, array.dtype), ((1,), np.int64)])
+        self.generation = 0
+        self.tasks = []  # the load tasks of the values last written
+
+    def fits(self, array) -> bool:
+        return array.shape == self.shape and array.dtype == self.dtype
+
+    def write(self, array):
+        np.copyto(self.view, array)
+        self.generation += 1
+        self._generation[0] = self.generation
 
 
 class _Kept:

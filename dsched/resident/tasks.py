@@ -108,6 +108,22 @@ def _load(chunk, refs):
                 else _on_device(ref, chunk.device) for name, ref in refs.items()}
 
 
+def _load_set(chunk, refs, generation_ref, generation):
+    """A chunk's version of fields given by ``Batch.set``: its rows, copied, from the field's reused segment.
+
+    The segment is written again by the field's next ``set`` (:class:`~dsched.resident.batch.Batch` keeps
+    ``/dev/shm`` flat), so the version is a copy, and a load run again later (Dask rebuilding a lost worker's
+    chunk) finds another generation there and fails rather than load the newer values.
+    """
+    found = int(generation_ref.rows(0, 1)[0])
+    if found != generation:
+        raise RuntimeError(f"{chunk}: the values set() gave as generation {generation} of "
+                           f"{', '.join(refs)} were overwritten by generation {found}; a lost worker's chunk "
+                           "cannot be rebuilt from them (set the field again)")
+    with running_on(chunk.device), selected(chunk.device):
+        return {name: _on_device(ref.resolve(), chunk.device, copy=True) for name, ref in refs.items()}
+
+
 def _writable(array):
     """``array`` to mutate in place: itself, or a private copy of a read-only (data-plane) NumPy version."""
     if isinstance(array, np.ndarray) and not array.flags.writeable:

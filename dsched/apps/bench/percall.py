@@ -23,6 +23,9 @@ dashboard but for the row that says so) (``cpu`` and an **emulated**
 - ``ray tasks + get`` (only where Ray is installed): two no-op tasks, then
   ``ray.get``.
 
+Beside them, ``/dev/shm`` over many ``Batch.set`` calls of a 5.5 MiB field (each
+followed by an update that reads it), which must stay flat.
+
 Medians over many calls after a warm-up; the ratio is to the pipe round trip.
 Nothing here measures a GPU.
 """
@@ -132,6 +135,37 @@ def time_dsched(client, calls, warmup) -> dict:
     return out
 
 
+def shm_growth(client, sets) -> dict:
+    """``/dev/shm`` over ``sets`` calls of ``Batch.set`` of a 5.5 MiB field (120,000 x 6 float64), each followed by
+    an update that reads it: the bytes of this process's segments before and after, and the field's size."""
+    import os
+
+    def shm_bytes():
+        prefix = f"dsched-{os.getpid()}-"
+        return sum(os.path.getsize(os.path.join("/dev/shm", name)) for name in os.listdir("/dev/shm")
+                   if name.startswith(prefix))
+
+    n = 120_000
+    scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=n // 2)
+    values = np.zeros((n, 6))
+    with dsched.Batch({"x": values}, scheduler, client=client) as batch:
+        batch.set("strain", values)
+        batch.update(_accumulate, reads=["strain", "x"], writes=["x"])
+        batch.get("x")
+        before = shm_bytes()
+        for step in range(sets):
+            values[0, 0] = step
+            batch.set("strain", values)
+            batch.update(_accumulate, reads=["strain", "x"], writes=["x"])
+        batch.get("x")
+        after = shm_bytes()
+    return {"sets": sets, "field_bytes": values.nbytes, "before": before, "after": after}
+
+
+def _accumulate(strain, x):
+    return {"x": x + strain}
+
+
 class Timeline(dsched.RunObserver):
     """Where one call's time goes, from the hooks of a run (the client's clock and the workers', one host):
     ``set-up`` (the call until its first chunk is dispatched), ``to the worker`` (a chunk's dispatch until its
@@ -196,11 +230,11 @@ def time_ray(calls, warmup):
         ray.shutdown()
 
 
-def run_percall_benchmarks(*, quick=False, calls=None, say=print) -> dict:
+def run_percall_benchmarks(*, quick=False, calls=None, sets=None, say=print) -> dict:
     """Every row, in one run; ``{"calls", "rows": {name: microseconds}, "ratios": {name: x pipe}, "targets"}``.
 
     ``calls`` (default 2,000; 300 quick) timed calls of the cheap rows (a tenth, at least 10, of the slow ones),
-    after a warm-up of a tenth as many.
+    after a warm-up of a tenth as many; ``sets`` (default 1,000; 100 quick) calls of ``Batch.set``.
     """
     calls = calls or (300 if quick else 2000)
     warmup = max(5, calls // 10)
@@ -212,6 +246,8 @@ def run_percall_benchmarks(*, quick=False, calls=None, say=print) -> dict:
             Client(cluster, set_as_default=False) as client:
         rows.update(time_dsched(client, calls, warmup))
         timeline = rows.pop("timeline")
+        say("percall: /dev/shm over repeated Batch.set")
+        shm = shm_growth(client, sets or (100 if quick else 1000))
         say("percall: plain Dask")
         rows["dask submit + gather"] = time_dask(client, calls, warmup)
     say("percall: dsched.dispatch with the dashboard on the scheduler")
@@ -228,7 +264,8 @@ def run_percall_benchmarks(*, quick=False, calls=None, say=print) -> dict:
     limit = rows["pipe round trip"]
     ratios = {name: us / limit for name, us in rows.items()}
     targets = {f"{name} <= {bound:g} x the pipe round trip": ratios[name] <= bound for name, bound in TARGETS.items()}
-    return {"calls": calls, "rows": rows, "ratios": ratios, "targets": targets, "timeline": timeline,
+    targets[f"/dev/shm flat over {shm['sets']:,} Batch.set calls"] = shm["after"] - shm["before"] < shm["field_bytes"]
+    return {"calls": calls, "rows": rows, "ratios": ratios, "targets": targets, "timeline": timeline, "shm": shm,
             "emulation": "the cuda:0 worker is emulated (a CPU process): two worker processes, no GPU"}
 
 
@@ -246,5 +283,13 @@ def format_percall(results) -> str:
         lines.append("one WorkDispatcher.run, phase by phase (medians; 'to the worker', 'on the worker' and 'back' "
                      "per chunk, the two chunks at once):")
         lines.append("  " + ", ".join(f"{phase} {us:,.0f} us" for phase, us in timeline.items()))
+    shm = results.get("shm")
+    if shm:
+        grown = (shm["after"] - shm["before"]) / 2**20
+        lines.append(f"/dev/shm over {shm['sets']:,} Batch.set calls of a {shm['field_bytes'] / 2**20:.1f} MiB field "
+                     f"(each read by an update): {shm['before'] / 2**20:,.1f} MiB before, "
+                     f"{shm['after'] / 2**20:,.1f} MiB after ({grown:+,.1f} MiB)")
+    for target, met in results.get("targets", {}).items():
+        lines.append(f"target {target}: {verdict(met)}")
     lines.append("cuda:0 is emulated (a CPU process): this measures the cost of a call, not a GPU.")
     return "\n".join(lines)
