@@ -394,12 +394,12 @@ def test_set_again_and_again_keeps_dev_shm_flat(process_client):
 
 def test_a_set_load_run_again_after_its_values_were_overwritten_fails_naming_them(process_client):
     """What Dask would run to rebuild a lost chunk from values a later set() overwrote is refused, not loaded."""
-    from dsched.resident.batch import _SetSegment
+    from dsched.resident.hostdata import SetSegment
     from dsched.resident.tasks import _Chunk, _load_set
 
     from dsched.dataplane.store import SliceRef
 
-    kept = _SetSegment(np.zeros((10, 2)))
+    kept = SetSegment(np.zeros((10, 2)))
     try:
         kept.write(np.ones((10, 2)))
         rows = {"strain": SliceRef(kept.ref, 0, 0, 5)}

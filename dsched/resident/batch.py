@@ -53,16 +53,15 @@ from dsched.blocks.planning import plan
 from dsched.checks import check_positive_int
 from dsched.dataplane.outputs import ChunkResultError, ZarrTarget, check_out_path
 from dsched.dataplane.store import (
-    ArrayRef,
     RunStore,
     SliceRef,
     classify_workers,
-    find_shared,
 )
 from dsched.devices.device import device_resource
 from dsched.devices.ownership import check_devices_owned, cluster_info, device_owners
 from dsched.resident.engine import Engine
 from dsched.resident.fields import _check_fields, _check_inputs, _names
+from dsched.resident.hostdata import SetSegment, _Kept, out_refs, share_inputs
 from dsched.resident.tasks import (
     Update,
     _Chunk,
@@ -160,7 +159,7 @@ class Batch:
         self._submit_lock = threading.Lock()
         self._inputs = []  # (_Kept, tasks) of updates' inputs and outputs: released once their tasks have ended
         self._seen_layouts = {}  # field -> (item shape, dtype) its last get found
-        self._set_segments = {}  # field -> _SetSegment: where set() writes its values, again and again
+        self._set_segments = {}  # field -> SetSegment: where set() writes its values, again and again
         self._set_stores = []  # their stores, unlinked at close()
         # The first values wait for the first operation, to go to Dask with it (one message, one task).
         self._held = True
@@ -223,7 +222,7 @@ class Batch:
         with self._lock:
             self._rollback_failed()
             self._release_inputs()
-            store, refs = self._share_inputs(arrays)
+            store, refs = share_inputs(arrays, self._shared)
             step = next(self._ops)
             for chunk in self.chunks:
                 versions = {f: (self._version(f, chunk), f) for f in reads}
@@ -259,7 +258,7 @@ class Batch:
         if kept is not None and kept.fits(array):
             _wait([task.result() for task in kept.tasks])  # the previous values were loaded (or failed)
         else:
-            kept = self._set_segments[field] = _SetSegment(array)
+            kept = self._set_segments[field] = SetSegment(array)
             self._set_stores.append(kept.store)
         kept.write(array)
         with self._lock:
@@ -524,46 +523,9 @@ class Batch:
                                         {name: SliceRef(ref, 0, chunk.start, chunk.stop)}))
         return Update(label, tasks)
 
-    def _share_inputs(self, arrays):
-        """An update's ``inputs`` where workers read them: ``(store or None, {name: reference})``.
-
-        Arrays already in shared memory are referenced where they are (no store);
-        the others are copied once into a store of the update's own.
-        """
-        if not arrays:
-            return None, {}
-        if self._shared:
-            found = {name: find_shared(a) for name, a in arrays.items()}
-            if all(ref is not None for ref in found.values()):
-                return None, found
-        store = RunStore(shared=self._shared)
-        return store, dict(zip(arrays, store.share_many(list(arrays.values()))))
-
     def _out_refs(self, out, taken) -> dict:
         """References to an update's ``out`` arrays; a ValueError naming the entry that workers cannot write."""
-        if out is None:
-            return {}
-        if not isinstance(out, dict):
-            raise ValueError(f"out: expected a dict of name -> array, got {type(out).__name__}")
-        refs = {}
-        for name, value in out.items():
-            if not isinstance(name, str) or name in taken:
-                raise ValueError(f"out: {name!r} is not a name of its own (a string naming no field read, no input)")
-            if isinstance(value, ArrayRef):  # the data plane's own (a store's allocation)
-                ref = value
-            elif not isinstance(value, np.ndarray):
-                raise ValueError(f"out[{name!r}]: expected a NumPy array, got {type(value).__name__}")
-            elif self._shared:
-                ref = find_shared(value)
-                if ref is None:
-                    raise ValueError(f"out[{name!r}]: worker processes write only into shared memory; "
-                                     f"allocate it with dsched.shared_empty")
-            else:
-                ref = self._store.register(value)
-            if not ref.shape or ref.shape[0] != self.n:
-                raise ValueError(f"out[{name!r}]: shape {ref.shape} has no {self.n} items along axis 0")
-            refs[name] = ref
-        return refs
+        return out_refs(out, taken, self.n, None if self._shared else self._store)
 
     def _release_inputs(self, everything=False):
         """Release the stores of updates' inputs whose tasks have all ended (``everything``: all of them)."""
@@ -629,38 +591,3 @@ class Batch:
             raise RuntimeError("this Batch is closed")
         if flush:
             self._flush()
-
-
-class _SetSegment:
-    """A field's values given by :meth:`Batch.set`, in a segment of their own that the next ``set`` writes again,
-    with a generation number beside them (:func:`~dsched.resident.tasks._load_set` checks it)."""
-
-    def __init__(self, array):
-        self.shape, self.dtype = array.shape, array.dtype
-        self.store = RunStore(shared=True)
-        (self.ref, self.view), (self.generation_ref, self._generation) = self.store.allocate_many(
-            [(array.shape, array.dtype), ((1,), np.int64)])
-        self.generation = 0
-        self.tasks = []  # the load tasks of the values last written
-
-    def fits(self, array) -> bool:
-        return array.shape == self.shape and array.dtype == self.dtype
-
-    def write(self, array):
-        np.copyto(self.view, array)
-        self.generation += 1
-        self._generation[0] = self.generation
-
-
-class _Kept:
-    """What an update's tasks read and write outside the batch, kept until they end: the store its inputs were
-    copied into, and the caller's arrays they read or write where they lie (a run's outputs go back to the
-    segment pool, to be written by the next call, once the caller's arrays are gone)."""
-
-    def __init__(self, store, arrays, out):
-        self.store, self.arrays = store, (arrays, out)
-
-    def close(self, clean=False):
-        if self.store is not None:
-            self.store.close(clean=clean)
-        self.store, self.arrays = None, None

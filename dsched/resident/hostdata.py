@@ -1,0 +1,96 @@
+"""What a resident batch's tasks read and write in host memory besides its versions.
+
+- :class:`SetSegment`: the values :meth:`~dsched.Batch.set` gives a field on worker
+  processes, in a segment of the field's own that the next ``set`` writes again,
+  so ``/dev/shm`` stays flat over a long run;
+- :class:`_Kept`: an update's inputs and ``out`` arrays, kept until its tasks end;
+- :func:`share_inputs`, :func:`out_refs`: where workers read an update's inputs and write its ``out`` arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dsched.dataplane.store import ArrayRef, RunStore, find_shared
+
+__all__ = ["SetSegment", "out_refs", "share_inputs"]
+
+
+class SetSegment:
+    """A field's values given by :meth:`Batch.set`, in a segment of their own that the next ``set`` writes again,
+    with a generation number beside them (:func:`~dsched.resident.tasks._load_set` checks it)."""
+
+    def __init__(self, array):
+        self.shape, self.dtype = array.shape, array.dtype
+        self.store = RunStore(shared=True)
+        (self.ref, self.view), (self.generation_ref, self._generation) = self.store.allocate_many(
+            [(array.shape, array.dtype), ((1,), np.int64)])
+        self.generation = 0
+        self.tasks = []  # the load tasks of the values last written
+
+    def fits(self, array) -> bool:
+        return array.shape == self.shape and array.dtype == self.dtype
+
+    def write(self, array):
+        np.copyto(self.view, array)
+        self.generation += 1
+        self._generation[0] = self.generation
+
+
+class _Kept:
+    """What an update's tasks read and write outside the batch, kept until they end: the store its inputs were
+    copied into, and the caller's arrays they read or write where they lie (a run's outputs go back to the
+    segment pool, to be written by the next call, once the caller's arrays are gone)."""
+
+    def __init__(self, store, arrays, out):
+        self.store, self.arrays = store, (arrays, out)
+
+    def close(self, clean=False):
+        if self.store is not None:
+            self.store.close(clean=clean)
+        self.store, self.arrays = None, None
+
+
+def out_refs(out, taken, n, store=None) -> dict:
+    """References to an update's ``out`` arrays (``{name: array}``, ``n`` items each); a ValueError naming the entry
+    that workers cannot write. ``store``: in-process workers', where the arrays are registered as they are;
+    ``None`` for worker processes, which write only into shared memory."""
+    if out is None:
+        return {}
+    if not isinstance(out, dict):
+        raise ValueError(f"out: expected a dict of name -> array, got {type(out).__name__}")
+    refs = {}
+    for name, value in out.items():
+        if not isinstance(name, str) or name in taken:
+            raise ValueError(f"out: {name!r} is not a name of its own (a string naming no field read, no input)")
+        if isinstance(value, ArrayRef):  # the data plane's own (a store's allocation)
+            ref = value
+        elif not isinstance(value, np.ndarray):
+            raise ValueError(f"out[{name!r}]: expected a NumPy array, got {type(value).__name__}")
+        elif store is None:
+            ref = find_shared(value)
+            if ref is None:
+                raise ValueError(f"out[{name!r}]: worker processes write only into shared memory; "
+                                 f"allocate it with dsched.shared_empty")
+        else:
+            ref = store.register(value)
+        if not ref.shape or ref.shape[0] != n:
+            raise ValueError(f"out[{name!r}]: shape {ref.shape} has no {n} items along axis 0")
+        refs[name] = ref
+    return refs
+
+
+def share_inputs(arrays, shared):
+    """An update's ``inputs`` where workers read them: ``(store or None, {name: reference})``.
+
+    Arrays already in shared memory are referenced where they are (no store);
+    the others are copied once into a store of the update's own (``shared``: for worker processes).
+    """
+    if not arrays:
+        return None, {}
+    if shared:
+        found = {name: find_shared(a) for name, a in arrays.items()}
+        if all(ref is not None for ref in found.values()):
+            return None, found
+    store = RunStore(shared=shared)
+    return store, dict(zip(arrays, store.share_many(list(arrays.values()))))
