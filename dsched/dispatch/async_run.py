@@ -114,7 +114,11 @@ class AsyncRun:
                 if chunk is None:
                     break
                 record, work = self._dispatched(*chunk)
-                groups[self.watch.where(record.device)].append((record, work))
+                device = self.watch.where(record.device)
+                if self.feeds is not None and self.feeds.serves(device) and self.feeds.on_lane(device):
+                    self._feed(device, [(record, work)])  # at once: its worker starts while the next is scheduled
+                else:
+                    groups[device].append((record, work))
             if self.feeds is not None:  # every device's feeds at once: one round trip for the parked ones
                 self.feeds.start(list(groups))
             for device, chunks in groups.items():

@@ -138,6 +138,10 @@ class FastLanes:
         except Exception:  # noqa: BLE001  the scheduler is gone: so is its page
             pass
 
+    def on_lane(self, device) -> bool:
+        """Whether ``device``'s feeds (started) have a lane: its chunks go out one by one as they are scheduled."""
+        return any(f.lane is not None and not f.lost for f in self._feeds.get(device, ()))
+
     def waiting_lanes(self) -> dict:
         """``{connection: feed}`` of the lanes with chunks not yet answered: the run's loop waits on them."""
         return {f.lane.connection: f for fs in self._feeds.values() for f in fs
