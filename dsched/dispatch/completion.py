@@ -4,6 +4,7 @@ devices."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import queue
 import socket
 import threading
@@ -83,7 +84,7 @@ class Mailbox:
     def __init__(self):
         self._queue = queue.SimpleQueue()
         try:  # a bell of an earlier run of this thread's (a socket pair costs a few system calls)
-            self._bell_out, self._bell_in = _idle_bells.__dict__.pop("bells")
+            self._bell_out, self._bell_in = _idle_bells.pop(threading.get_ident())
         except KeyError:
             self._bell_out, self._bell_in = socket.socketpair()
             self._bell_in.setblocking(False)
@@ -137,14 +138,21 @@ class Mailbox:
                 pass
         except OSError:  # nothing more to read (or closed)
             pass
-        if "bells" not in _idle_bells.__dict__:
-            _idle_bells.bells = (self._bell_out, self._bell_in)
+        if threading.get_ident() not in _idle_bells:
+            _idle_bells[threading.get_ident()] = (self._bell_out, self._bell_in)
         else:
             self._bell_in.close()
             self._bell_out.close()
 
 
-_idle_bells = threading.local()  # per thread, the bell of its last run, for its next
+_idle_bells = {}  # thread id -> the bell of its last run, for its next (closed at exit)
+
+
+@atexit.register
+def _close_idle_bells():
+    while _idle_bells:
+        for bell in _idle_bells.popitem()[1]:
+            bell.close()
 
 
 def wait_for_one(done, timeout):

@@ -20,6 +20,7 @@ else waits for the worker. The rearm travels with the run's first chunks
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import queue
 import socket
@@ -256,6 +257,16 @@ _inboxes: "collections.OrderedDict[str, _Inbox]" = collections.OrderedDict()  # 
 _fed: "set[_Inbox]" = set()  # the open inboxes a feed task takes chunks from, this process: woken by new tasks
 _inboxes_lock = threading.Lock()
 _CLOSED_KEPT = 1024  # closed inboxes remembered, so that a late chunk is refused rather than left waiting
+
+
+@atexit.register
+def _close_inboxes():
+    """At exit, the open inboxes' sockets (their bells and lanes) are closed, not left to the collector."""
+    with _inboxes_lock:
+        inboxes = list(_inboxes.values())
+    for inbox in inboxes:
+        if not inbox.closed:
+            inbox.close(RuntimeError("the process is exiting"))
 
 
 def _inbox(feed: str, create=True) -> _Inbox | None:
