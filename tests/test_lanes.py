@@ -190,3 +190,17 @@ def test_a_kept_dispatcher_holds_neither_the_callers_inputs_nor_its_outputs(clie
     del x2, out
     gc.collect()
     assert inputs() is None and outputs() is None
+
+
+def _item_count(work, device):
+    return work.stop - work.start
+
+
+def test_thousands_of_chunks_in_flight_on_one_lane_neither_side_blocks(client):
+    """Room for every chunk at once: the lane's window keeps the descriptors going out and the replies coming
+    back from filling its socket while the other side waits on it."""
+    from dsched import SimpleScheduler, SliceGenerator
+
+    total = 3000
+    d = dsched.WorkDispatcher(SimpleScheduler("cpu", 1, capacity=total), _item_count, client=client)
+    assert d.run(SliceGenerator(0, total)) == [1] * total

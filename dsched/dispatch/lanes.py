@@ -14,6 +14,8 @@ private directory) the feed's chunks travel over Dask's comms as before.
 
 from __future__ import annotations
 
+import collections
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client as connect_to
 
 import dask
@@ -23,9 +25,10 @@ from dsched.names import CHUNK_BATCH_TOPIC
 from dsched.worker import lane as wire
 from dsched.worker.feed import LANE_OP
 
-__all__ = ["Lane", "FastLanes", "open_lane", "lanes_enabled"]
+__all__ = ["Lane", "FastLanes", "open_lane", "lanes_enabled", "WINDOW"]
 
 _ASK_WAIT = 5.0  # seconds a worker has to say where its lane listens
+WINDOW = 64  # chunks a lane holds unanswered at most (their descriptors and replies fit its socket's buffers)
 
 
 def lanes_enabled() -> bool:
@@ -42,7 +45,8 @@ class Lane:
 
     def __init__(self, connection):
         self.connection = connection
-        self.waiting = {}  # chunk index -> (ticket, index): sent, not yet answered
+        self.waiting = {}  # chunk index -> (ticket, work, slot, about): sent, not yet answered
+        self.backlog = collections.deque()  # (ticket, index, work, slot, about) waiting for room in the window
         self.rearming = False  # its first message since it was taken from the parked ones is not answered yet
 
     def send(self, message) -> bool:
@@ -73,10 +77,9 @@ def open_lane(client, address, feed_id) -> Lane | None:
     try:
         connection = connect_to(info["address"], family="AF_UNIX", authkey=info["authkey"])
         connection.send_bytes(feed_id.encode())
-    except (OSError, EOFError, ValueError) as err:  # not reachable from here (another file system): no lane
-        if not isinstance(err, (FileNotFoundError, ConnectionRefusedError)):
-            return None
-        _forget(client, address)  # its process may have been replaced at the same address
+    except (OSError, EOFError, ValueError, AuthenticationError) as err:  # not reachable from here: no lane
+        if isinstance(err, (FileNotFoundError, ConnectionRefusedError, AuthenticationError)):
+            _forget(client, address)  # its process may have been replaced at the same address: ask again next time
         return None
     return Lane(connection)
 
@@ -105,8 +108,21 @@ class FastLanes:
     """
 
     def _send_lane(self, feed, items):
-        """Write ``items`` (``(ticket, index, work, slot, about)``) into ``feed``'s lane, in one message."""
+        """Send ``items`` (``(ticket, index, work, slot, about)``) on ``feed``'s lane, as the window allows."""
+        feed.lane.backlog.extend(items)
+        self._pump_lane(feed)
+
+    def _pump_lane(self, feed):
+        """Write what waits for ``feed``'s lane into it, in one message, up to :data:`WINDOW` chunks unanswered.
+
+        The window bounds what the lane holds both ways: the client writes only while it is not reading, and
+        the worker's replies wait in the socket meanwhile, so neither side may fill it and block the other.
+        """
         lane = feed.lane
+        room = WINDOW - len(lane.waiting)
+        if room <= 0 or not lane.backlog:
+            return
+        items = [lane.backlog.popleft() for _ in range(min(room, len(lane.backlog)))]
         rearm = None
         if feed.rearm:  # taken from the parked ones: the first message carries the run's program
             program = self.program if feed.program_id != self.program.dispatcher_id else None  # None: the same
@@ -166,7 +182,10 @@ class FastLanes:
         about = entry[3]
         if about is not None:
             self._chunk_events.append(("done" if ok else "failed", *about[:4], feed.address, about[4], start, stop))
-        return [self._answered(feed, self._outcome(feed, entry[0], index, ok, value, start, stop), put=False)]
+        outcome = self._answered(feed, self._outcome(feed, entry[0], index, ok, value, start, stop), put=False)
+        if lane.backlog:
+            self._pump_lane(feed)
+        return [outcome]
 
     def lane_lost(self, feed):
         """The event loop gave ``feed`` up (its worker left): its lane's chunks run again elsewhere."""
@@ -181,7 +200,8 @@ class FastLanes:
         if lane is None:
             return
         lane.close()
-        waiting = list(lane.waiting.items())
+        waiting = list(lane.waiting.items()) + [(index, (ticket, work, slot, about))
+                                                for ticket, index, work, slot, about in lane.backlog]
         if lane.rearming and not feed.lost:
             self._renew(feed, [(feed, ticket, index, work, slot, about)
                                for index, (ticket, work, slot, about) in waiting], on_lane=True)
