@@ -48,7 +48,7 @@ def test_the_planned_allocation_lies_in_the_given_memory_and_the_others_do_not()
         a = np.arange(6.0)  # allocation 0
         b = a + a  # allocation 1: placed
         c = b * b  # allocation 2
-    assert call.placed == 1 and call.addresses == [_address(rows)]
+    assert call.placed == 1 and [address for address, _ in call.addresses] == [_address(rows)]
     assert _address(b) == _address(rows) and _address(a) != _address(rows) and _address(c) != _address(rows)
     assert rows.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
     np.testing.assert_array_equal(c, (np.arange(6.0) * 2) ** 2)
@@ -114,28 +114,31 @@ def test_an_error_in_the_block_restores_numpy_s_handler():
 def test_a_placed_array_is_live_until_it_is_gone_and_an_address_is_never_given_twice():
     rows = np.zeros(4)
     target = {0: (_address(rows), rows.nbytes, rows)}
-    with placing(target):
+    with placing(target) as first:
         a = np.ones(4)
-    assert live_placements([_address(rows)]) == [_address(rows)]
+    assert live_placements(first.addresses) == first.addresses and first.addresses[0][0] == _address(rows)
     with placing(target) as again:
         b = np.ones(4)  # a is still there: b gets memory of its own
     assert again.placed == 0 and _address(b) != _address(a)
     del a
-    assert live_placements([_address(rows)]) == []
+    assert live_placements(first.addresses) == []
     with placing(target) as third:
         c = np.ones(4)
     assert third.placed == 1 and _address(c) == _address(rows)
+    # c lies where a lay, but it is another placement: a's is still gone (the same rows of a reused segment,
+    # placed again by the next call's chunk on another thread, are not the first chunk's arrays kept)
+    assert live_placements(first.addresses) == [] and live_placements(third.addresses) == third.addresses
 
 
 @on_a_thread
 def test_a_placed_array_that_grows_moves_out_of_the_given_memory():
     rows = np.zeros(4)
-    with placing({0: (_address(rows), rows.nbytes, rows)}):
+    with placing({0: (_address(rows), rows.nbytes, rows)}) as call:
         a = np.arange(4.0)
     a.resize(1000, refcheck=False)  # NumPy reallocates: the array leaves the rows
     a[:] = 5.0
     assert _address(a) != _address(rows) and rows.tolist() == [0.0, 1.0, 2.0, 3.0]
-    assert live_placements([_address(rows)]) == []
+    assert call.placed == 1 and live_placements(call.addresses) == []
 
 
 @on_a_thread
@@ -210,6 +213,16 @@ def _since(after, before):
     return {name: after[name] - before[name] for name in after}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_statistical_profiler():
+    """Dask's worker profiler holds the frames it samples a moment after a chunk ends, with the chunk's result in
+    them: a passing reference dsched cannot tell from a model keeping its results (it then stops placing that
+    model on that worker: an extra copy, never a wrong value). These tests count placements exactly, so their
+    clusters run without it (before the module's clusters start: autouse fixtures of a scope come first)."""
+    with dask.config.set({"distributed.worker.profile.enabled": False}):
+        yield
+
+
 @pytest.fixture(scope="module")
 def scheduler():
     """Chunks of 20,000 and 30,000 rows: large enough outputs to be placed (BYTES_PER_ALLOCATION)."""
@@ -243,7 +256,9 @@ def test_an_output_that_is_a_view_of_another_is_right(scheduler, process_client)
         np.testing.assert_array_equal(out["b"], np.stack([-x, x], axis=1))
 
 
-def test_a_model_that_keeps_its_result_is_noticed_and_no_longer_placed(scheduler, process_client):
+def test_a_model_that_keeps_its_result_is_noticed_and_no_longer_placed(process_client):
+    # One chunk size on both devices, whichever takes the last chunk: each worker learns one plan and judges it.
+    scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[25_000, 25_000])
     x = np.arange(150_000.0)
     before = _counts(process_client)
     for _ in range(4):

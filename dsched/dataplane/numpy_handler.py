@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import threading
 
 __all__ = ["Placing", "available", "places_here", "placing", "live_placements", "still_alive"]
@@ -70,7 +71,7 @@ class Placing:
         self.targets = targets
         self.count = 0
         self.placed = 0
-        self.addresses = []  # of the allocations placed by this call
+        self.addresses = []  # (address, serial) of the allocations placed by this call
         self.log = [] if learn else None
         self.overflowed = False
 
@@ -88,13 +89,17 @@ class Placing:
 
 _thread = threading.local()
 # Dict operations are atomic under the GIL, which every callback holds.
-_live = {}  # address -> (nbytes, keep) of every placed allocation still alive
+_live = {}  # address -> (nbytes, keep, serial) of every placed allocation still alive
+_serials = itertools.count()  # each placement's own number: a later one at the same address is another
 _followed = {}  # address -> the learning Placing that made it, until it is freed or unfollowed
 
 
-def live_placements(addresses) -> list:
-    """Those of ``addresses`` at which an array placed there is still alive."""
-    return [address for address in addresses if address in _live]
+def live_placements(placements) -> list:
+    """Those of ``placements`` (``(address, serial)``, as a call's ``addresses`` holds them) still alive: not
+    freed, nor replaced by a later placement at the same address (the same rows of a reused segment, in the
+    next call's chunk on another thread)."""
+    return [(address, serial) for address, serial in placements
+            if (_live.get(address) or (None, None, None))[2] == serial]
 
 
 def still_alive(call, addresses) -> list:
@@ -104,7 +109,7 @@ def still_alive(call, addresses) -> list:
 
 def _overlaps_live(address, size) -> bool:
     # a copy of the items, taken at once: another thread's callback may change _live between two steps of a loop
-    return any(other < address + size and address < other + nbytes for other, (nbytes, _) in tuple(_live.items()))
+    return any(other < address + size and address < other + nbytes for other, (nbytes, *_) in tuple(_live.items()))
 
 
 def _next_position(call):
@@ -118,9 +123,10 @@ def _place(call, size):
     target = call.targets.get(_next_position(call))
     if target is None or target[1] != size or _overlaps_live(target[0], size):
         return None
-    _live[target[0]] = (size, target[2])
+    serial = next(_serials)
+    _live[target[0]] = (size, target[2], serial)
     call.placed += 1
-    call.addresses.append(target[0])
+    call.addresses.append((target[0], serial))
     return target[0]
 
 
