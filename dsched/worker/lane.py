@@ -30,6 +30,8 @@ import pickle
 import stat
 import tempfile
 import threading
+import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Listener
 
 import cloudpickle
@@ -37,6 +39,7 @@ import cloudpickle
 __all__ = ["LaneServer", "lane_server", "lane_directory", "dumps", "loads", "sweep_stale_lanes"]
 
 CHUNKS, PARK, STOP, DONE, ENDED = "chunks", "park", "stop", "done", "ended"
+_RETRY_SECONDS = 0.05  # the accept thread's pause after a failed accept (not a handshake refused)
 _SOCKET_PREFIX = "lane-"
 
 
@@ -95,7 +98,10 @@ class LaneServer:
             try:
                 connection = self._listener.accept()  # the HMAC handshake: a stranger is refused here
                 feed = connection.recv_bytes().decode()
-            except Exception:  # noqa: BLE001  a failed handshake, or the listener closed
+            except AuthenticationError:
+                continue
+            except Exception:  # noqa: BLE001  the listener closed, or the process is out of descriptors: wait
+                time.sleep(_RETRY_SECONDS)  # (never a busy loop) and look again
                 continue
             self._attach(feed, connection)
 
