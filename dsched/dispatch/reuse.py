@@ -133,7 +133,9 @@ class RecentCalls:
         if getattr(client, "status", "running") != "running":
             return None
         kept = self._local.__dict__.setdefault("calls", [])
-        kept[:] = [recent for recent in kept if recent.fn is not None]  # functions let go of since
+        # Functions let go of since, and clients closed since (a closed cluster is not kept alive here).
+        kept[:] = [recent for recent in kept
+                   if recent.fn is not None and getattr(recent.client, "status", "running") == "running"]
         for i, recent in enumerate(kept):
             if recent.matches(fn, scheduler, client, axis, timeout, skeleton, kwargs):
                 kept.insert(0, kept.pop(i))
