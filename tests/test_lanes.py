@@ -204,3 +204,20 @@ def test_thousands_of_chunks_in_flight_on_one_lane_neither_side_blocks(client):
     total = 3000
     d = dsched.WorkDispatcher(SimpleScheduler("cpu", 1, capacity=total), _item_count, client=client)
     assert d.run(SliceGenerator(0, total)) == [1] * total
+
+
+def test_a_thread_s_run_keeps_one_bell_for_its_next_and_an_ended_thread_s_is_closed():
+    import threading
+
+    from dsched.dispatch import completion
+
+    def one_run():
+        completion.Mailbox().close()
+
+    threads = [threading.Thread(target=one_run) for _ in range(5)]
+    for thread in threads:
+        thread.start()
+        thread.join()
+    completion.Mailbox().close()  # this thread's run: the ended threads' bells go
+    alive = {t.ident for t in threading.enumerate()}
+    assert set(completion._idle_bells) <= alive and threading.get_ident() in completion._idle_bells

@@ -138,14 +138,20 @@ class Mailbox:
                 pass
         except OSError:  # nothing more to read (or closed)
             pass
-        if threading.get_ident() not in _idle_bells:
-            _idle_bells[threading.get_ident()] = (self._bell_out, self._bell_in)
-        else:
-            self._bell_in.close()
-            self._bell_out.close()
+        me = threading.get_ident()
+        if me not in _idle_bells:
+            for ident in set(_idle_bells) - {t.ident for t in threading.enumerate()}:  # threads that ended
+                for bell in _idle_bells.pop(ident, ()):
+                    bell.close()
+            if len(_idle_bells) < _IDLE_BELLS_KEPT:
+                _idle_bells[me] = (self._bell_out, self._bell_in)
+                return
+        self._bell_in.close()
+        self._bell_out.close()
 
 
-_idle_bells = {}  # thread id -> the bell of its last run, for its next (closed at exit)
+_idle_bells = {}  # thread id -> the bell of its last run, for its next (closed at exit, or when the thread ended)
+_IDLE_BELLS_KEPT = 64  # threads whose bell is kept at most
 
 
 @atexit.register
