@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import queue
-import socket
 import threading
 import time
 import weakref
@@ -17,8 +16,9 @@ from distributed.core import send_recv
 from dsched.cluster.placement import PlacementWarning
 from dsched.devices.device import placement_device
 from dsched.devices.ownership import absent_since, cluster_info, device_capacities, lost_device_timeout
+from dsched.worker.lane import Bell
 
-__all__ = ["notify_when_done", "wait_for_one", "until_done", "ask_worker", "watch_worker", "DeviceWatch", "Mailbox"]
+__all__ = ["notify_when_done", "until_done", "ask_worker", "watch_worker", "DeviceWatch", "Mailbox"]
 
 CONNECT_WAIT = 3.0  # seconds to reach a worker (Dask retries a refused connection for its 30 s connect timeout)
 _POLL = 0.05  # seconds between looks at whether a worker being connected to is known to have left
@@ -76,36 +76,19 @@ async def until_done(futures, timeout):
 class Mailbox:
     """A run's completion notices, put from any thread, and waited for together with the run's fast lanes.
 
-    A queue with a bell: each :meth:`put` rings it, so the run's loop can wait in
-    one call for a notice from the event loop or a reply on any lane
-    (:mod:`dsched.dispatch.lanes`).
+    A queue with a :class:`~dsched.worker.lane.Bell`: each :meth:`put` rings it,
+    so the run's loop can wait in one call for a notice from the event loop or a
+    reply on any lane (:mod:`dsched.dispatch.lanes`).
     """
 
     def __init__(self):
         self._queue = queue.SimpleQueue()
-        try:  # a bell of an earlier run of this thread's (a socket pair costs a few system calls)
-            self._bell_out, self._bell_in = _idle_bells.pop(threading.get_ident())
-        except KeyError:
-            self._bell_out, self._bell_in = socket.socketpair()
-            self._bell_in.setblocking(False)
-            self._bell_out.setblocking(False)
+        # A bell of an earlier run of this thread's (a socket pair costs a few system calls).
+        self.bell = _idle_bells.pop(threading.get_ident(), None) or Bell()
 
     def put(self, item):
         self._queue.put(item)
-        try:
-            self._bell_in.send(b"!")
-        except OSError:  # rung already (a full buffer), or the run is over
-            pass
-
-    def empty(self) -> bool:
-        return self._queue.empty()
-
-    def get(self, timeout=None):
-        """The next notice; raises ``queue.Empty`` after ``timeout`` seconds without one (``queue.Queue``'s
-        contract)."""
-        if self._queue.empty() and timeout != 0:
-            self.wait((), timeout)
-        return self._queue.get_nowait()
+        self.bell.ring()
 
     def drain(self) -> list:
         """Every notice queued now."""
@@ -121,33 +104,24 @@ class Mailbox:
         readable ones."""
         if not self._queue.empty():
             timeout = 0
-        ready = wait_for_readable([self._bell_out, *connections], timeout)
-        if self._bell_out in ready:
-            try:
-                self._bell_out.recv(4096)
-            except OSError:
-                pass
-            return [c for c in ready if c is not self._bell_out]
+        ready = wait_for_readable([self.bell.waitable, *connections], timeout)
+        if self.bell.waitable in ready:
+            self.bell.clear()
+            return [c for c in ready if c is not self.bell.waitable]
         return ready
 
     def close(self):
-        """The run is over: its bell, quiet again, waits for the thread's next run (one is kept per thread); a
-        notice that comes later (a late event of the loop) rings a bell nobody waits on, which is harmless."""
-        try:
-            while self._bell_out.recv(4096):
-                pass
-        except OSError:  # nothing more to read (or closed)
-            pass
+        """The run is over: its bell, quiet again, waits for the thread's next run (one is kept per living thread);
+        a notice that comes later (a late event of the loop) rings a bell nobody waits on, which is harmless."""
+        self.bell.clear()
         me = threading.get_ident()
         if me not in _idle_bells:
             for ident in set(_idle_bells) - {t.ident for t in threading.enumerate()}:  # threads that ended
-                for bell in _idle_bells.pop(ident, ()):
-                    bell.close()
+                _idle_bells.pop(ident).close()
             if len(_idle_bells) < _IDLE_BELLS_KEPT:
-                _idle_bells[me] = (self._bell_out, self._bell_in)
+                _idle_bells[me] = self.bell
                 return
-        self._bell_in.close()
-        self._bell_out.close()
+        self.bell.close()
 
 
 _idle_bells = {}  # thread id -> the bell of its last run, for its next (closed at exit, or when the thread ended)
@@ -157,16 +131,7 @@ _IDLE_BELLS_KEPT = 64  # threads whose bell is kept at most
 @atexit.register
 def _close_idle_bells():
     while _idle_bells:
-        for bell in _idle_bells.popitem()[1]:
-            bell.close()
-
-
-def wait_for_one(done, timeout):
-    """The next finished future, or ``None`` after ``timeout`` seconds without one."""
-    try:
-        return done.get(timeout=timeout)
-    except queue.Empty:
-        return None
+        _idle_bells.popitem()[1].close()
 
 
 async def ask_worker(client, address, op, wait=None, gone=None, **message):

@@ -297,4 +297,5 @@ def _empty_result(out, axis):
 
 # The dispatchers of recent calls, per thread (dsched.dispatch.reuse): built from this module's pieces.
 _REUSED = RecentCalls(lambda fn, layout, kwargs, axis: _CallOnChunk(fn, layout, kwargs),
-                      lambda fn, layout, kwargs, axis: functools.partial(_probe_layout, fn, layout, kwargs, axis))
+                      lambda fn, layout, kwargs, axis: functools.partial(_probe_layout, fn, layout, kwargs, axis),
+                      lambda entry: isinstance(entry, (_Batched, _MappingKeys)))

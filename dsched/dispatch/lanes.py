@@ -133,7 +133,7 @@ class FastLanes:
             if about is not None:  # the dashboard hears of it from here, in batches (flush_events)
                 self._chunk_events.append(("start", *about[:4], feed.address, about[4], None, None))
         # The worker logs no event per chunk: ``about`` stays here.
-        if not lane.send((wire.CHUNKS, rearm, [(index, work, slot, None) for _, index, work, slot, _ in items])):
+        if not lane.send((wire.CHUNKS, rearm, [(index, work, slot) for _, index, work, slot, _ in items])):
             self._lane_broken(feed)
 
     def flush_events(self, wait=False):

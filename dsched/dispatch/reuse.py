@@ -20,6 +20,7 @@ reused dispatcher forgets each call's inputs and outputs once it returns.
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 
@@ -111,17 +112,20 @@ class RecentCalls:
         ``fn`` attribute is the function it calls (set while a call runs).
     make_probe : callable
         ``make_probe(fn, layout, kwargs, axis)`` -> ``probe()``, the layout of ``fn``'s result.
+    is_split : callable
+        ``is_split(entry)``: whether an entry of a layout's ``skeleton`` stands for a split argument (its others
+        are the arguments passed whole).
     """
 
-    def __init__(self, make_call, make_probe):
-        self.make_call, self.make_probe = make_call, make_probe
+    def __init__(self, make_call, make_probe, is_split):
+        self.make_call, self.make_probe, self.is_split = make_call, make_probe, is_split
         self._local = threading.local()
 
     def take(self, fn, layout, kwargs, *, scheduler, client, axis, timeout):
         """The call's runner: a recent call's, or a new one kept from now on; ``None`` if the call cannot be
         kept (arguments that are not plain values, or no client to run on without starting a cluster)."""
         skeleton = list(layout.skeleton)  # split arguments' marks, and the others' values, in order
-        if not all(_is_split(v) or _plain(v) for v in skeleton) or not all(_plain(v) for v in kwargs.values()):
+        if not all(self.is_split(v) or _plain(v) for v in skeleton) or not all(_plain(v) for v in kwargs.values()):
             return None
         if client is None:
             from distributed import default_client
@@ -176,16 +180,9 @@ def _weak(fn):
         return _Strong(fn)
 
 
-def _is_split(arg) -> bool:
-    """Whether a skeleton entry of :class:`~dsched.dispatch.front._ArgsLayout` stands for a split argument."""
-    return type(arg).__name__ in ("_Batched", "_MappingKeys")
-
-
 def _without_arrays(layout):
     """A copy of ``layout`` without its arrays: the kept dispatcher's program must not hold the first call's
     batch (a worker rebuilds each chunk's arguments from the skeleton alone)."""
-    import copy
-
     stripped = copy.copy(layout)
     stripped.mapping = {}
     return stripped

@@ -23,7 +23,6 @@ import asyncio
 import atexit
 import collections
 import queue
-import socket
 import threading
 import time
 from multiprocessing.connection import wait as wait_for_readable
@@ -72,14 +71,7 @@ class _Inbox:
         self.woken = False  # a _WAKE is queued and not yet taken
         self.lane = None  # the client's fast-lane connection (dsched.worker.lane), read by the feed's thread
         # Rung on every put, so the feed's thread waits on its queue and its lane at once.
-        self._bell_out, self._bell_in = socket.socketpair()
-        self._bell_in.setblocking(False)
-
-    def _ring(self):
-        try:
-            self._bell_in.send(b"!")
-        except (BlockingIOError, OSError):  # already rung (a full buffer), or closed: either way it wakes
-            pass
+        self.bell = lanes.Bell()
 
     def next(self, timeout):
         """The next thing for the feed: a queued item, ``(LANE, message)`` from its lane, or :data:`_WAKE` after
@@ -92,14 +84,11 @@ class _Inbox:
         if self.closed:  # its bell is closed too: the feed looks at why and ends
             return _WAKE
         try:
-            ready = wait_for_readable([self._bell_out] if lane is None else [self._bell_out, lane], timeout)
+            ready = wait_for_readable([self.bell.waitable] if lane is None else [self.bell.waitable, lane], timeout)
         except (OSError, ValueError):  # closed while waiting (the inbox closed)
             return _WAKE
-        if self._bell_out in ready:
-            try:
-                self._bell_out.recv(4096)
-            except OSError:  # closed meanwhile
-                pass
+        if self.bell.waitable in ready:
+            self.bell.clear()
             try:
                 return self.queue.get_nowait()
             except queue.Empty:
@@ -122,7 +111,7 @@ class _Inbox:
         if closed:
             connection.close()
         else:
-            self._ring()  # a feed waiting on its queue alone now waits on the lane too
+            self.bell.ring()  # a feed waiting on its queue alone now waits on the lane too
 
     def drop_lane(self, lane):
         with self.lock:
@@ -146,7 +135,7 @@ class _Inbox:
             if not self.closed:
                 for item in items:
                     self.queue.put(item)
-                self._ring()
+                self.bell.ring()
             return not self.closed
 
     def retire(self) -> bool:
@@ -172,7 +161,7 @@ class _Inbox:
             if not self.closed and not self.woken:
                 self.woken = True
                 self.queue.put(_WAKE)
-                self._ring()
+                self.bell.ring()
 
     def take_wake(self):
         with self.lock:
@@ -226,7 +215,7 @@ class _Inbox:
             self.stopping = True
             attached = self.attached
             self.queue.put(None)
-            self._ring()
+            self.bell.ring()
         if not attached:
             self.close(RuntimeError("the run is over"))
 
@@ -242,8 +231,9 @@ class _Inbox:
             self.lane = self.lane if keep_lane else None
         if lane is not None:  # the client reads the end of the lane as the feed's end
             lane.close()
-        self._bell_in.close()  # closed inboxes are kept by the thousand: not their sockets
-        self._bell_out.close()  # a feed's thread waiting on it wakes (or times out) and finds the inbox closed
+        # Closed inboxes are kept by the thousand: not their sockets. A feed's thread waiting on the bell wakes
+        # (or times out) and finds the inbox closed.
+        self.bell.close()
         while True:
             try:
                 item = self.queue.get_nowait()
@@ -504,15 +494,12 @@ class _Runner:
         if rearm is not None and not inbox.rearm(*rearm):
             inbox.reply((lanes.ENDED,))
             return
-        worker = self.worker
-        for index, work, slot, about in chunks:
-            if about is not None:
-                worker.log_event(CHUNK_EVENT_TOPIC, ("start", *about[:4], worker.address, about[4], None, None))
-        for position, (index, work, slot, about) in enumerate(chunks):
+        # A lane's chunks log no dashboard events here: the client sends theirs (dsched.dispatch.lanes).
+        for position, (index, work, slot) in enumerate(chunks):
             fail = lambda reply, index=index: inbox.reply(  # noqa: E731
                 (lanes.DONE, index, False, _unwrap(reply["value"]), 0.0, 0.0))
             try:
-                ok, value, start, stop = self.run(work, slot, about, fail)
+                ok, value, start, stop = self.run(work, slot, None, fail)
             except _InitFailed as failed:  # the message's other chunks fail with it, then the lane closes
                 for index, *_ in chunks[position + 1:]:
                     inbox.reply((lanes.DONE, index, False, failed.args[0], 0.0, 0.0))

@@ -16,7 +16,7 @@ configured) comms. Nothing listens on a network interface.
 
 Messages are pickled tuples (:func:`dumps`, :func:`loads`):
 
-- client to feed: ``("chunks", rearm, [(index, work, slot, about), ...])``,
+- client to feed: ``("chunks", rearm, [(index, work, slot), ...])``,
   ``("park", linger, epoch)``, ``("stop",)``;
 - feed to client: ``("done", index, ok, value, start, stop)`` per chunk, or
   ``("ended",)`` when a parked feed had ended before a run's program reached it.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import socket
 import stat
 import tempfile
 import threading
@@ -36,7 +37,9 @@ from multiprocessing.connection import Listener
 
 import cloudpickle
 
-__all__ = ["LaneServer", "lane_server", "lane_directory", "dumps", "loads", "sweep_stale_lanes"]
+from dsched.dataplane.segments import _unlinked
+
+__all__ = ["Bell", "LaneServer", "lane_server", "lane_directory", "dumps", "loads", "sweep_stale_lanes"]
 
 CHUNKS, PARK, STOP, DONE, ENDED = "chunks", "park", "stop", "done", "ended"
 _RETRY_SECONDS = 0.05  # the accept thread's pause after a failed accept (not a handshake refused)
@@ -58,6 +61,34 @@ def dumps(message) -> bytes:
 
 def loads(data: bytes):
     return pickle.loads(data)
+
+
+class Bell:
+    """Wakes a thread that waits on sockets (``multiprocessing.connection.wait``): any thread rings it, the waiter
+    waits on :attr:`waitable` beside its other sockets and clears it once woken. A feed's inbox has one
+    (:mod:`dsched.worker.feed`), and so has a run's mailbox on the client (:mod:`dsched.dispatch.completion`)."""
+
+    def __init__(self):
+        self.waitable, self._ringer = socket.socketpair()
+        self.waitable.setblocking(False)
+        self._ringer.setblocking(False)
+
+    def ring(self):
+        try:
+            self._ringer.send(b"!")
+        except OSError:  # rung already (a full buffer), or closed: either way the waiter wakes
+            pass
+
+    def clear(self):
+        try:
+            while self.waitable.recv(4096):
+                pass
+        except OSError:  # nothing more to read, or closed meanwhile
+            pass
+
+    def close(self):
+        self._ringer.close()
+        self.waitable.close()
 
 
 def lane_directory() -> str:
@@ -148,11 +179,8 @@ def sweep_stale_lanes() -> list:
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
-            try:
-                os.unlink(os.path.join(directory, name))
+            if _unlinked(os.path.join(directory, name)):
                 removed.append(name)
-            except FileNotFoundError:
-                pass
         except PermissionError:
             pass
     return removed
