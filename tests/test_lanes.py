@@ -221,3 +221,31 @@ def test_a_thread_s_run_keeps_one_bell_for_its_next_and_an_ended_thread_s_is_clo
     completion.Mailbox().close()  # this thread's run: the ended threads' bells go
     alive = {t.ident for t in threading.enumerate()}
     assert set(completion._idle_bells) <= alive and threading.get_ident() in completion._idle_bells
+
+
+def _sevens(work, device):
+    return np.full(work.stop - work.start, 7.0)
+
+
+def _first_fails(work, device):
+    if work.start == 0:
+        raise ValueError("the first chunk failed")
+    import time
+
+    time.sleep(0.3)  # the failure is heard first, before any result gave the outputs' layout
+    return np.full(work.stop - work.start, 1.0)
+
+
+def test_a_chunk_failed_before_the_outputs_existed_has_nan_rows_not_a_past_calls_values(client):
+    from dsched import SliceGenerator, StaticHybridScheduler
+
+    s = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=100)
+    out = dsched.WorkDispatcher(s, _sevens, join="concat", client=client).run(SliceGenerator(0, 200))
+    assert (out == 7.0).all()
+    del out  # its segment goes back to the pool: the next call of this size gets it, sevens and all
+    gc.collect()
+    d = dsched.WorkDispatcher(s, _first_fails, join="concat", client=client)
+    with pytest.raises(ValueError, match="the first chunk failed"):
+        d.run(SliceGenerator(0, 200))
+    output = d.last_run.output
+    assert np.isnan(output[:100]).all() and (output[100:] == 1.0).all()

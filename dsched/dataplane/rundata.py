@@ -126,6 +126,7 @@ class RunData:
         # Chunks with rows of a Dask array carry futures, which only a task's arguments resolve: no feeds.
         self.streams_dask = streams_dask(generator)
         self.targets = None  # one write target per output array, once the layout is known
+        self._failed_early = []  # chunks that failed before it was: their rows are marked once outputs exist
         self.outputs = None  # the client's view of the joined outputs
         self.pieces = {}  # output index -> {offset: rows}, for outputs that travel back by value
         if self.layout is None and self.axis is not None and _out_arrays(out):
@@ -189,8 +190,11 @@ class RunData:
             self.pieces.setdefault(i, {})[record.offset] = array
 
     def failed(self, record):
-        """Mark a failed chunk's rows: NaN in floating outputs (integer outputs keep what was there)."""
+        """Mark a failed chunk's rows: NaN in floating outputs (integer outputs keep what was there); a chunk that
+        failed before the outputs were allocated is marked when they are (a reused segment holds a past call's
+        values)."""
         if self.targets is None:
+            self._failed_early.append(record)
             return
         for leaf, target in zip(self.layout.leaves, self.targets):
             if target is BY_VALUE:
@@ -266,6 +270,9 @@ class RunData:
             pairs = [(BY_VALUE, None) if leaf.by_value else next(allocated) for leaf in layout.leaves]
             self.targets = tuple(target for target, _ in pairs)
             self.outputs = [view for _, view in pairs]
+        failed, self._failed_early = self._failed_early, []
+        for record in failed:
+            self.failed(record)
 
     def _user_target(self, array):
         """Where workers write into one of the user's ``out`` arrays: a reference, or the array itself.

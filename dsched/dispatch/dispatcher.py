@@ -271,9 +271,6 @@ class WorkDispatcher:
         if data.outputs is not None:
             if not clean:
                 data.fill_undispatched(report.records)
-                for record in report.records:  # again: a chunk that failed before the layout was known
-                    if record.error is not None:  # had no rows to mark then (a reused segment holds a past call's)
-                        data.failed(record)
             report.output = data.output()
         data.close(clean)
 
