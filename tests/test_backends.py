@@ -189,7 +189,8 @@ def test_loaders_split_neml2_tensors_and_pass_unbatched_ones_whole():
 
 def _tensor_dispatcher(fn, args, scheduler, mode, client=None, keep_grad=None):
     """What dispatch() runs, joined by concat_reduce: dsched's own argument layout and per-chunk call."""
-    from dsched.dispatch.front import _ArgsLayout, _CallOnChunk
+    from dsched.dispatch.arguments import ArgsLayout as _ArgsLayout
+    from dsched.dispatch.front import _CallOnChunk
 
     layout = _ArgsLayout(args, keep_grad=keep_grad)
     dispatcher = dsched.WorkDispatcher(scheduler, _CallOnChunk(fn, layout, {}, keep_grad=keep_grad),
@@ -261,7 +262,8 @@ def test_work_dispatcher_joins_torch_results():
 
 
 def test_functions_that_move_their_own_inputs_get_them_as_given():
-    from dsched.dispatch.front import _ArgsLayout, _CallOnChunk
+    from dsched.dispatch.arguments import ArgsLayout as _ArgsLayout
+    from dsched.dispatch.front import _CallOnChunk
 
     x = np.arange(4.0)
 

@@ -502,7 +502,7 @@ def test_dispatch_refuses_a_result_without_the_batch_axis(hybrid_client, mode):
 
 
 def test_dispatch_names_the_argument_whose_size_disagrees():
-    with pytest.raises(ValueError, match=r"""mapping\["args\[1\]\['b'\]"\]: size 3 along axis 0 is not compatible; expected 1 or 5"""):
+    with pytest.raises(ValueError, match=r"""^args\[1\]\['b'\]: size 3 along axis 0 is not compatible; expected 1 or 5"""):
         dispatch(affine, np.zeros(5), {"w": np.zeros(5), "b": np.zeros(3)}, 1.0, shift=0.0,
                  scheduler=SimpleScheduler("cpu", 2), mode="sync")
 

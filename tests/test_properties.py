@@ -114,7 +114,7 @@ def test_async_protocol_covers_the_batch_within_capacity(scheduler, n, data):
 def test_loaders_round_trip_through_concat_reduce(shape, axis_seed, sizes):
     axis = axis_seed % len(shape)
     x = np.arange(int(np.prod(shape)), dtype=float).reshape(shape)
-    whole = np.array([7.0])  # size 1 along axis 0: passed whole (only batched when axis == 0)
+    whole = np.full([1] * len(shape), 7.0)  # size 1 along every axis: passed whole
     for loader in (ArrayLoader(x, axis=axis), MappingLoader({"x": x, "w": whole}, axis=axis)):
         pieces, i = [], 0
         while loader.has_more():

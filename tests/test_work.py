@@ -95,7 +95,7 @@ def test_array_loader_short_last_chunk_and_views():
     assert all(np.shares_memory(w, x) for _, w in chunks)  # slices, not copies
 
 
-@pytest.mark.parametrize("axis", [-1, 2, 5])
+@pytest.mark.parametrize("axis", [-3, 2, 5])
 def test_array_loader_axis_out_of_range(axis):
     with pytest.raises(ValueError, match=rf"axis: {axis} is out of range for an array of shape \(4, 3\)"):
         ArrayLoader(np.zeros((4, 3)), axis=axis)
@@ -172,8 +172,11 @@ def test_mapping_loader_incompatible_sizes_along_axis_one():
 
 
 def test_mapping_loader_no_axis():
-    with pytest.raises(ValueError, match=r"mapping: no entry has an axis 1 to split along"):
+    # An array with no such axis is never passed whole silently; a scalar is.
+    with pytest.raises(ValueError, match=r"^mapping\['a'\]: shape \(4,\) has no axis 1 to split along"):
         MappingLoader({"a": np.zeros(4), "b": 3.0}, axis=1)
+    with pytest.raises(ValueError, match=r"mapping: no entry has an axis 1 to split along"):
+        MappingLoader({"b": 3.0}, axis=1)
     with pytest.raises(ValueError, match=r"mapping: no entry has an axis 0"):
         MappingLoader({})
 
@@ -183,10 +186,19 @@ def test_mapping_loader_no_items():
         MappingLoader({"a": np.zeros((0, 2))})
 
 
-def test_a_negative_axis_is_rejected_by_the_mapping_loader():
-    # Counting from the end would split entries of different ranks along different axes.
-    with pytest.raises(ValueError, match="axis: expected an integer >= 0, got -1"):
-        MappingLoader({"x": np.zeros((4, 4)), "y": np.zeros(4)}, axis=-1)
+def test_a_negative_axis_counts_from_the_end_of_each_entrys_own_shape():
+    loader = MappingLoader({"x": np.zeros((3, 4)), "y": np.zeros(4), "z": np.zeros((2, 2, 4))}, axis=-1)
+    m, work = loader.next(3)
+    assert (m, loader.axes) == (3, {"x": 1, "y": 0, "z": 2})
+    assert [v.shape for v in work.values()] == [(3, 3), (3,), (2, 2, 3)]
+
+
+def test_per_entry_axes_and_none_for_an_entry_that_goes_whole():
+    loader = MappingLoader({"x": np.zeros((3, 4)), "table": np.arange(5.0)}, axis={"x": 1, "table": None})
+    work = loader.next(2)[1]
+    assert work["x"].shape == (3, 2) and work["table"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(ValueError, match=r"^axis\['x'\]: expected an integer, got 1.5$"):
+        MappingLoader({"x": np.zeros(4)}, axis={"x": 1.5})
 
 
 @pytest.mark.parametrize("start, stop, field", [(0.5, 3, "start"), (0, 2.5, "stop")])

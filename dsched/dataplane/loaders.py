@@ -77,11 +77,32 @@ class SliceGenerator(WorkGenerator):
         return slice(self.start + start, self.start + stop)
 
 
-def _check_axis(axis):
-    # A negative axis would count from the end of each entry's own shape, so
-    # entries of different ranks would be split along different axes.
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or axis < 0:
-        raise ValueError(f"axis: expected an integer >= 0, got {axis!r}")
+def _check_axis(axis, field="axis"):
+    """An axis as given: an integer (negative ones count from the end of each entry's own shape)."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise ValueError(f"{field}: expected an integer, got {axis!r}")
+
+
+def resolve_axis(axis, shape, field):
+    """``axis`` of an entry of ``shape`` as a non-negative axis (a negative one counts from its own end).
+
+    An entry with no axis ``axis`` is a ValueError naming it: passing it whole would hand every chunk the
+    whole batch of it, silently (a scalar, or an entry marked ``None``, is never asked).
+
+    Examples
+    --------
+    >>> resolve_axis(-1, (3, 3, 8), "F")
+    2
+    >>> resolve_axis(3, (6, 8), "state")
+    Traceback (most recent call last):
+    ...
+    ValueError: state: shape (6, 8) has no axis 3 to split along; mark it None to pass it whole to every chunk
+    """
+    ndim = len(shape)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{field}: shape {tuple(shape)} has no axis {axis} to split along; "
+                         "mark it None to pass it whole to every chunk")
+    return int(axis) % ndim
 
 
 def _batch_shape(value, field):
@@ -105,8 +126,9 @@ class ArrayLoader(WorkGenerator):
     def __init__(self, array, axis: int = 0):
         array = as_streamed(array)  # a Zarr or Dask array is read chunk by chunk, never whole
         shape = _batch_shape(array, "array")
-        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not 0 <= axis < len(shape):
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -len(shape) <= axis < len(shape):
             raise ValueError(f"axis: {axis} is out of range for an array of shape {getattr(array, 'shape', ())}")
+        axis = int(axis) % len(shape)
         if shape[axis] == 0:
             raise ValueError(f"array: no items along axis {axis} (shape {tuple(array.shape)})")
         super().__init__(shape[axis])
@@ -117,11 +139,14 @@ class ArrayLoader(WorkGenerator):
 
 
 class MappingLoader(WorkGenerator):
-    """Hands out dicts of slices of a mapping of arrays along ``axis``.
+    """Hands out dicts of slices of a mapping of arrays, each along its own batch axis.
 
-    An entry whose size along ``axis`` is 1, or that has no such axis (a
-    scalar, a parameter), is passed whole into every chunk; all other sizes
-    must agree.
+    ``axis`` is one axis for every entry, or ``{key: axis}`` per entry (an entry
+    absent from it, or marked ``None``, goes whole); a negative axis counts from
+    the end of each entry's own shape. A scalar entry, and one whose size along
+    its axis is 1, is passed whole into every chunk; all other sizes must agree,
+    and an entry with no such axis is a ValueError. ``names`` gives the entries'
+    names in messages (default ``mapping['key']``).
 
     Examples
     --------
@@ -130,26 +155,35 @@ class MappingLoader(WorkGenerator):
     >>> m, work = g.next(3)
     >>> m, work["x"].tolist(), work["scale"].tolist()
     (3, [0, 1, 2], [2.0])
+    >>> g = MappingLoader({"F": np.zeros((3, 3, 5)), "state": np.zeros((7, 5))}, axis=-1)
+    >>> [v.shape for v in g.next(2)[1].values()]
+    [(3, 3, 2), (7, 2)]
     """
 
-    def __init__(self, mapping, axis: int = 0):
-        _check_axis(axis)
+    def __init__(self, mapping, axis=0, *, names=None):
+        per_entry = isinstance(axis, dict)
+        for key, value in (axis.items() if per_entry else [("axis", axis)]):
+            if value is not None or not per_entry:
+                _check_axis(value, "axis" if not per_entry else f"axis[{key!r}]")
         mapping = {key: as_streamed(value) for key, value in mapping.items()}
-        sizes = {}
-        shapes = {key: _batch_shape(value, f"mapping[{key!r}]") for key, value in mapping.items()}
-        for key, shape in shapes.items():
-            if len(shape) > axis and shape[axis] != 1:
-                sizes[key] = shape[axis]
+        names = names or {}
+        name = {key: names.get(key, f"mapping[{key!r}]") for key in mapping}
+        requested = {key: (axis.get(key) if per_entry else axis) for key in mapping}
+        shapes = {key: _batch_shape(value, name[key]) for key, value in mapping.items() if requested[key] is not None}
+        # Resolved per entry: None for those that go whole (scalars, entries marked None).
+        self.axes = {key: None if a is None or not shapes[key] else resolve_axis(a, shapes[key], name[key])
+                     for key, a in requested.items()}
+        along = {key: shapes[key][a] for key, a in self.axes.items() if a is not None}
+        sizes = {key: n for key, n in along.items() if n != 1}
         distinct = set(sizes.values())
         if len(distinct) > 1:
             total = max(distinct)
             key, size = next((k, s) for k, s in sizes.items() if s != total)
-            raise ValueError(
-                f"mapping[{key!r}]: size {size} along axis {axis} is not compatible; expected 1 or {total}"
-            )
+            raise ValueError(f"{name[key]}: size {size} along axis {self.axes[key]} is not compatible; "
+                             f"expected 1 or {total}")
         if distinct:
             total = distinct.pop()
-        elif any(len(shape) > axis for shape in shapes.values()):
+        elif along:
             total = 1  # every batched entry has exactly one item
         else:
             raise ValueError(f"mapping: no entry has an axis {axis} to split along")
@@ -157,10 +191,10 @@ class MappingLoader(WorkGenerator):
             raise ValueError(f"mapping: no items along axis {axis}")
         super().__init__(total)
         self.mapping, self.axis = dict(mapping), axis
-        self._batched = set(sizes) if sizes else {k for k, shape in shapes.items() if len(shape) > axis}
+        self._batched = set(sizes) if sizes else set(along)
 
     def _take(self, start, stop):
-        return {k: (take(v, self.axis, start, stop) if k in self._batched else v) for k, v in self.mapping.items()}
+        return {k: (take(v, self.axes[k], start, stop) if k in self._batched else v) for k, v in self.mapping.items()}
 
 
 class Ranges:

@@ -62,9 +62,14 @@ class _Leaf:
     item_shape: tuple  # the shape without the batch axis
     dtype: str
     template: object = None  # a torch or NEML2 result: an empty one of its type, to rebuild the joined output
+    axis: int = 0  # this output's batch axis (a layout's negative axis, resolved by the output's own rank)
 
     def __reduce__(self):  # positional: every chunk's task carries the layout
-        return _leaf, (self.path, self.item_shape, self.dtype, pack_template(self.template))
+        return _leaf, (self.path, self.item_shape, self.dtype, pack_template(self.template), self.axis)
+
+    def shape(self, items: int) -> tuple:
+        """The shape of ``items`` items of this output."""
+        return self.item_shape[:self.axis] + (items,) + self.item_shape[self.axis:]
 
     @property
     def by_value(self) -> bool:
@@ -72,8 +77,8 @@ class _Leaf:
         return travels_by_value(self.dtype)
 
 
-def _leaf(path, item_shape, dtype, template):
-    return _Leaf(path, item_shape, dtype, unpack_template(template))
+def _leaf(path, item_shape, dtype, template, axis):
+    return _Leaf(path, item_shape, dtype, unpack_template(template), axis)
 
 
 def travels_by_value(dtype) -> bool:
@@ -99,7 +104,10 @@ def _host_leaf(leaf, axis):
 
 @dataclass(frozen=True)
 class OutputLayout:
-    """The structure of a chunk's result: its containers, and per array the item shape and dtype.
+    """The structure of a chunk's result: its containers, and per array the item shape, dtype and batch axis.
+
+    ``axis`` is the batch axis of every output; a negative one counts from the
+    end of each output's own shape (``-1``: each joined along its last axis).
 
     Examples
     --------
@@ -107,6 +115,8 @@ class OutputLayout:
     >>> layout = OutputLayout.of({"y": np.zeros((4, 3))}, 4)
     >>> layout.shapes(10)
     {('y',): (10, 3)}
+    >>> OutputLayout.of({"P": np.zeros((3, 3, 4)), "s": np.zeros((7, 4))}, 4, axis=-1).shapes(10)
+    {('P',): (3, 3, 10), ('s',): (7, 10)}
     """
 
     skeleton: object  # the result with every array replaced by None
@@ -123,21 +133,23 @@ class OutputLayout:
         """The layout of ``result``, a chunk of ``size`` items; raises if it does not fit its chunk."""
         leaves = []
         for path, leaf in _flatten(result):
-            leaf, template = _host_leaf(leaf, axis)
-            _check_leaf(path, leaf, size, axis, where)
+            own = _own_axis(path, leaf, size, axis, where)
+            leaf, template = _host_leaf(leaf, own)
+            _check_leaf(path, leaf, size, own, where)
             shape = tuple(leaf.shape)
-            leaves.append(_Leaf(path, shape[:axis] + shape[axis + 1:], np.dtype(leaf.dtype).str, template))
+            leaves.append(_Leaf(path, shape[:own] + shape[own + 1:], np.dtype(leaf.dtype).str, template, own))
         return cls(_skeleton(result), tuple(leaves), axis, origin)
 
     @classmethod
     def declared(cls, spec: dict, axis: int = 0) -> "OutputLayout":
         """A layout from ``{name: (item_shape, dtype)}``: a result that is a dict of arrays."""
-        leaves = tuple(_Leaf((name,), tuple(shape), np.dtype(dtype).str) for name, (shape, dtype) in spec.items())
+        leaves = tuple(_Leaf((name,), tuple(shape), np.dtype(dtype).str, None, axis % (len(shape) + 1))
+                       for name, (shape, dtype) in spec.items())
         return cls({name: None for name in spec}, leaves, axis, "as output_spec declares")
 
     def shapes(self, total: int) -> dict:
         """``{path: shape}`` of the joined outputs for a batch of ``total`` items."""
-        return {leaf.path: leaf.item_shape[:self.axis] + (total,) + leaf.item_shape[self.axis:] for leaf in self.leaves}
+        return {leaf.path: leaf.shape(total) for leaf in self.leaves}
 
     def check(self, result, size: int, where: str) -> list:
         """The arrays of ``result`` in leaf order; raises :class:`ChunkResultError` if it does not fit."""
@@ -151,11 +163,11 @@ class OutputLayout:
             )
         arrays = []
         for leaf, (path, array) in zip(self.leaves, flat):
-            array, _ = _host_leaf(array, self.axis)
+            array, _ = _host_leaf(array, leaf.axis)
             arrays.append(array)
-            _check_leaf(path, array, size, self.axis, where)
+            _check_leaf(path, array, size, leaf.axis, where)
             shape = tuple(array.shape)
-            item = shape[:self.axis] + shape[self.axis + 1:]
+            item = shape[:leaf.axis] + shape[leaf.axis + 1:]
             if item != leaf.item_shape or not _same_dtype(array.dtype, leaf):
                 raise ChunkResultError(
                     f"{where} returned {_path_name(path)} with items of shape {item} and dtype "
@@ -177,6 +189,17 @@ def _same_dtype(dtype, leaf) -> bool:
     if dtype.kind in "US" and leaf.by_value:
         return dtype.kind == np.dtype(leaf.dtype).kind
     return dtype.str == leaf.dtype
+
+
+def _own_axis(path, leaf, size, axis, where) -> int:
+    """``axis`` for this output: a negative one counted from the end of its own shape."""
+    if axis >= 0 or not hasattr(leaf, "shape"):
+        return axis
+    ndim = len(backends.batch_shape(leaf)) if backends.backend_of(leaf, strict=False) else len(leaf.shape)
+    if ndim < -axis:
+        raise ChunkResultError(f"{where} returned {_path_name(path)} of shape {tuple(leaf.shape)}; expected "
+                               f"{size} items along axis {axis} (the chunk's size)")
+    return axis % ndim
 
 
 def _check_leaf(path, leaf, size, axis, where):
@@ -312,10 +335,8 @@ class OutputSlot:
     def rows(self) -> list:
         """Per output (leaf order), the chunk's rows as a writable NumPy view where the output lies in memory
         along axis 0 and holds NumPy results, else ``None``; ``[]`` when none does."""
-        if self.layout.axis != 0:
-            return []
         rows = [t.rows(self.start, self.stop, writable=True)
-                if isinstance(t, ArrayRef) and leaf.template is None else None
+                if isinstance(t, ArrayRef) and leaf.template is None and leaf.axis == 0 else None
                 for leaf, t in zip(self.layout.leaves, self.targets)]
         return rows if any(r is not None for r in rows) else []
 
@@ -329,13 +350,13 @@ class OutputSlot:
             rows = [] if pinned else self.rows()
         arrays = _apart(arrays, rows)
         leftover = {}
-        for i, (target, array) in enumerate(zip(self.targets, arrays)):
+        for i, (leaf, target, array) in enumerate(zip(self.layout.leaves, self.targets, arrays)):
             if target is BY_VALUE:
                 leftover[i] = _host(array)
             elif i < len(rows) and rows[i] is not None:
                 copy_to_host(array, rows[i])  # nothing to copy where the result already lies there
             else:
-                write_rows(target, self.layout.axis, self.start, self.stop, array, pinned)
+                write_rows(target, leaf.axis, self.start, self.stop, array, pinned)
         return Leftover(leftover) if leftover else None
 
 

@@ -72,7 +72,7 @@ def check_out(out, total: int, axis: int, overwrite: bool = False):
         if not (hasattr(array, "shape") and hasattr(array, "dtype")):
             raise ValueError(f"out: {_path_name(path)[6:] or 'out'} is {type(array).__name__}, not an array")
         shape = tuple(array.shape)
-        if len(shape) <= axis or shape[axis] != total:
+        if not -len(shape) <= axis < len(shape) or shape[axis] != total:
             raise ValueError(
                 f"out{_path_name(path)[6:]}: shape {shape} does not hold {total} items along axis {axis}"
             )
@@ -176,11 +176,11 @@ class RunData:
         if self.layout is None:
             self._allocate(OutputLayout.of(result, record.size, self.axis, where=where))
         arrays = self.layout.check(result, record.size, where)
-        for i, (target, array) in enumerate(zip(self.targets, arrays)):
+        for i, (leaf, target, array) in enumerate(zip(self.layout.leaves, self.targets, arrays)):
             if target is BY_VALUE:
                 self.pieces.setdefault(i, {})[record.offset] = array
             else:
-                write_rows(target, self.axis, record.offset, record.offset + record.size, array)
+                write_rows(target, leaf.axis, record.offset, record.offset + record.size, array)
 
     def accept_leftover(self, record, leftover):
         """Keep the rows a chunk sent back by value (it wrote its other outputs in place)."""
@@ -201,8 +201,8 @@ class RunData:
                 continue  # its missing rows are filled when the output is joined
             dtype = np.dtype(leaf.dtype)
             if np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.complexfloating):
-                shape = self.layout.shapes(record.size)[leaf.path]
-                write_rows(target, self.axis, record.offset, record.offset + record.size, np.full(shape, np.nan, dtype))
+                write_rows(target, leaf.axis, record.offset, record.offset + record.size,
+                           np.full(leaf.shape(record.size), np.nan, dtype))
 
     def output(self):
         """The joined outputs, in the structure of a chunk's result."""
@@ -221,15 +221,15 @@ class RunData:
         shape = self.layout.shapes(self.total)[leaf.path]
         if not pieces:
             return np.empty(shape, dtype=leaf.dtype) if np.dtype(leaf.dtype).kind == "O" else np.zeros(shape, leaf.dtype)
-        ordered, position = [], 0
+        ordered, position, axis = [], 0, leaf.axis
         for offset in sorted(pieces):
             if offset > position:
-                ordered.append(_empty_rows(pieces[offset], offset - position, self.axis))
+                ordered.append(_empty_rows(pieces[offset], offset - position, axis))
             ordered.append(pieces[offset])
-            position = offset + pieces[offset].shape[self.axis]
+            position = offset + pieces[offset].shape[axis]
         if position < self.total:
-            ordered.append(_empty_rows(ordered[-1], self.total - position, self.axis))
-        return np.concatenate(ordered, axis=self.axis)
+            ordered.append(_empty_rows(ordered[-1], self.total - position, axis))
+        return np.concatenate(ordered, axis=axis)
 
     def fill_undispatched(self, records):
         """Rows of items no chunk was dispatched for (a run that stopped early): NaN in floating outputs, 0 in
@@ -241,9 +241,8 @@ class RunData:
                 if target is BY_VALUE:
                     continue
                 dtype = np.dtype(leaf.dtype)
-                shape = self.layout.shapes(stop - start)[leaf.path]
                 fill = np.nan if dtype.kind in "fc" else 0
-                write_rows(target, self.axis, start, stop, np.full(shape, fill, dtype))
+                write_rows(target, leaf.axis, start, stop, np.full(leaf.shape(stop - start), fill, dtype))
 
     def close(self, clean=False):
         """Release the run's shared memory (the returned outputs stay valid).
@@ -301,7 +300,7 @@ class RunData:
         for leaf in layout.leaves:
             name = "/".join(map(str, leaf.path)) or "data"
             shape = shapes[leaf.path]
-            chunks = tuple(min(self.chunk_items, s) if i == self.axis else s for i, s in enumerate(shape))
+            chunks = tuple(min(self.chunk_items, s) if i == leaf.axis else s for i, s in enumerate(shape))
             array = group.create_array(name, shape=shape, chunks=chunks, dtype=leaf.dtype, compressors=None,
                                        fill_value=_fill_value(leaf.dtype))
             targets.append(ZarrTarget(os.fspath(self.out), name))

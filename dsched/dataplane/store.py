@@ -477,19 +477,21 @@ def share_generator(generator, store: RunStore):
         arrays = [generator.mapping[k] for k in keys]
     else:
         return generator
-    hosts = [_host_and_template(a, generator.axis) for a in arrays]
-    return _SharedLoader(generator, store.place_many([h for h, _ in hosts]), keys, [t for _, t in hosts])
+    axes = [generator.axis] if keys is None else [generator.axes[k] for k in keys]
+    hosts = [_host_and_template(a, axis) for a, axis in zip(arrays, axes)]
+    return _SharedLoader(generator, store.place_many([h for h, _ in hosts]), keys, [t for _, t in hosts], axes)
 
 
 class _SharedLoader:
     """Hands out what an array or mapping loader would, as references to its arrays' placements.
 
-    ``keys`` names the mapping's batched entries (``None`` for an array loader).
-    Each chunk's rows are copied into the store just before it is handed out.
+    ``keys`` names the mapping's batched entries (``None`` for an array loader),
+    ``axes`` their batch axes. Each chunk's rows are copied into the store just
+    before it is handed out.
     """
 
-    def __init__(self, loader, placements, keys, templates):
-        self.loader, self.placements, self.keys, self.templates = loader, placements, keys, templates
+    def __init__(self, loader, placements, keys, templates, axes):
+        self.loader, self.placements, self.keys, self.templates, self.axes = loader, placements, keys, templates, axes
         self.total = loader.total
 
     @property
@@ -506,10 +508,9 @@ class _SharedLoader:
         return m, self._take(start, start + m)
 
     def _take(self, start, stop):
-        axis = self.loader.axis
-        for placement in self.placements:
+        for placement, axis in zip(self.placements, self.axes):
             placement.copy(axis, start, stop)
-        slices = [SliceRef(p.ref, axis, start, stop, t) for p, t in zip(self.placements, self.templates)]
+        slices = [SliceRef(p.ref, axis, start, stop, t) for p, t, axis in zip(self.placements, self.templates, self.axes)]
         if self.keys is None:
             return SharedWork(slices[0])
         refs = dict(zip(self.keys, slices))

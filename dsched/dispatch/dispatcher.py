@@ -87,7 +87,8 @@ class WorkDispatcher:
         runs; every result is checked against its chunk first. ``run`` returns the
         joined outputs.
     axis : int
-        The batch axis of the results for ``join="concat"``.
+        The batch axis of the results for ``join="concat"``; a negative one counts
+        from the end of each result's own shape.
     out : str, path, array or container of arrays, optional
         With ``join="concat"``: a Zarr store to create (workers write their rows to it;
         it must be reachable from every worker) or arrays to fill. Default: new arrays
@@ -187,8 +188,8 @@ class WorkDispatcher:
             raise ValueError(f"join: expected None or 'concat', got {join!r}")
         if join is not None and reduce is not None:
             raise ValueError("reduce: a reduce function cannot be combined with join='concat'")
-        if isinstance(axis, bool) or not isinstance(axis, int) or axis < 0:
-            raise ValueError(f"axis: expected an integer >= 0, got {axis!r}")
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise ValueError(f"axis: expected an integer, got {axis!r}")
         for name, value in (("out", out), ("output_spec", output_spec)):
             if value is not None and join is None:
                 raise ValueError(f"{name}: only meaningful with join='concat'")

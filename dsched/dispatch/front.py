@@ -1,8 +1,9 @@
 """``dispatch()``: the one-call form. Split arrays along the batch axis, call a function per chunk, join the results.
 
-Arrays and dicts of arrays among the arguments are cut into chunks
-(:class:`_ArgsLayout` records which arguments are batched, so that each chunk's
-task carries its rows and nothing of the batch); :class:`_CallOnChunk` rebuilds
+Arrays, and arrays in dicts, lists and tuples, among the arguments are cut into
+chunks, each along its own axis (:class:`~dsched.dispatch.arguments.ArgsLayout`
+records which are batched, so that each chunk's task carries its rows and
+nothing of the batch); :class:`_CallOnChunk` rebuilds
 the call on the worker, moves the chunk to its device, and brings the result
 back to host memory. A :class:`~dsched.dispatch.dispatcher.WorkDispatcher`
 with ``join="concat"`` does the rest.
@@ -20,13 +21,13 @@ from dataclasses import dataclass
 import dask
 import numpy as np
 
-from dsched.dataplane.loaders import MappingLoader
+from dsched.dataplane.loaders import MappingLoader, resolve_axis
 from dsched.dataplane.outputs import OutputLayout
 from dsched.dataplane.rundata import check_out
-from dsched.dataplane.sources import as_streamed
 from dsched.dataplane.store import resolve_work
 from dsched.devices import backends
 from dsched.devices.threads import limit_this_thread
+from dsched.dispatch.arguments import ArgsLayout, is_split, keep_grad_setting, out_axis_of
 from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.dispatch.reuse import RecentCalls
 from dsched.dispatch.reduce import concat_reduce
@@ -36,86 +37,6 @@ __all__ = ["dispatch"]
 
 #: seconds dispatch() gives its probe of fn on one item (Dask config ``dsched.probe-timeout``)
 PROBE_SECONDS = 2.0
-
-
-def _is_array(x, field="args") -> bool:
-    """Whether ``x`` is an array of a known backend; a ValueError naming ``field`` for look-alikes."""
-    kind = type(x).__name__
-    if type(x).__module__.partition(".")[0] == "pandas" and kind in ("DataFrame", "Series"):
-        how = "its columns, {name: df[name].to_numpy()}, or df.to_numpy()" if kind == "DataFrame" \
-            else "series.to_numpy()"
-        raise ValueError(f"{field}: a pandas {kind} is not split by dsched; pass {how}")
-    try:
-        return backends.is_array(x)
-    except backends.UnsupportedArrayError as err:
-        raise backends.UnsupportedArrayError(f"{field}: {err}") from None
-
-
-def _is_mapping_of_arrays(x, field="args") -> bool:
-    """A dict holding at least one array: split like a MappingLoader (non-arrays go whole)."""
-    return isinstance(x, dict) and any([_is_array(v, f"{field}[{k!r}]") for k, v in x.items()])
-
-
-def _keep_grad(keep_grad) -> bool:
-    """``keep_grad`` if given, else the Dask config ``dsched.keep-grad`` (read on the client)."""
-    if keep_grad is None:
-        keep_grad = dask.config.get("dsched.keep-grad", False)
-    return bool(keep_grad)
-
-
-class _ArgsLayout:
-    """Flattens ``args`` into a mapping of batched entries and rebuilds them per chunk.
-
-    Inputs keep their type (torch and NEML2 tensors stay tensors). Their
-    autograd history is dropped (``detach``, no copy) unless ``keep_grad``:
-    a graph cannot cross to a worker process, and slicing it per chunk
-    would only grow it.
-    """
-
-    def __init__(self, args, keep_grad=None):
-        # Per argument: _BATCHED, the keys of a mapping, or the argument itself. Never the
-        # arrays: the layout travels with every chunk's task, the batch must not.
-        self.skeleton = []
-        self.mapping = {}
-        prepare = (lambda v: v) if _keep_grad(keep_grad) else backends.detach
-        for i, arg in enumerate(args):
-            # A Zarr or Dask array (alone or in a dict) is streamed: its rows are read chunk by chunk, where each runs.
-            arg = {k: as_streamed(v) for k, v in arg.items()} if isinstance(arg, dict) else as_streamed(arg)
-            if _is_array(arg, f"args[{i}]"):
-                self.mapping[f"args[{i}]"] = prepare(arg)
-                self.skeleton.append(_BATCHED)
-            elif _is_mapping_of_arrays(arg, f"args[{i}]"):
-                for k, v in arg.items():
-                    self.mapping[f"args[{i}][{k!r}]"] = prepare(v)
-                self.skeleton.append(_MappingKeys(tuple(arg)))
-            else:
-                self.skeleton.append(arg)
-
-    def __getstate__(self):
-        return {"skeleton": self.skeleton, "mapping": {}}  # the worker rebuilds from the chunk alone
-
-    def rebuild(self, chunk):
-        out = []
-        for i, arg in enumerate(self.skeleton):
-            if isinstance(arg, _Batched):
-                out.append(chunk[f"args[{i}]"])
-            elif isinstance(arg, _MappingKeys):
-                out.append({k: chunk[f"args[{i}][{k!r}]"] for k in arg.keys})
-            else:
-                out.append(arg)
-        return out
-
-
-class _Batched:
-    """Marks an argument that is split per chunk (compared by type: it survives pickling)."""
-
-
-_BATCHED = _Batched()
-
-
-@dataclass(frozen=True)
-class _MappingKeys:
-    keys: tuple
 
 
 class _CallOnChunk:
@@ -131,7 +52,7 @@ class _CallOnChunk:
     """
 
     def __init__(self, fn, layout, kwargs, keep_grad=None):
-        self.fn, self.layout, self.kwargs, self.keep_grad = fn, layout, kwargs, _keep_grad(keep_grad)
+        self.fn, self.layout, self.kwargs, self.keep_grad = fn, layout, kwargs, keep_grad_setting(keep_grad)
 
     def __call__(self, chunk, device):
         limit_this_thread()  # torch's thread count is per thread: give this one the worker's share
@@ -148,23 +69,31 @@ class _CallOnChunk:
         return backends.to_host(result, keep_grad=self.keep_grad)
 
 
-def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file=None, out=None, overwrite=False,
-             timeout=None, keep_grad=None, **kwargs):
+def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=None, trace_file=None, out=None,
+             overwrite=False, timeout=None, keep_grad=None, **kwargs):
     """Evaluate ``fn`` over a batch split along ``axis`` by ``scheduler``; the joined result.
 
-    Arrays and dicts holding arrays in ``args`` are split (entries of size 1
-    along ``axis``, and a dict's non-array entries, go whole into every chunk); other arguments and ``kwargs`` pass
-    unchanged. ``fn`` returns an array, a tuple or a dict of arrays, joined
-    along ``axis`` in order, in place: each chunk writes its own rows of the
-    outputs where it runs, after a check that its result fits its chunk. On
-    worker processes the inputs are placed once in shared memory and chunks
-    carry references to them. ``out`` sends the outputs to a Zarr store (a
-    path; ``overwrite`` replaces an existing one) or into arrays you provide.
-    On a CUDA device the chunk is moved there (CuPy) before ``fn`` and the
-    result back to host memory after. ``trace_file`` writes a Chrome trace of
-    the run (see :mod:`dsched.observe.trace`). torch tensors stay torch, their autograd
-    dropped unless ``keep_grad`` (default: the Dask config ``dsched.keep-grad``),
-    which joins the chunks' tensors themselves (in the caller's process only).
+    Arrays in ``args``, and the arrays in dicts, lists and tuples there, are
+    split (a scalar, an entry of size 1 along its axis and a container's
+    non-array items go whole into every chunk); other arguments and
+    ``kwargs`` pass unchanged. ``axis`` is every array's batch axis (a
+    negative one counts from the end of each array's own shape), or one
+    entry per argument, ``None`` for one that goes whole, a mapping or
+    sequence of entries for a container (see :mod:`dsched.dispatch.arguments`).
+    An array with no such axis is a ``ValueError``. ``fn`` returns an array,
+    a tuple or a dict of arrays, joined along ``out_axis`` (default: the axis
+    the arguments name, if they name one, else 0; negative ones per output)
+    in order, in place: each chunk writes its own rows of the outputs where it runs, after a check
+    that its result fits its chunk. On worker processes the inputs are
+    placed once in shared memory and chunks carry references to them.
+    ``out`` sends the outputs to a Zarr store (a path; ``overwrite`` replaces
+    an existing one) or into arrays you provide. On a CUDA device the chunk
+    is moved there (CuPy) before ``fn`` and the result back to host memory
+    after. ``trace_file`` writes a Chrome trace of the run (see
+    :mod:`dsched.observe.trace`). torch tensors stay torch, their autograd
+    dropped unless ``keep_grad`` (default: the Dask config
+    ``dsched.keep-grad``), which joins the chunks' tensors themselves (in
+    the caller's process only).
 
     Examples
     --------
@@ -172,27 +101,32 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file
     >>> from dsched import SimpleScheduler
     >>> dispatch(np.square, np.arange(5.0), scheduler=SimpleScheduler("cpu", 2), mode="sync").tolist()
     [0.0, 1.0, 4.0, 9.0, 16.0]
+    >>> F, state = np.ones((3, 3, 5)), np.zeros((2, 5))   # the batch axis last, ranks that differ
+    >>> [a.shape for a in dispatch(lambda F, s: (2 * F, s + 1), F, state, scheduler=SimpleScheduler("cpu", 2),
+    ...                             mode="sync", axis=-1)]
+    [(3, 3, 5), (2, 5)]
     """
     if not callable(fn):
         raise ValueError(f"fn: expected a callable, got {fn!r}")
-    keep_grad = _keep_grad(keep_grad)
+    keep_grad = keep_grad_setting(keep_grad)
     if keep_grad and out is not None:
         raise ValueError("out: outputs written in place carry no autograd graph; drop out= or keep_grad")
-    layout = _ArgsLayout(args, keep_grad)
-    if not layout.mapping:
-        raise ValueError("args: dispatch needs at least one array (or dict of arrays) to split")
-    if _batch_is_empty(layout.mapping, axis):
-        return _empty_result(out, axis)
-    loader = MappingLoader(layout.mapping, axis=axis)
+    layout = ArgsLayout(args, keep_grad, axis)
+    if not any(a is not None for a in layout.axes.values()):
+        raise ValueError("args: dispatch needs at least one array (or container of arrays) to split")
+    out_axis = out_axis_of(axis, out_axis)
+    if _batch_is_empty(layout):
+        return _empty_result(out, axis, out_axis)
+    loader = _loader(layout)
     reused = None if keep_grad or trace_file is not None or mode != "async" else _REUSED.take(
-        fn, layout, kwargs, scheduler=scheduler, client=client, axis=axis, timeout=timeout)
+        fn, layout, kwargs, scheduler=scheduler, client=client, axis=out_axis, timeout=timeout)
     if reused is not None:  # a call like a recent one: its dispatcher, program and feeds again
         return reused.run(loader, layout, out, overwrite)
     # Kept autograd needs the tensors themselves joined (torch.cat), not their values copied in place.
-    join = dict(reduce=functools.partial(concat_reduce, axis=axis)) if keep_grad else dict(
-        join="concat", axis=axis, out=out, overwrite=overwrite)
+    join = dict(reduce=functools.partial(concat_reduce, axis=out_axis)) if keep_grad else dict(
+        join="concat", axis=out_axis, out=out, overwrite=overwrite)
     if not keep_grad:  # the first chunks then write in place like the others (see WorkDispatcher's layout_probe)
-        join["layout_probe"] = functools.partial(_probe_layout, fn, layout, kwargs, axis)
+        join["layout_probe"] = functools.partial(_probe_layout, fn, layout, kwargs, out_axis)
     dispatcher = WorkDispatcher(
         scheduler,
         _CallOnChunk(fn, layout, kwargs, keep_grad),
@@ -204,6 +138,21 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file
     )
     with dispatcher:
         return dispatcher.run(loader)
+
+
+def _loader(layout):
+    """The call's chunks: a :class:`MappingLoader` over the layout's entries, each along its own axis."""
+    return MappingLoader(layout.mapping, axis=layout.axes, names={key: key for key in layout.mapping})
+
+
+def _batch_is_empty(layout) -> bool:
+    """Whether every batched entry has 0 items along its axis (nothing to dispatch)."""
+    sizes = []
+    for key, axis in layout.axes.items():
+        shape = backends.batch_shape(layout.mapping[key])
+        if axis is not None and shape:
+            sizes.append(shape[resolve_axis(axis, shape, key)])
+    return bool(sizes) and max(sizes) == 0
 
 
 def _probe_layout(fn, layout, kwargs, axis):
@@ -218,7 +167,7 @@ def _probe_layout(fn, layout, kwargs, axis):
     probe = getattr(fn, "probe_outputs", True)
     if probe is False:
         return None
-    _, first = MappingLoader(layout.mapping, axis=axis).next(1)
+    _, first = _loader(layout).next(1)
     first = {key: _read_only_copy(value) for key, value in resolve_work(first).items()}
     call = functools.partial(probe if callable(probe) else fn, *layout.rebuild(first), **kwargs)
     result = _within(call, float(dask.config.get("dsched.probe-timeout", PROBE_SECONDS)))
@@ -281,16 +230,10 @@ def _read_only_copy(value):
     return copy.deepcopy(value)
 
 
-def _batch_is_empty(mapping, axis) -> bool:
-    """Whether every batched argument has 0 items along ``axis`` (nothing to dispatch)."""
-    sizes = [backends.batch_shape(v)[axis] for v in mapping.values() if len(backends.batch_shape(v)) > axis]
-    return bool(sizes) and max(sizes) == 0
-
-
-def _empty_result(out, axis):
+def _empty_result(out, axis, out_axis):
     """An empty batch: the ``out=`` arrays as given (they declare the outputs), else a one-line error."""
     if out is not None and not isinstance(out, (str, os.PathLike)):
-        return check_out(out, 0, axis)
+        return check_out(out, 0, out_axis)
     raise ValueError(f"args: the batch is empty (0 items along axis {axis}); with nothing to run, dispatch cannot "
                      "know the outputs' shapes: pass out= arrays of 0 items to get them back")
 
@@ -298,4 +241,4 @@ def _empty_result(out, axis):
 # The dispatchers of recent calls, per thread (dsched.dispatch.reuse): built from this module's pieces.
 _REUSED = RecentCalls(lambda fn, layout, kwargs, axis: _CallOnChunk(fn, layout, kwargs),
                       lambda fn, layout, kwargs, axis: functools.partial(_probe_layout, fn, layout, kwargs, axis),
-                      lambda entry: isinstance(entry, (_Batched, _MappingKeys)))
+                      is_split)

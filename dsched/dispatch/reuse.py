@@ -10,7 +10,7 @@ the layout of the function's result, probed on the first call, is known for
 the next calls with inputs of the same shapes and types.
 
 A call is *like* a recent one when it names the same function object,
-scheduler, client (or the same default client), axis and timeout, and its
+scheduler, client (or the same default client), output axis and timeout, and its
 arguments that are not split and its keyword arguments are equal plain values
 (numbers, strings, ``None``). Calls with anything else among those build their
 own dispatcher, so that no caller's array or model is kept alive here beyond
@@ -69,7 +69,7 @@ class _Recent:
         """Run the call of ``fn`` on the kept dispatcher; the joined result."""
         dispatcher = self.dispatcher
         self.call.fn = fn
-        signature = _signature(layout.mapping, self.axis)
+        signature = _signature(layout.mapping, layout.axes)
         known = self.layouts.get(signature)
         dispatcher.out, dispatcher.overwrite = out, bool(overwrite)
         dispatcher._layout = known
@@ -90,15 +90,15 @@ class _Recent:
         return learn
 
 
-def _signature(mapping, axis) -> tuple:
-    """What the layout of a result depends on: each input's type, its shape but for the batch's length (only
-    whether it is 1, broadcast) and its dtype."""
+def _signature(mapping, axes) -> tuple:
+    """What the layout of a result depends on: each input's type, batch axis, its shape but for the batch's length
+    (only whether it is 1, broadcast) and its dtype."""
     out = []
     for key, value in mapping.items():
-        shape = tuple(backends.batch_shape(value))
-        items = shape[axis] if len(shape) > axis else None
-        shape = shape[:axis] + shape[axis + 1:] if items is not None else shape
-        out.append((key, type(value), shape, items == 1, str(getattr(value, "dtype", None))))
+        shape, axis = tuple(backends.batch_shape(value)), axes.get(key)
+        items = shape[axis] if axis is not None and -len(shape) <= axis < len(shape) else None
+        shape = shape[:axis % len(shape)] + shape[axis % len(shape) + 1:] if items is not None else shape
+        out.append((key, type(value), axis, shape, items == 1, str(getattr(value, "dtype", None))))
     return tuple(out)
 
 
