@@ -20,7 +20,7 @@ from dsched.dataplane.outputs import ChunkResultError
 from dsched.dataplane.store import shared_copy, shared_empty
 from dsched.devices import Device, array_module, current_device, torch_device, visible_gpus
 from dsched.devices.per_thread import PerThread
-from dsched.dispatch import WorkDispatcher, dispatch
+from dsched.dispatch import DispatchFuture, WorkDispatcher, dispatch, submit
 from dsched.dispatch.reduce import concat_reduce, derivative_reduce
 from dsched.errors import AggregateError, ChunkTimeoutError, DispatchError, RecoverableError
 from dsched.observe.hooks import RunObserver
@@ -44,7 +44,8 @@ __all__ = [
     "PerformanceModelScheduler",
     "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader",
     "concat_reduce", "derivative_reduce",
-    "WorkDispatcher", "dispatch", "shared_empty", "shared_copy", "ChunkRecord", "RunReport", "RunObserver",
+    "WorkDispatcher", "dispatch", "submit", "DispatchFuture", "shared_empty", "shared_copy", "ChunkRecord",
+    "RunReport", "RunObserver",
     "DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError", "ChunkResultError",
     "LocalHybridCluster", "PerThread",
     "plan", "as_batched", "map_blocks", "register", "PlacementWarning",

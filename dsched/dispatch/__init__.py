@@ -8,7 +8,13 @@ module              holds
 ``tasks``           transport: chunks as Dask tasks, or packs of chunks
 ``feeds``           transport: device feeds, one message per chunk (client side)
 ``completion``      hearing that chunks finished; devices that lost their workers
-``front``           ``dispatch()``: split the arguments, call, join
+``front``           ``dispatch()``: check and lay out a call, run it, join
+``arguments``       which arguments are split, along which axis
+``submit``          ``submit()``: a call that returns a future at once
+``cancel``          stopping a submitted call from another thread
+``lanes``           transport: the same-host fast lane of device feeds
+``reuse``           calls like a recent one reuse its dispatcher
+``parking``         feeds parked between calls, and workers that left
 ``reduce``          joining chunk results in dispatch order
 ==================  ==========================================================
 
@@ -17,6 +23,7 @@ The worker half of a chunk's journey lives in :mod:`dsched.worker`.
 
 from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.dispatch.front import dispatch
+from dsched.dispatch.submit import DispatchFuture, submit
 from dsched.observe.report import ChunkRecord, RunReport
 
-__all__ = ["WorkDispatcher", "dispatch", "ChunkRecord", "RunReport"]
+__all__ = ["WorkDispatcher", "dispatch", "submit", "DispatchFuture", "ChunkRecord", "RunReport"]

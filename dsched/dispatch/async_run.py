@@ -18,6 +18,7 @@ import dask
 from dsched.dataplane.rundata import direct_to_workers
 from dsched.devices.device import Device, placement_device
 from dsched.devices.ownership import device_threads
+from dsched.dispatch.cancel import current_cancellation
 from dsched.dispatch.completion import DeviceWatch, Mailbox, notify_when_done
 from dsched.dispatch.feeds import FeedOutcome, Feeds, FeedTicket, LaneLost
 from dsched.dispatch.tasks import TaskSender, distinct
@@ -28,6 +29,7 @@ from dsched.worker.chunk import InFlight, PackError
 
 __all__ = ["AsyncRun", "TICK_SECONDS"]
 
+_CANCEL = object()  # the mailbox notice of a cancel() from another thread
 TICK_SECONDS = 1.0  # how often an async run looks for chunks past their timeout and devices without workers
 
 
@@ -84,6 +86,10 @@ class AsyncRun:
         self.threads = device_threads(client, cluster["workers"])  # chunks of a device that can run at once
         self.feeds = self._feeds(cluster)
         self.next_tick = time.monotonic() + TICK_SECONDS  # when to look for timeouts and lost devices
+        # A submitted call's cancel() wakes the loop, which then raises where it waits (see _handle).
+        self.cancellation = current_cancellation()
+        if self.cancellation is not None:
+            self.cancellation.bind(lambda: self.done.put(_CANCEL))
 
     def _feeds(self, cluster):
         """The run's device feeds (:mod:`dsched.dispatch.feeds`) for devices whose workers map its store, if enabled.
@@ -100,6 +106,8 @@ class AsyncRun:
         return Feeds(self.client, self.program, self.run_id, local, self.done.put, cluster, sizes)
 
     def close(self):
+        if self.cancellation is not None:
+            self.cancellation.bind(None)
         if self.feeds is not None:
             self.feeds.close()
         self.tasks.close()
@@ -147,6 +155,9 @@ class AsyncRun:
 
     def _handle(self, item) -> bool:
         """One completion notice: a feed's reply, a pack's chunk event, or a finished task; whether it failed."""
+        if item is _CANCEL:
+            self.cancellation.check()
+            return False
         if isinstance(item, FeedOutcome):
             return self._fed(item)
         if isinstance(item, LaneLost):  # its chunks' outcomes come next, through the mailbox

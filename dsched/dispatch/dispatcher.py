@@ -29,6 +29,7 @@ from dsched.devices.context import running_on
 from dsched.devices.device import Device
 from dsched.devices.ownership import device_owners, forget_cluster_info, recent_cluster_info, wait_for_devices
 from dsched.dispatch.async_run import AsyncRun
+from dsched.dispatch.cancel import current_cancellation
 from dsched.errors import AggregateError, ChunkTimeoutError
 from dsched.observe.dashboard.client import RunTotal
 from dsched.observe.hooks import Observers, RunStart
@@ -375,7 +376,10 @@ class WorkDispatcher:
     def _run_sync(self, data, report, observers):
         """Every chunk on the calling thread, one after another, no load accounting (as NEML2)."""
         program, records, results, generator = self._program, report.records, report.results, data.generator
+        cancellation = current_cancellation()  # a submitted call's cancel() stops it between chunks
         while generator.has_more():
+            if cancellation is not None:
+                cancellation.check()
             chunk = self._next_chunk(generator, observers)
             if chunk is None:  # unreachable with validated schedulers: zero load always has room
                 raise RuntimeError(f"{self.scheduler!r} has no room at zero load")

@@ -106,38 +106,52 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=N
     ...                             mode="sync", axis=-1)]
     [(3, 3, 5), (2, 5)]
     """
-    if not callable(fn):
-        raise ValueError(f"fn: expected a callable, got {fn!r}")
-    keep_grad = keep_grad_setting(keep_grad)
-    if keep_grad and out is not None:
-        raise ValueError("out: outputs written in place carry no autograd graph; drop out= or keep_grad")
-    layout = ArgsLayout(args, keep_grad, axis)
-    if not any(a is not None for a in layout.axes.values()):
-        raise ValueError("args: dispatch needs at least one array (or container of arrays) to split")
-    out_axis = out_axis_of(axis, out_axis)
-    if _batch_is_empty(layout):
-        return _empty_result(out, axis, out_axis)
-    loader = _loader(layout)
-    reused = None if keep_grad or trace_file is not None or mode != "async" else _REUSED.take(
-        fn, layout, kwargs, scheduler=scheduler, client=client, axis=out_axis, timeout=timeout)
-    if reused is not None:  # a call like a recent one: its dispatcher, program and feeds again
-        return reused.run(loader, layout, out, overwrite)
-    # Kept autograd needs the tensors themselves joined (torch.cat), not their values copied in place.
-    join = dict(reduce=functools.partial(concat_reduce, axis=out_axis)) if keep_grad else dict(
-        join="concat", axis=out_axis, out=out, overwrite=overwrite)
-    if not keep_grad:  # the first chunks then write in place like the others (see WorkDispatcher's layout_probe)
-        join["layout_probe"] = functools.partial(_probe_layout, fn, layout, kwargs, out_axis)
-    dispatcher = WorkDispatcher(
-        scheduler,
-        _CallOnChunk(fn, layout, kwargs, keep_grad),
-        **join,
-        timeout=timeout,
-        mode=mode,
-        client=client,
-        trace_file=trace_file,
-    )
-    with dispatcher:
-        return dispatcher.run(loader)
+    return PreparedCall(fn, args, kwargs, scheduler=scheduler, client=client, mode=mode, axis=axis,
+                        out_axis=out_axis, trace_file=trace_file, out=out, overwrite=overwrite, timeout=timeout,
+                        keep_grad=keep_grad).run()
+
+
+class PreparedCall:
+    """A :func:`dispatch` call checked and laid out, ready to :meth:`run` (now, or later on another thread).
+
+    Everything a user can get wrong in the call's arguments is found here, before any work: the function,
+    the axes, the arrays' sizes, ``out`` with ``keep_grad``.
+    """
+
+    def __init__(self, fn, args, kwargs, *, scheduler, client, mode, axis, out_axis, trace_file, out, overwrite,
+                 timeout, keep_grad):
+        if not callable(fn):
+            raise ValueError(f"fn: expected a callable, got {fn!r}")
+        keep_grad = keep_grad_setting(keep_grad)
+        if keep_grad and out is not None:
+            raise ValueError("out: outputs written in place carry no autograd graph; drop out= or keep_grad")
+        self.layout = layout = ArgsLayout(args, keep_grad, axis)
+        if not any(a is not None for a in layout.axes.values()):
+            raise ValueError("args: dispatch needs at least one array (or container of arrays) to split")
+        self.fn, self.kwargs, self.axis, self.out_axis = fn, kwargs, axis, out_axis_of(axis, out_axis)
+        self.scheduler, self.client, self.mode, self.timeout = scheduler, client, mode, timeout
+        self.trace_file, self.out, self.overwrite, self.keep_grad = trace_file, out, overwrite, keep_grad
+        self.loader = None if _batch_is_empty(layout) else _loader(layout)
+
+    def run(self):
+        """Dispatch the call; the joined result."""
+        fn, layout, kwargs, out_axis = self.fn, self.layout, self.kwargs, self.out_axis
+        if self.loader is None:
+            return _empty_result(self.out, self.axis, out_axis)
+        reused = None if self.keep_grad or self.trace_file is not None or self.mode != "async" else _REUSED.take(
+            fn, layout, kwargs, scheduler=self.scheduler, client=self.client, axis=out_axis, timeout=self.timeout)
+        if reused is not None:  # a call like a recent one: its dispatcher, program and feeds again
+            return reused.run(self.loader, layout, self.out, self.overwrite)
+        # Kept autograd needs the tensors themselves joined (torch.cat), not their values copied in place.
+        join = dict(reduce=functools.partial(concat_reduce, axis=out_axis)) if self.keep_grad else dict(
+            join="concat", axis=out_axis, out=self.out, overwrite=self.overwrite)
+        if not self.keep_grad:  # the first chunks then write in place like the others (WorkDispatcher's layout_probe)
+            join["layout_probe"] = functools.partial(_probe_layout, fn, layout, kwargs, out_axis)
+        dispatcher = WorkDispatcher(self.scheduler, _CallOnChunk(fn, layout, kwargs, self.keep_grad), **join,
+                                    timeout=self.timeout, mode=self.mode, client=self.client,
+                                    trace_file=self.trace_file)
+        with dispatcher:
+            return dispatcher.run(self.loader)
 
 
 def _loader(layout):
