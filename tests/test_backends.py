@@ -305,3 +305,23 @@ def test_map_blocks_with_the_torch_backend_gives_tensors_and_returns_numpy(hybri
     assert stress.name.startswith("lambda-") and stress.name != norm.name
     with pytest.raises(ValueError, match="backend: expected 'numpy' or 'torch', got 'jax'"):
         dsched.map_blocks(np.sin, strain, scheduler=scheduler, backend="jax")
+
+
+def test_host_arrays_leaves_a_gpu_chunk_in_host_memory():
+    """A NumPy model on a GPU worker: with host_arrays its chunks arrive as NumPy, not CuPy."""
+    seen = []
+
+    def numpy_model(a):
+        seen.append(type(a))
+        return np.sin(a)
+
+    x = np.arange(6.0)
+    gpu = dsched.SimpleScheduler("cuda:0", 4)  # sync: a CUDA device that is not emulated, as far as dsched can tell
+    got = dsched.dispatch(numpy_model, x, scheduler=gpu, mode="sync", host_arrays=True)
+    np.testing.assert_array_equal(got, np.sin(x))
+    assert set(seen) == {np.ndarray}
+    try:
+        import cupy  # noqa: F401
+    except ImportError:  # without host_arrays the chunk is moved to the GPU, which needs CuPy
+        with pytest.raises(RuntimeError, match="moving NumPy arrays to a CUDA device needs CuPy"):
+            dsched.dispatch(numpy_model, x, scheduler=gpu, mode="sync")

@@ -44,19 +44,22 @@ class _CallOnChunk:
 
     Arrays move to the chunk's device through :mod:`dsched.backends` (torch
     tensors to the CUDA_VISIBLE_DEVICES-aware ``torch.device``; NumPy to CuPy
-    on a real GPU), unless ``fn.moves_inputs`` says ``fn`` does that itself, and the
-    result comes back to host memory as the type ``fn`` returned. Autograd
+    on a real GPU), unless ``fn.moves_inputs`` says ``fn`` does that itself or
+    ``host_arrays`` keeps every chunk in host memory (a NumPy model on a GPU
+    worker), and the result comes back to host memory as the type ``fn`` returned. Autograd
     is kept only with ``keep_grad`` (default: the Dask config
     ``dsched.keep-grad``), which works where chunks run in the caller's
     process (sync mode, in-process workers).
     """
 
-    def __init__(self, fn, layout, kwargs, keep_grad=None):
+    def __init__(self, fn, layout, kwargs, keep_grad=None, host_arrays=False):
         self.fn, self.layout, self.kwargs, self.keep_grad = fn, layout, kwargs, keep_grad_setting(keep_grad)
+        self.host_arrays = bool(host_arrays)
 
     def __call__(self, chunk, device):
         limit_this_thread()  # torch's thread count is per thread: give this one the worker's share
-        if not getattr(self.fn, "moves_inputs", False):  # e.g. NEML2Model, which moves its inputs itself
+        # Left on the host: a NumPy model on a GPU worker (host_arrays), or NEML2Model, which moves its inputs itself.
+        if not (self.host_arrays or getattr(self.fn, "moves_inputs", False)):
             chunk = backends.to_device(chunk, device, keep_grad=self.keep_grad)
         args = self.layout.rebuild(chunk)
         try:
@@ -70,7 +73,7 @@ class _CallOnChunk:
 
 
 def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=None, trace_file=None, out=None,
-             overwrite=False, timeout=None, keep_grad=None, **kwargs):
+             overwrite=False, timeout=None, keep_grad=None, host_arrays=False, **kwargs):
     """Evaluate ``fn`` over a batch split along ``axis`` by ``scheduler``; the joined result.
 
     Arrays in ``args``, and the arrays in dicts, lists and tuples there, are
@@ -89,7 +92,9 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=N
     ``out`` sends the outputs to a Zarr store (a path; ``overwrite`` replaces
     an existing one) or into arrays you provide. On a CUDA device the chunk
     is moved there (CuPy) before ``fn`` and the result back to host memory
-    after. ``trace_file`` writes a Chrome trace of the run (see
+    after, unless ``host_arrays``: then every chunk arrives as host arrays, for a
+    model written with NumPy (it runs on the GPU worker's CPU threads, or moves
+    its arrays to the GPU itself). ``trace_file`` writes a Chrome trace of the run (see
     :mod:`dsched.observe.trace`). torch tensors stay torch, their autograd
     dropped unless ``keep_grad`` (default: the Dask config
     ``dsched.keep-grad``), which joins the chunks' tensors themselves (in
@@ -108,7 +113,7 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=N
     """
     return PreparedCall(fn, args, kwargs, scheduler=scheduler, client=client, mode=mode, axis=axis,
                         out_axis=out_axis, trace_file=trace_file, out=out, overwrite=overwrite, timeout=timeout,
-                        keep_grad=keep_grad).run()
+                        keep_grad=keep_grad, host_arrays=host_arrays).run()
 
 
 class PreparedCall:
@@ -119,7 +124,7 @@ class PreparedCall:
     """
 
     def __init__(self, fn, args, kwargs, *, scheduler, client, mode, axis, out_axis, trace_file, out, overwrite,
-                 timeout, keep_grad):
+                 timeout, keep_grad, host_arrays=False):
         if not callable(fn):
             raise ValueError(f"fn: expected a callable, got {fn!r}")
         keep_grad = keep_grad_setting(keep_grad)
@@ -131,6 +136,7 @@ class PreparedCall:
         self.fn, self.kwargs, self.axis, self.out_axis = fn, kwargs, axis, out_axis_of(axis, out_axis)
         self.scheduler, self.client, self.mode, self.timeout = scheduler, client, mode, timeout
         self.trace_file, self.out, self.overwrite, self.keep_grad = trace_file, out, overwrite, keep_grad
+        self.host_arrays = bool(host_arrays)
         self.loader = None if _batch_is_empty(layout) else _loader(layout)
 
     def run(self):
@@ -139,7 +145,8 @@ class PreparedCall:
         if self.loader is None:
             return _empty_result(self.out, self.axis, out_axis)
         reused = None if self.keep_grad or self.trace_file is not None or self.mode != "async" else _REUSED.take(
-            fn, layout, kwargs, scheduler=self.scheduler, client=self.client, axis=out_axis, timeout=self.timeout)
+            fn, layout, kwargs, scheduler=self.scheduler, client=self.client, axis=out_axis, timeout=self.timeout,
+            host_arrays=self.host_arrays)
         if reused is not None:  # a call like a recent one: its dispatcher, program and feeds again
             return reused.run(self.loader, layout, self.out, self.overwrite)
         # Kept autograd needs the tensors themselves joined (torch.cat), not their values copied in place.
@@ -147,7 +154,8 @@ class PreparedCall:
             join="concat", axis=out_axis, out=self.out, overwrite=self.overwrite)
         if not self.keep_grad:  # the first chunks then write in place like the others (WorkDispatcher's layout_probe)
             join["layout_probe"] = functools.partial(_probe_layout, fn, layout, kwargs, out_axis)
-        dispatcher = WorkDispatcher(self.scheduler, _CallOnChunk(fn, layout, kwargs, self.keep_grad), **join,
+        program = _CallOnChunk(fn, layout, kwargs, self.keep_grad, self.host_arrays)
+        dispatcher = WorkDispatcher(self.scheduler, program, **join,
                                     timeout=self.timeout, mode=self.mode, client=self.client,
                                     trace_file=self.trace_file)
         with dispatcher:
@@ -253,6 +261,7 @@ def _empty_result(out, axis, out_axis):
 
 
 # The dispatchers of recent calls, per thread (dsched.dispatch.reuse): built from this module's pieces.
-_REUSED = RecentCalls(lambda fn, layout, kwargs, axis: _CallOnChunk(fn, layout, kwargs),
+_REUSED = RecentCalls(lambda fn, layout, kwargs, axis, host_arrays: _CallOnChunk(fn, layout, kwargs,
+                                                                                 host_arrays=host_arrays),
                       lambda fn, layout, kwargs, axis: functools.partial(_probe_layout, fn, layout, kwargs, axis),
                       is_split)

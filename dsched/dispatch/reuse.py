@@ -10,7 +10,7 @@ the layout of the function's result, probed on the first call, is known for
 the next calls with inputs of the same shapes and types.
 
 A call is *like* a recent one when it names the same function object,
-scheduler, client (or the same default client), output axis and timeout, and its
+scheduler, client (or the same default client), output axis, timeout and options, and its
 arguments that are not split and its keyword arguments are equal plain values
 (numbers, strings, ``None``). Calls with anything else among those build their
 own dispatcher, so that no caller's array or model is kept alive here beyond
@@ -48,9 +48,9 @@ class _Recent:
     only while a call runs: a model the caller lets go of is not kept alive here.
     """
 
-    def __init__(self, fn, scheduler, client, axis, timeout, skeleton, kwargs, dispatcher, call):
+    def __init__(self, fn, scheduler, client, axis, options, skeleton, kwargs, dispatcher, call):
         self.fn_ref = _weak(fn)
-        self.scheduler, self.client, self.axis, self.timeout = scheduler, client, axis, timeout
+        self.scheduler, self.client, self.axis, self.options = scheduler, client, axis, options
         self.skeleton, self.kwargs, self.dispatcher, self.call = skeleton, kwargs, dispatcher, call
         self.layouts = {}  # the input signature -> the layout of fn's result probed for it
         call.fn = None
@@ -59,9 +59,9 @@ class _Recent:
     def fn(self):
         return self.fn_ref()
 
-    def matches(self, fn, scheduler, client, axis, timeout, skeleton, kwargs) -> bool:
+    def matches(self, fn, scheduler, client, axis, options, skeleton, kwargs) -> bool:
         return (fn is self.fn and scheduler is self.scheduler and client is self.client and axis == self.axis
-                and timeout == self.timeout and len(skeleton) == len(self.skeleton)
+                and options == self.options and len(skeleton) == len(self.skeleton)
                 and all(_same(a, b) for a, b in zip(skeleton, self.skeleton))
                 and kwargs.keys() == self.kwargs.keys() and all(_same(v, self.kwargs[k]) for k, v in kwargs.items()))
 
@@ -108,8 +108,8 @@ class RecentCalls:
     Parameters
     ----------
     make_call : callable
-        ``make_call(fn, layout, kwargs, axis)`` -> the ``do_work`` of a call (:func:`dsched.dispatch`'s), whose
-        ``fn`` attribute is the function it calls (set while a call runs).
+        ``make_call(fn, layout, kwargs, axis, **options)`` -> the ``do_work`` of a call (:func:`dsched.dispatch`'s),
+        whose ``fn`` attribute is the function it calls (set while a call runs).
     make_probe : callable
         ``make_probe(fn, layout, kwargs, axis)`` -> ``probe()``, the layout of ``fn``'s result.
     is_split : callable
@@ -121,9 +121,10 @@ class RecentCalls:
         self.make_call, self.make_probe, self.is_split = make_call, make_probe, is_split
         self._local = threading.local()
 
-    def take(self, fn, layout, kwargs, *, scheduler, client, axis, timeout):
+    def take(self, fn, layout, kwargs, *, scheduler, client, axis, timeout, **options):
         """The call's runner: a recent call's, or a new one kept from now on; ``None`` if the call cannot be
-        kept (arguments that are not plain values, or no client to run on without starting a cluster)."""
+        kept (arguments that are not plain values, or no client to run on without starting a cluster).
+        ``options`` (plain values) are the program's: calls are alike only with equal ones."""
         skeleton = list(layout.skeleton)  # split arguments' marks, and the others' values, in order
         if not all(self.is_split(v) or _plain(v) for v in skeleton) or not all(_plain(v) for v in kwargs.values()):
             return None
@@ -141,13 +142,14 @@ class RecentCalls:
         kept[:] = [recent for recent in kept
                    if recent.fn is not None and getattr(recent.client, "status", "running") == "running"]
         for i, recent in enumerate(kept):
-            if recent.matches(fn, scheduler, client, axis, timeout, skeleton, kwargs):
+            if recent.matches(fn, scheduler, client, axis, (timeout, options), skeleton, kwargs):
                 kept.insert(0, kept.pop(i))
                 break
         else:
-            call = self.make_call(fn, _without_arrays(layout), dict(kwargs), axis)
+            call = self.make_call(fn, _without_arrays(layout), dict(kwargs), axis, **options)
             dispatcher = WorkDispatcher(scheduler, call, join="concat", axis=axis, timeout=timeout, client=client)
-            recent = _Recent(fn, scheduler, client, axis, timeout, skeleton, dict(kwargs), dispatcher, call)
+            recent = _Recent(fn, scheduler, client, axis, (timeout, options), skeleton, dict(kwargs), dispatcher,
+                             call)
             kept.insert(0, recent)
             del kept[MAX_KEPT:]
         return _Runner(recent, fn, self.make_probe(fn, layout, kwargs, axis))

@@ -105,7 +105,7 @@ class DispatchFuture:
 
 
 def submit(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=None, trace_file=None, out=None,
-           overwrite=False, timeout=None, keep_grad=None, **kwargs) -> DispatchFuture:
+           overwrite=False, timeout=None, keep_grad=None, host_arrays=False, **kwargs) -> DispatchFuture:
     """:func:`dsched.dispatch` of the same arguments, returning at once; a :class:`DispatchFuture` of its result.
 
     The call is checked before this returns (its mistakes raise here); it then runs after the calls submitted
@@ -113,7 +113,7 @@ def submit(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=Non
     """
     call = PreparedCall(fn, args, kwargs, scheduler=scheduler, client=client, mode=mode, axis=axis,
                         out_axis=out_axis, trace_file=trace_file, out=out, overwrite=overwrite, timeout=timeout,
-                        keep_grad=keep_grad)
+                        keep_grad=keep_grad, host_arrays=host_arrays)
     future = DispatchFuture()
     _runner_of(scheduler).put((future, call))
     return future
