@@ -27,6 +27,7 @@ from dsched.observe.hooks import RunObserver
 from dsched.observe.report import ChunkRecord, RunReport
 from dsched.resident.batch import Batch
 from dsched.resident.driver import TransientDriver
+from dsched.resident.trial import TrialState
 from dsched.schedulers import (
     DeviceStatus,
     PerformanceModelScheduler,
@@ -49,7 +50,7 @@ __all__ = [
     "DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError", "ChunkResultError",
     "LocalHybridCluster", "PerThread",
     "plan", "as_batched", "map_blocks", "register", "PlacementWarning",
-    "Batch", "TransientDriver",
+    "Batch", "TransientDriver", "TrialState",
 ]
 
 

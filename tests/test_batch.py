@@ -410,3 +410,17 @@ def test_a_set_load_run_again_after_its_values_were_overwritten_fails_naming_the
             _load_set(chunk, rows, kept.generation_ref, 1)
     finally:
         kept.store.close()
+
+
+def square_into(x, y):
+    y[:] = x * x  # writes only its out= rows: no field
+
+
+def test_an_update_may_write_only_to_out_arrays(hybrid_client):
+    y = dsched.shared_empty(20)
+    with Batch({"x": np.arange(20.0)}, hybrid_scheduler(), client=hybrid_client) as batch:
+        batch.update(square_into, reads=["x"], out={"y": y}).wait()
+        np.testing.assert_array_equal(y, np.arange(20.0) ** 2)
+        assert batch.fields == ["x"]
+        with pytest.raises(ValueError, match=r"^writes: an update must write at least one field or out= array"):
+            batch.update(square_into, reads=["x"])

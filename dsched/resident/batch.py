@@ -212,8 +212,9 @@ class Batch:
                     raise ValueError(f"{field_name}: no field {name!r} in this batch "
                                      f"(fields: {', '.join(sorted(known))})")
         written = tuple(dict.fromkeys(writes + outputs))
-        if not written:
-            raise ValueError("writes: an update must write at least one field (reduce() computes values)")
+        if not written and not out:
+            raise ValueError("writes: an update must write at least one field or out= array "
+                             "(reduce() computes values)")
         label = label or getattr(fn, "__name__", "update")
         spec = _UpdateSpec(fn, label, reads, written, bool(inplace), dict(kwargs or {}))
         arrays = _check_inputs(inputs, axis, self.n, reads)

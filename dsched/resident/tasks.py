@@ -154,6 +154,8 @@ def _update(spec, chunk, versions, inputs=None, out=None):
     with running_on(chunk.device), selected(chunk.device):
         result = spec.fn(**arrays, **spec.kwargs)
         where = f"update {spec.label!r}: {chunk}"
+        if result is None and not spec.writes:  # it wrote only into its out= rows
+            result = {}
         if not isinstance(result, dict):
             raise ChunkResultError(f"{where} returned {type(result).__name__}; expected a dict of the fields it "
                                    f"writes ({', '.join(spec.writes)})")
