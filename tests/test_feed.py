@@ -291,10 +291,10 @@ def test_no_feed_is_parked_with_linger_zero(client):
     assert len(_parked_futures(client)) <= before  # the run may take parked feeds, and parks none
 
 
-def _close_inboxes(prefix, dask_worker=None):
+def _close_inboxes(names, dask_worker=None):
     from dsched.worker import feed
 
-    closed = [name for name, inbox in list(feed._inboxes.items()) if name.startswith(prefix) and not inbox.closed]
+    closed = [name for name, inbox in list(feed._inboxes.items()) if name in names and not inbox.closed]
     for name in closed:
         feed._inboxes[name].close(RuntimeError("closed by the test"))
     return closed
@@ -308,7 +308,7 @@ def test_a_parked_feed_that_ended_unnoticed_is_replaced_by_a_new_one(client):
         dsched.dispatch(double, x, scheduler=scheduler(), client=client)
         parked = _parked_futures(client)
         assert len(parked) == 2
-        closed = client.run(_close_inboxes, "dsched-feed-")
+        closed = client.run(_close_inboxes, [future.key for future in parked])
         assert sum(len(c) for c in closed.values()) == 2
         client.run_on_scheduler(_forget_keys)
         d = dsched.WorkDispatcher(scheduler(), j2_like, join="concat", client=client)

@@ -39,29 +39,28 @@ class Device:
     True
     """
 
-    __slots__ = ("type", "index")
+    __slots__ = ("type", "index", "_name", "_hash")
 
     def __init__(self, spec):
-        if isinstance(spec, Device):
-            self.type, self.index = spec.type, spec.index
+        # Devices are made and compared for every chunk: a spelling is parsed once, and the canonical
+        # name and its hash are kept.
+        if spec.__class__ is Device:
+            self.type, self.index, self._name, self._hash = spec.type, spec.index, spec._name, spec._hash
             return
-        if not isinstance(spec, str):
-            raise ValueError(f"device: expected a string like 'cpu' or 'cuda:0', got {spec!r}")
-        match = _PATTERN.fullmatch(spec)
-        if match is None or (match.group(1) == "cpu" and match.group(2) is not None):
-            raise ValueError(
-                f"device: {spec!r} is not a device; expected 'cpu', 'cuda' or 'cuda:N' with N >= 0"
-            )
-        self.type = match.group(1)
-        self.index = int(match.group(2)) if match.group(2) is not None else None
+        parsed = _parsed.get(spec) if isinstance(spec, str) else None
+        if parsed is None:
+            parsed = _parse(spec)
+        self.type, self.index, self._name, self._hash = parsed
 
     def __str__(self):
-        return self.type if self.index is None else f"{self.type}:{self.index}"
+        return self._name
 
     def __repr__(self):
-        return f"Device({str(self)!r})"
+        return f"Device({self._name!r})"
 
     def __eq__(self, other):
+        if other.__class__ is Device:
+            return self._name == other._name
         if isinstance(other, str):
             try:
                 other = Device(other)
@@ -69,10 +68,10 @@ class Device:
                 return NotImplemented
         if not isinstance(other, Device):
             return NotImplemented
-        return (self.type, self.index) == (other.type, other.index)
+        return self._name == other._name
 
     def __hash__(self):
-        return hash(str(self))  # equal to its canonical string, so it must hash like it
+        return self._hash  # equal to its canonical string's, so it must hash like it
 
     def __reduce__(self):
         return (Device, (str(self),))
@@ -85,6 +84,25 @@ class Device:
     def ordinal(self) -> int:
         """The CUDA index, a bare ``cuda`` meaning device 0 (as CuPy and PyTorch do)."""
         return 0 if self.index is None else self.index
+
+
+_parsed = {}  # spelling -> (type, index, canonical name, hash), for the spellings seen
+
+
+def _parse(spec) -> tuple:
+    if not isinstance(spec, (str, Device)):
+        raise ValueError(f"device: expected a string like 'cpu' or 'cuda:0', got {spec!r}")
+    if isinstance(spec, Device):  # a subclass
+        return spec.type, spec.index, spec._name, spec._hash
+    match = _PATTERN.fullmatch(spec)
+    if match is None or (match.group(1) == "cpu" and match.group(2) is not None):
+        raise ValueError(f"device: {spec!r} is not a device; expected 'cpu', 'cuda' or 'cuda:N' with N >= 0")
+    kind = match.group(1)
+    index = int(match.group(2)) if match.group(2) is not None else None
+    name = kind if index is None else f"{kind}:{index}"
+    if len(_parsed) < 1024:  # canonical spellings only match: few of them
+        _parsed[spec] = (kind, index, name, hash(name))
+    return kind, index, name, hash(name)
 
 
 def parse_devices(devices, field="devices") -> list[Device]:

@@ -44,7 +44,11 @@ for ``dsched.feed-linger`` seconds (2 by default; 0 stops them at once). The
 client's next run from the same thread, of any dispatcher, takes them: its
 first chunks to each carry its program (no round trip before them). A parked
 feed ends at once when any other task waits for its worker, and when its time
-is up. One that had ended unnoticed refuses those chunks, and the run sends
+is up. A feed with a fast lane is told it is parked only after
+``dsched.feed-park-delay`` seconds (0.25 by default) without a next run: a
+solver's next call usually comes sooner and takes it on, so a call pays no park
+message and its worker no wake-up for one. One that had ended unnoticed
+refuses those chunks, and the run sends
 them to a new feed on that worker; one whose worker is gone fails them, and
 they run again as tasks while the run starts feeds where the device is now.
 
@@ -79,11 +83,11 @@ from dsched.dispatch.parking import (
     _state,
     _take_parked,
     _worker_left,
+    not_taken_since,
     register_plugin,
     release_parked,
 )
 from dsched.names import CHUNK_EVENT_TOPIC, is_feed_key
-from dsched.worker import lane as wire
 from dsched.worker.feed import CHUNK_OP, CHUNKS_OP, ENDED, PARK_OP, STOP_OP, FeedPlugin, _unwrap, run_feed
 
 # Also importable from here (the old path ``dsched.feed`` names this module): the worker's side and the names.
@@ -94,6 +98,7 @@ WINDOW = 2  # messages of one feed on its worker at a time (one running, one que
 MAX_BATCH = 64  # chunks in one message at most, where the backlog is deep (``dsched.feed-batch``)
 BATCH_SECONDS = 0.002  # a message's chunks run this long at most: their outcomes wait for the last one
 LINGER = 2.0  # seconds a feed waits, parked, for the same client's next run on that thread (``dsched.feed-linger``)
+PARK_DELAY = 0.25  # seconds before a lane's feed is told it is parked, if no run took it (``dsched.feed-park-delay``)
 _ANSWER_WAIT = 5.0  # seconds a worker has to answer a stop or park (a frozen worker never does)
 _END_WAIT = 10.0  # with the dashboard, seconds a run's end waits for its stopped feeds' tasks to end
 
@@ -523,11 +528,13 @@ class Feeds(FastLanes):
             parked = [f for f in feeds if not (f.lost or f.stopped) and f.future.status == "pending"]
             feeds = [f for f in feeds if f not in parked]
             messages = _park(self.client, parked, self._linger)
-            # Over a feed's lane, behind its last chunk's reply; over Dask's comms for the others.
-            messages = [m for f, m in zip(parked, messages)
-                        if f.lane is None or not f.lane.send((wire.PARK, self._linger, f.epoch))]
-            if messages:
-                self.client.loop.add_callback(self._send_park, messages, self._linger)
+            now = [m for f, m in zip(parked, messages) if f.lane is None]
+            later = [(f, m) for f, m in zip(parked, messages) if f.lane is not None]
+            if now:
+                self.client.loop.add_callback(self._send_park, now, self._linger)
+            if later:  # told only if no run takes them meanwhile (the usual case of a solver's loop)
+                delay = float(dask.config.get("dsched.feed-park-delay", PARK_DELAY))
+                self.client.loop.add_callback(self._park_later, later, self._linger, delay)
         if feeds:
             self.client.loop.add_callback(self._stop, feeds)
 
@@ -548,6 +555,15 @@ class Feeds(FastLanes):
             feed.owner = None
         self.program, self._by_key = None, {}
         return feeds
+
+    async def _park_later(self, feeds, linger, delay):
+        """After ``delay`` seconds, tell the feeds no run took since (same epoch) that they are parked, over Dask's
+        comms (a lane is written by the dispatching thread alone). Those let go of meanwhile are told too: one
+        that retired while it was not known to be parked then closes its inbox on its worker."""
+        await asyncio.sleep(delay)
+        messages = [message for feed, message in feeds if not_taken_since(feed, message[2])]
+        if messages:
+            await self._send_park(messages, linger)
 
     async def _send_park(self, messages, linger):
         async def park(address, feed_id, epoch):

@@ -96,6 +96,12 @@ def release_parked(client):
         feed.let_go()
 
 
+def not_taken_since(feed, epoch) -> bool:
+    """Whether no run took ``feed`` since it was parked at ``epoch`` (taking it moves its epoch on)."""
+    with _state.parked_lock:
+        return feed.epoch == epoch
+
+
 def _take_parked(client, address, device, holds):
     """A parked feed of this thread's runs of the client on ``address`` for ``device``, its task still running,
     made ready for a new run (which sends it its program); ``None`` if there is none."""

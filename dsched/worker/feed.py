@@ -482,11 +482,9 @@ class _Runner:
         return ok, value, start, stop
 
     def lane_message(self, message):
-        """A message from the client's fast lane (:mod:`dsched.worker.lane`): chunks, a park or a stop."""
+        """A message from the client's fast lane (:mod:`dsched.worker.lane`): chunks or a stop (parks come over
+        Dask's comms, after a delay: see :mod:`dsched.dispatch.feeds`)."""
         inbox, kind = self.inbox, message[0]
-        if kind == lanes.PARK:
-            inbox.park(message[1], message[2])
-            return
         if kind == lanes.STOP:
             inbox.stop()
             return

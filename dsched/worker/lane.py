@@ -16,8 +16,8 @@ configured) comms. Nothing listens on a network interface.
 
 Messages are pickled tuples (:func:`dumps`, :func:`loads`):
 
-- client to feed: ``("chunks", rearm, [(index, work, slot), ...])``,
-  ``("park", linger, epoch)``, ``("stop",)``;
+- client to feed: ``("chunks", rearm, [(index, work, slot), ...])``, ``("stop",)``
+  (parks come over Dask's comms, after ``dsched.feed-park-delay``);
 - feed to client: ``("done", index, ok, value, start, stop)`` per chunk, or
   ``("ended",)`` when a parked feed had ended before a run's program reached it.
 """
@@ -41,7 +41,7 @@ from dsched.dataplane.segments import _unlinked
 
 __all__ = ["Bell", "LaneServer", "lane_server", "lane_directory", "dumps", "loads", "sweep_stale_lanes"]
 
-CHUNKS, PARK, STOP, DONE, ENDED = "chunks", "park", "stop", "done", "ended"
+CHUNKS, STOP, DONE, ENDED = "chunks", "stop", "done", "ended"
 _RETRY_SECONDS = 0.05  # the accept thread's pause after a failed accept (not a handshake refused)
 _SOCKET_PREFIX = "lane-"
 

@@ -18,6 +18,10 @@ dashboard but for the row that says so) (``cpu`` and an **emulated**
   the scheduler per call;
 - ``Batch update + get``: a resident batch's step, an update of a no-op on its
   field, then ``get`` of the field;
+- ``TrialState trial + commit``: a Newton loop's step with resident state
+  (:class:`dsched.TrialState`), a trial of a no-op from the committed state,
+  then its commit;
+- ``dsched.submit + result``: the call that does not wait, then its result;
 - ``dask submit + gather``: plain Dask, two no-op tasks pinned to the two
   workers, then ``gather``;
 - ``ray tasks + get`` (only where Ray is installed): two no-op tasks, then
@@ -59,6 +63,10 @@ def _noop(*args):
 
 def _step(x):
     return {"x": x}
+
+
+def _trial(x, state):
+    return x, {"x": state["x"]}
 
 
 def _pipe_server(connection):
@@ -123,6 +131,15 @@ def time_dsched(client, calls, warmup) -> dict:
                                     output_spec={"x": ((3,), "f8")}, client=client, observers=[timeline])
     _median_us(lambda: watched.run(MappingLoader({"x": x})), calls, warmup)
     out["timeline"] = timeline.medians()
+    out["dsched.submit + result"] = _median_us(
+        lambda: dsched.submit(_echo, x, scheduler=scheduler, client=client).result(), calls, warmup)
+    state = dsched.TrialState({"x": x})
+
+    def newton_step():
+        state.trial(_trial, x, scheduler=scheduler, client=client)
+        state.commit()
+
+    out["TrialState trial + commit"] = _median_us(newton_step, calls, warmup)
     batch = dsched.Batch({"x": x}, scheduler, client=client)
     try:
         def step():
