@@ -83,9 +83,9 @@ from dsched.dispatch.parking import (
     _state,
     _take_parked,
     _worker_left,
-    not_taken_since,
     register_plugin,
     release_parked,
+    tell_parked_later,
 )
 from dsched.names import CHUNK_EVENT_TOPIC, is_feed_key
 from dsched.worker.feed import CHUNK_OP, CHUNKS_OP, ENDED, PARK_OP, STOP_OP, FeedPlugin, _unwrap, run_feed
@@ -534,7 +534,7 @@ class Feeds(FastLanes):
                 self.client.loop.add_callback(self._send_park, now, self._linger)
             if later:  # told only if no run takes them meanwhile (the usual case of a solver's loop)
                 delay = float(dask.config.get("dsched.feed-park-delay", PARK_DELAY))
-                self.client.loop.add_callback(self._park_later, later, self._linger, delay)
+                tell_parked_later(self.client, later, self._linger, delay, _send_parks)
         if feeds:
             self.client.loop.add_callback(self._stop, feeds)
 
@@ -556,23 +556,8 @@ class Feeds(FastLanes):
         self.program, self._by_key = None, {}
         return feeds
 
-    async def _park_later(self, feeds, linger, delay):
-        """After ``delay`` seconds, tell the feeds no run took since (same epoch) that they are parked, over Dask's
-        comms (a lane is written by the dispatching thread alone). Those let go of meanwhile are told too: one
-        that retired while it was not known to be parked then closes its inbox on its worker."""
-        await asyncio.sleep(delay)
-        messages = [message for feed, message in feeds if not_taken_since(feed, message[2])]
-        if messages:
-            await self._send_park(messages, linger)
-
     async def _send_park(self, messages, linger):
-        async def park(address, feed_id, epoch):
-            try:
-                await self._ask(address, PARK_OP, _ANSWER_WAIT, feed=feed_id, linger=linger, epoch=epoch)
-            except Exception as err:  # noqa: BLE001  its worker is gone: its parked feeds with it
-                _worker_left(self.client, address, err)
-
-        await asyncio.gather(*(park(*m) for m in messages))
+        await _send_parks(self.client, messages, linger)
 
     async def _stop(self, feeds, release=True):
         async def stop(feed):
@@ -594,6 +579,18 @@ class Feeds(FastLanes):
         ends the wait for it, and no wait is longer than :data:`_END_WAIT`."""
         await self._stop(feeds, release=False)
         await until_done([f.future for f in feeds if not f.lost], _END_WAIT)
+
+
+async def _send_parks(client, messages, linger):
+    """Tell feeds ``(address, feed id, epoch)`` that they are parked, over Dask's comms (on the event loop)."""
+    async def park(address, feed_id, epoch):
+        try:
+            await ask_worker(client, address, PARK_OP, _ANSWER_WAIT, functools.partial(_is_gone, address),
+                             feed=feed_id, linger=linger, epoch=epoch)
+        except Exception as err:  # noqa: BLE001  its worker is gone: its parked feeds with it
+            _worker_left(client, address, err)
+
+    await asyncio.gather(*(park(*m) for m in messages))
 
 
 def _lost_outcome(feed, ticket, index) -> FeedOutcome:

@@ -9,6 +9,7 @@ every client of the process share (the lock, feed numbers, workers known gone).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 import itertools
@@ -21,6 +22,7 @@ from dsched.worker.feed import FeedPlugin
 
 __all__ = ["release_parked", "register_plugin"]
 
+PARK_CHECK = 0.05  # seconds between the event loop's looks at the parks waiting to be told
 _REUSE_MARGIN = 0.5  # a parked feed is reused only this long before its worker would end it
 _GONE_FOR = 30.0  # seconds a worker that failed a feed's message is avoided (a restarted one has a new address)
 
@@ -96,10 +98,46 @@ def release_parked(client):
         feed.let_go()
 
 
-def not_taken_since(feed, epoch) -> bool:
-    """Whether no run took ``feed`` since it was parked at ``epoch`` (taking it moves its epoch on)."""
+def tell_parked_later(client, feeds, linger, delay, send):
+    """Tell ``feeds`` (``[(feed, (address, feed id, epoch))]``) they are parked after ``delay`` seconds, those no
+    run took since (their epoch unchanged), through ``await send(client, messages, linger)``. Also those let go
+    of meanwhile: one that retired while it was not known to be parked then closes its inbox on its worker.
+
+    A timer on the client's event loop (started once per client) looks every :data:`PARK_CHECK` seconds: a call
+    pays for no message to the event loop, which a solver's next call would find too late to matter.
+    """
+    due = time.monotonic() + delay
     with _state.parked_lock:
-        return feed.epoch == epoch
+        client.__dict__.setdefault("_dsched_parks_to_tell", []).append((due, feeds, linger, send))
+        start = "_dsched_park_timer" not in client.__dict__
+        if start:
+            client.__dict__["_dsched_park_timer"] = None
+    if start:
+        client.loop.add_callback(_start_park_timer, client)
+
+
+def _start_park_timer(client):
+    from tornado.ioloop import PeriodicCallback
+
+    timer = PeriodicCallback(lambda: _tell_due_parks(client, timer), PARK_CHECK * 1000)
+    client.__dict__["_dsched_park_timer"] = timer
+    timer.start()
+
+
+def _tell_due_parks(client, timer):
+    """On the event loop: send the parks that are due; the timer stops with its client."""
+    now = time.monotonic()
+    with _state.parked_lock:
+        pending = client.__dict__.get("_dsched_parks_to_tell", [])
+        due = [entry for entry in pending if entry[0] <= now]
+        pending[:] = [entry for entry in pending if entry[0] > now]
+        due = [([m for feed, m in feeds if feed.epoch == m[2]], linger, send) for _, feeds, linger, send in due]
+    if getattr(client, "status", "running") in ("closing", "closed"):
+        timer.stop()
+        return
+    for messages, linger, send in due:
+        if messages:
+            asyncio.ensure_future(send(client, messages, linger))
 
 
 def _take_parked(client, address, device, holds):
