@@ -7,11 +7,10 @@ module              holds
 ``async_run``       one async run: the loop, completions, timeouts, lost devices
 ``tasks``           transport: chunks as Dask tasks, or packs of chunks
 ``feeds``           transport: device feeds, one message per chunk (client side)
-``completion``      hearing that chunks finished; devices that lost their workers
+``completion``      hearing that chunks finished (or a cancel); devices that lost their workers
 ``front``           ``dispatch()``: check and lay out a call, run it, join
 ``arguments``       which arguments are split, along which axis
 ``submit``          ``submit()``: a call that returns a future at once
-``cancel``          stopping a submitted call from another thread
 ``lanes``           transport: the same-host fast lane of device feeds
 ``reuse``           calls like a recent one reuse its dispatcher
 ``parking``         feeds parked between calls, and workers that left

@@ -18,8 +18,7 @@ import dask
 from dsched.dataplane.rundata import direct_to_workers
 from dsched.devices.device import Device, placement_device
 from dsched.devices.ownership import device_threads
-from dsched.dispatch.cancel import current_cancellation
-from dsched.dispatch.completion import DeviceWatch, Mailbox, notify_when_done
+from dsched.dispatch.completion import DeviceWatch, Mailbox, current_cancellation, notify_when_done
 from dsched.dispatch.feeds import FeedOutcome, Feeds, FeedTicket, LaneLost
 from dsched.dispatch.tasks import TaskSender, distinct
 from dsched.errors import ChunkTimeoutError

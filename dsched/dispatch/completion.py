@@ -1,14 +1,17 @@
-"""Knowing when chunks finish: completion notices from the client's event loop, workers that leave, and lost
-devices."""
+"""Knowing when chunks finish: completion notices from the client's event loop, workers that leave, lost
+devices, and a submitted call's cancel from another thread."""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
+import contextvars
 import queue
 import threading
 import time
 import weakref
+from concurrent.futures import CancelledError
 from multiprocessing.connection import wait as wait_for_readable
 
 from distributed.core import send_recv
@@ -18,7 +21,8 @@ from dsched.devices.device import placement_device
 from dsched.devices.ownership import absent_since, cluster_info, device_capacities, lost_device_timeout
 from dsched.worker.lane import Bell
 
-__all__ = ["notify_when_done", "until_done", "ask_worker", "watch_worker", "DeviceWatch", "Mailbox"]
+__all__ = ["notify_when_done", "until_done", "ask_worker", "watch_worker", "DeviceWatch", "Mailbox", "Cancellation",
+           "CancelledError", "cancellable", "current_cancellation"]
 
 CONNECT_WAIT = 3.0  # seconds to reach a worker (Dask retries a refused connection for its 30 s connect timeout)
 _POLL = 0.05  # seconds between looks at whether a worker being connected to is known to have left
@@ -247,3 +251,62 @@ def _warn_relaxed(device, fallback, grace):
 
     warnings.warn(f"no worker has owned {device} for {grace:g} s: its chunks run on {fallback} until one does",
                   PlacementWarning, stacklevel=4)
+
+
+# --- stopping a run from another thread: what dsched.DispatchFuture.cancel uses --------------
+#
+# A Cancellation is made per submitted call and made current on the thread that runs it (cancellable).
+# A run reads the current one when it starts and gives it a way to wake its loop (a mailbox notice);
+# Cancellation.cancel then makes the run raise concurrent.futures.CancelledError where it waits, and
+# the run's usual clean-up on an exception (the one a Ctrl-C takes) cancels its chunks and gives their
+# loads back.
+
+_current = contextvars.ContextVar("dsched_cancellation", default=None)
+
+
+class Cancellation:
+    """A request to stop one run, made from any thread; the run's wake-up call, once it has started."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._requested = False
+        self._wake = None
+
+    @property
+    def requested(self) -> bool:
+        return self._requested
+
+    def cancel(self):
+        """Ask the run to stop: it raises ``CancelledError`` where it waits next."""
+        with self._lock:
+            self._requested, wake = True, self._wake
+        if wake is not None:
+            wake()
+
+    def bind(self, wake):
+        """``wake()`` is called on :meth:`cancel` (at once if it was asked for already); ``None`` unbinds."""
+        with self._lock:
+            self._wake = wake
+            requested = self._requested
+        if requested and wake is not None:
+            wake()
+
+    def check(self):
+        """Raise ``CancelledError`` if the run was asked to stop."""
+        if self._requested:
+            raise CancelledError("the call was cancelled")
+
+
+def current_cancellation():
+    """The :class:`Cancellation` of the call running on this thread, or ``None``."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def cancellable(cancellation):
+    """Make ``cancellation`` the current one while the block runs."""
+    token = _current.set(cancellation)
+    try:
+        yield cancellation
+    finally:
+        _current.reset(token)

@@ -29,7 +29,7 @@ from dsched.devices.context import running_on
 from dsched.devices.device import Device
 from dsched.devices.ownership import device_owners, forget_cluster_info, recent_cluster_info, wait_for_devices
 from dsched.dispatch.async_run import AsyncRun
-from dsched.dispatch.cancel import current_cancellation
+from dsched.dispatch.completion import current_cancellation
 from dsched.errors import AggregateError, ChunkTimeoutError
 from dsched.observe.dashboard.client import RunTotal
 from dsched.observe.hooks import Observers, RunStart

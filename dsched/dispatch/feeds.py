@@ -85,10 +85,11 @@ from dsched.dispatch.parking import (
     _worker_left,
     register_plugin,
     release_parked,
+    send_parks,
     tell_parked_later,
 )
 from dsched.names import CHUNK_EVENT_TOPIC, is_feed_key
-from dsched.worker.feed import CHUNK_OP, CHUNKS_OP, ENDED, PARK_OP, STOP_OP, FeedPlugin, _unwrap, run_feed
+from dsched.worker.feed import CHUNK_OP, CHUNKS_OP, ENDED, STOP_OP, FeedPlugin, _unwrap, run_feed
 
 # Also importable from here (the old path ``dsched.feed`` names this module): the worker's side and the names.
 __all__ = ["FeedPlugin", "Feeds", "FeedOutcome", "FeedTicket", "LaneLost", "run_feed", "is_feed_key",
@@ -534,7 +535,7 @@ class Feeds(FastLanes):
                 self.client.loop.add_callback(self._send_park, now, self._linger)
             if later:  # told only if no run takes them meanwhile (the usual case of a solver's loop)
                 delay = float(dask.config.get("dsched.feed-park-delay", PARK_DELAY))
-                tell_parked_later(self.client, later, self._linger, delay, _send_parks)
+                tell_parked_later(self.client, later, self._linger, delay)
         if feeds:
             self.client.loop.add_callback(self._stop, feeds)
 
@@ -557,7 +558,7 @@ class Feeds(FastLanes):
         return feeds
 
     async def _send_park(self, messages, linger):
-        await _send_parks(self.client, messages, linger)
+        await send_parks(self.client, messages, linger)
 
     async def _stop(self, feeds, release=True):
         async def stop(feed):
@@ -579,18 +580,6 @@ class Feeds(FastLanes):
         ends the wait for it, and no wait is longer than :data:`_END_WAIT`."""
         await self._stop(feeds, release=False)
         await until_done([f.future for f in feeds if not f.lost], _END_WAIT)
-
-
-async def _send_parks(client, messages, linger):
-    """Tell feeds ``(address, feed id, epoch)`` that they are parked, over Dask's comms (on the event loop)."""
-    async def park(address, feed_id, epoch):
-        try:
-            await ask_worker(client, address, PARK_OP, _ANSWER_WAIT, functools.partial(_is_gone, address),
-                             feed=feed_id, linger=linger, epoch=epoch)
-        except Exception as err:  # noqa: BLE001  its worker is gone: its parked feeds with it
-            _worker_left(client, address, err)
-
-    await asyncio.gather(*(park(*m) for m in messages))
 
 
 def _lost_outcome(feed, ticket, index) -> FeedOutcome:

@@ -16,7 +16,6 @@ import functools
 import os
 import queue
 import threading
-from dataclasses import dataclass
 
 import dask
 import numpy as np

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 import itertools
 import threading
@@ -18,10 +19,12 @@ import time
 import weakref
 
 from dsched.devices.ownership import forget_cluster_info
-from dsched.worker.feed import FeedPlugin
+from dsched.dispatch.completion import ask_worker
+from dsched.worker.feed import PARK_OP, FeedPlugin
 
 __all__ = ["release_parked", "register_plugin"]
 
+_ANSWER_WAIT = 5.0  # seconds a worker has to answer a park (a frozen worker never does)
 PARK_CHECK = 0.05  # seconds between the event loop's looks at the parks waiting to be told
 _REUSE_MARGIN = 0.5  # a parked feed is reused only this long before its worker would end it
 _GONE_FOR = 30.0  # seconds a worker that failed a feed's message is avoided (a restarted one has a new address)
@@ -98,9 +101,21 @@ def release_parked(client):
         feed.let_go()
 
 
-def tell_parked_later(client, feeds, linger, delay, send):
+async def send_parks(client, messages, linger):
+    """Tell feeds ``(address, feed id, epoch)`` that they are parked, over Dask's comms (on the event loop)."""
+    async def park(address, feed_id, epoch):
+        try:
+            await ask_worker(client, address, PARK_OP, _ANSWER_WAIT, functools.partial(_is_gone, address),
+                             feed=feed_id, linger=linger, epoch=epoch)
+        except Exception as err:  # noqa: BLE001  its worker is gone: its parked feeds with it
+            _worker_left(client, address, err)
+
+    await asyncio.gather(*(park(*m) for m in messages))
+
+
+def tell_parked_later(client, feeds, linger, delay):
     """Tell ``feeds`` (``[(feed, (address, feed id, epoch))]``) they are parked after ``delay`` seconds, those no
-    run took since (their epoch unchanged), through ``await send(client, messages, linger)``. Also those let go
+    run took since (their epoch unchanged), with :func:`send_parks`. Also those let go
     of meanwhile: one that retired while it was not known to be parked then closes its inbox on its worker.
 
     A timer on the client's event loop (started once per client) looks every :data:`PARK_CHECK` seconds: a call
@@ -108,7 +123,7 @@ def tell_parked_later(client, feeds, linger, delay, send):
     """
     due = time.monotonic() + delay
     with _state.parked_lock:
-        client.__dict__.setdefault("_dsched_parks_to_tell", []).append((due, feeds, linger, send))
+        client.__dict__.setdefault("_dsched_parks_to_tell", []).append((due, feeds, linger))
         start = "_dsched_park_timer" not in client.__dict__
         if start:
             client.__dict__["_dsched_park_timer"] = None
@@ -131,13 +146,13 @@ def _tell_due_parks(client, timer):
         pending = client.__dict__.get("_dsched_parks_to_tell", [])
         due = [entry for entry in pending if entry[0] <= now]
         pending[:] = [entry for entry in pending if entry[0] > now]
-        due = [([m for feed, m in feeds if feed.epoch == m[2]], linger, send) for _, feeds, linger, send in due]
+        due = [([m for feed, m in feeds if feed.epoch == m[2]], linger) for _, feeds, linger in due]
     if getattr(client, "status", "running") in ("closing", "closed"):
         timer.stop()
         return
-    for messages, linger, send in due:
+    for messages, linger in due:
         if messages:
-            asyncio.ensure_future(send(client, messages, linger))
+            asyncio.ensure_future(send_parks(client, messages, linger))
 
 
 def _take_parked(client, address, device, holds):

@@ -24,7 +24,7 @@ import queue
 import threading
 import weakref
 
-from dsched.dispatch.cancel import Cancellation, CancelledError, cancellable
+from dsched.dispatch.completion import Cancellation, CancelledError, cancellable
 from dsched.dispatch.front import PreparedCall
 
 __all__ = ["submit", "DispatchFuture"]
