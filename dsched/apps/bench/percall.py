@@ -27,7 +27,9 @@ dashboard but for the row that says so) (``cpu`` and an **emulated**
 - ``ray tasks + get`` (only where Ray is installed): two no-op tasks, then
   ``ray.get``.
 
-Beside them, ``/dev/shm`` over many ``Batch.set`` calls of a 5.5 MiB field (each
+Beside them, the overlap a future gives (:func:`overlap_with_a_future`: the
+caller's own work while a submitted call's chunks run, from one Chrome trace of
+both), and ``/dev/shm`` over many ``Batch.set`` calls of a 5.5 MiB field (each
 followed by an update that reads it), which must stay flat.
 
 Medians over many calls after a warm-up; the ratio is to the pipe round trip.
@@ -221,6 +223,73 @@ class Timeline(dsched.RunObserver):
             if self.runs else {}
 
 
+def _busy(x, seconds):
+    """About ``seconds`` of NumPy work on large arrays (which lets go of the GIL, as a solver's assembly does)."""
+    work, stop = np.ones(200_000), time.perf_counter() + seconds
+    while time.perf_counter() < stop:
+        np.sin(work, out=work)
+    return x
+
+
+def overlap_with_a_future(client, seconds=0.05, path=None) -> dict:
+    """A submitted call's chunks (``seconds`` of work each, one per device) and the caller's own work of as long,
+    traced to one Chrome trace (``path``, default a temporary file): how long they ran at the same time, and the
+    wall time against the same two one after the other."""
+    import os
+    import tempfile
+
+    from dsched.observe.trace import read_trace, trace_writer
+
+    scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=ROWS)
+    x = np.zeros((2 * ROWS, 3))
+    folder = tempfile.mkdtemp(prefix="dsched-overlap-")
+    path = path or os.path.join(folder, "overlap.trace.json")
+    # Submitted calls run on a thread of the scheduler's, whose feeds the first one starts.
+    dsched.submit(_busy, x, scheduler=scheduler, client=client, seconds=seconds).result()
+    start = time.perf_counter()
+    dsched.submit(_busy, x, scheduler=scheduler, client=client, seconds=seconds).result()
+    _busy(x, seconds)
+    one_after_the_other = time.perf_counter() - start
+    with trace_writer(path) as writer:  # shared by path: the run's events and the caller's span in one file
+        start = time.perf_counter()
+        future = dsched.submit(_busy, x, scheduler=scheduler, client=client, seconds=seconds, trace_file=path)
+        began = time.time()
+        _busy(x, seconds)
+        writer.span("caller's own work", "solver", began, time.time(), track="caller")
+        future.result()
+        overlapped = time.perf_counter() - start
+    events = read_trace(path)
+    caller = _spans(events, "caller's own work")[0]
+    tasks = _spans(events, "task")
+    together = sum(max(0.0, min(stop, caller[1]) - max(start, caller[0])) for start, stop in _union(tasks))
+    return {"trace": path, "work seconds": seconds, "overlap": together / (caller[1] - caller[0]),
+            "one after the other": one_after_the_other, "with submit": overlapped}
+
+
+def _union(spans) -> list:
+    """Disjoint spans covering the same times as ``spans``."""
+    merged = []
+    for start, stop in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
+
+
+def _spans(events, name) -> list:
+    """``(start, stop)`` in microseconds of the spans called ``name`` (begin/end pairs per track, in order)."""
+    open_, spans = {}, []
+    for event in events:
+        if event.get("name") != name:
+            continue
+        if event["ph"] == "B":
+            open_[event["tid"]] = event["ts"]
+        elif event["ph"] == "E" and event["tid"] in open_:
+            spans.append((open_.pop(event["tid"]), event["ts"]))
+    return spans
+
+
 def time_dask(client, calls, warmup) -> float:
     """Median microseconds of two no-op tasks, one per worker, submitted and gathered with plain Dask."""
     workers = sorted(client.scheduler_info()["workers"])
@@ -265,6 +334,8 @@ def run_percall_benchmarks(*, quick=False, calls=None, sets=None, say=print) -> 
         timeline = rows.pop("timeline")
         say("percall: /dev/shm over repeated Batch.set")
         shm = shm_growth(client, sets or (100 if quick else 1000))
+        say("percall: a future's overlap with the caller's work")
+        overlap = overlap_with_a_future(client)
         say("percall: plain Dask")
         rows["dask submit + gather"] = time_dask(client, calls, warmup)
     say("percall: dsched.dispatch with the dashboard on the scheduler")
@@ -283,6 +354,7 @@ def run_percall_benchmarks(*, quick=False, calls=None, sets=None, say=print) -> 
     targets = {f"{name} <= {bound:g} x the pipe round trip": ratios[name] <= bound for name, bound in TARGETS.items()}
     targets[f"/dev/shm flat over {shm['sets']:,} Batch.set calls"] = shm["after"] - shm["before"] < shm["field_bytes"]
     return {"calls": calls, "rows": rows, "ratios": ratios, "targets": targets, "timeline": timeline, "shm": shm,
+            "overlap": overlap,
             "emulation": "the cuda:0 worker is emulated (a CPU process): two worker processes, no GPU"}
 
 
@@ -300,6 +372,11 @@ def format_percall(results) -> str:
         lines.append("one WorkDispatcher.run, phase by phase (medians; 'to the worker', 'on the worker' and 'back' "
                      "per chunk, the two chunks at once):")
         lines.append("  " + ", ".join(f"{phase} {us:,.0f} us" for phase, us in timeline.items()))
+    overlap = results.get("overlap")
+    if overlap:
+        lines.append(f"a future: the caller's {overlap['work seconds'] * 1e3:.0f} ms of work ran beside the chunks for "
+                     f"{overlap['overlap']:.0%} of it; {overlap['with submit'] * 1e3:.0f} ms with submit against "
+                     f"{overlap['one after the other'] * 1e3:.0f} ms one after the other (trace: {overlap['trace']})")
     shm = results.get("shm")
     if shm:
         grown = (shm["after"] - shm["before"]) / 2**20
