@@ -1,6 +1,7 @@
 """A tiny run of the benchmark machinery: structure, item accounting and the emulated devices' honesty, not speed."""
 
 import json
+import os
 import threading
 import time
 
@@ -138,11 +139,14 @@ def test_percall_benchmarks_time_every_form_against_the_pipe_round_trip():
     out = run_percall_benchmarks(calls=20, sets=20, say=lambda line: None)
     ray = {"ray tasks + get"} & set(out["rows"])  # an optional peer, where Ray is installed
     assert set(out["rows"]) - ray == {"pipe round trip", "dsched.dispatch", "WorkDispatcher.run",
-                                      "dsched.dispatch, dashboard on", "Batch update + get", "dask submit + gather"}
+                                      "dsched.dispatch, dashboard on", "Batch update + get", "dask submit + gather",
+                                      "dsched.submit + result", "TrialState trial + commit"}
     assert all(us > 0 for us in out["rows"].values()) and out["ratios"]["pipe round trip"] == 1.0
     assert set(out["targets"]) == {"dsched.dispatch <= 5 x the pipe round trip",
                                    "Batch update + get <= 5 x the pipe round trip",
                                    "/dev/shm flat over 20 Batch.set calls"}
     assert out["targets"]["/dev/shm flat over 20 Batch.set calls"], out["shm"]
+    # The overlap of a future with the caller's work, read from the one trace of both.
+    assert 0.0 <= out["overlap"]["overlap"] <= 1.0 and os.path.exists(out["overlap"]["trace"])
     table = format_percall(out)
-    assert "emulated" in table and "dsched.dispatch" in table
+    assert "emulated" in table and "dsched.dispatch" in table and "a future: the caller's" in table
