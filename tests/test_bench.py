@@ -82,7 +82,7 @@ def test_ideal_formula():
     ({"devices": ()}, "devices: at least one emulated device is required"),
     ({"devices": ("cpu",)}, r"devices\[0\]: expected an EmulatedDevice, got 'cpu'"),
     ({"devices": (EmulatedDevice("cpu", 0.0),)}, r"devices\[0\]: rate must be > 0"),
-    ({"devices": (EmulatedDevice("gpu", 1.0),)}, r"devices\[0\]: device: 'gpu' is not a device"),
+    ({"devices": (EmulatedDevice("gpu", 1.0),)}, r"^devices\[0\]: 'gpu' is not a device"),
     ({"total": 0}, "total: expected an integer >= 1, got 0"),
     ({"chunk_seconds": 0}, "chunk_seconds: expected a positive number of seconds, got 0"),
     ({"json_path": "/no/such/folder/b.json"}, "json_path: the folder /no/such/folder does not exist"),

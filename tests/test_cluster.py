@@ -76,7 +76,7 @@ def test_missing_gpu_without_emulation():
     [
         ([], r"devices: at least one device is required, got none"),
         (["cpu", "cpu"], r"devices: duplicate device in \['cpu', 'cpu'\]"),
-        (["cpu", "gpu"], r"devices: device: 'gpu' is not a device"),
+        (["cpu", "gpu"], r"^devices: 'gpu' is not a device"),
         (["cuda", "cuda:1"], r"devices: a bare 'cuda' next to cuda:1 is ambiguous"),
     ],
 )
@@ -95,7 +95,7 @@ def test_bad_threads_per_worker(threads):
     "capacities, message",
     [
         ({"cuda:1": 4}, r"capacities: cuda:1 is not one of the devices \['cpu', 'cuda:0'\]"),
-        ({"gpu": 4}, r"capacities: device: 'gpu' is not a device"),
+        ({"gpu": 4}, r"^capacities: 'gpu' is not a device"),
         ({"cuda:0": 0}, r"capacities\['cuda:0'\]: expected an integer >= 1, got 0"),
         ({"cpu": 2.5}, r"capacities\['cpu'\]: expected an integer >= 1, got 2.5"),
     ],

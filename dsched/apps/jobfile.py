@@ -221,10 +221,7 @@ class Graph:
             gpus = visible_gpus() if present is None else [d for d in present if d.is_cuda]
             return [Device("cpu"), *gpus]
         field = self._devices_field
-        try:
-            return parse_devices(spec, field=field)
-        except ValueError as err:  # "field: device: 'gpu' ..." names the field once
-            raise ValueError(str(err).replace(f"{field}: device: ", f"{field}: ", 1)) from None
+        return parse_devices(spec, field=field)
 
     def build_scheduler(self, present=None):
         """The scheduler the graph describes; ``auto`` means Simple on one device, StaticHybrid on more.
