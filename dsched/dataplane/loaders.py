@@ -121,7 +121,8 @@ class MappingLoader(WorkGenerator):
 
     An entry whose size along ``axis`` is 1, or that has no such axis (a
     scalar, a parameter), is passed whole into every chunk; all other sizes
-    must agree.
+    must agree. ``names`` maps keys to the names errors give them (default
+    ``mapping['key']``).
 
     Examples
     --------
@@ -132,11 +133,12 @@ class MappingLoader(WorkGenerator):
     (3, [0, 1, 2], [2.0])
     """
 
-    def __init__(self, mapping, axis: int = 0):
+    def __init__(self, mapping, axis: int = 0, *, names=None):
         _check_axis(axis)
         mapping = {key: as_streamed(value) for key, value in mapping.items()}
+        name = (lambda key: f"mapping[{key!r}]") if names is None else names.__getitem__
         sizes = {}
-        shapes = {key: _batch_shape(value, f"mapping[{key!r}]") for key, value in mapping.items()}
+        shapes = {key: _batch_shape(value, name(key)) for key, value in mapping.items()}
         for key, shape in shapes.items():
             if len(shape) > axis and shape[axis] != 1:
                 sizes[key] = shape[axis]
@@ -145,7 +147,7 @@ class MappingLoader(WorkGenerator):
             total = max(distinct)
             key, size = next((k, s) for k, s in sizes.items() if s != total)
             raise ValueError(
-                f"mapping[{key!r}]: size {size} along axis {axis} is not compatible; expected 1 or {total}"
+                f"{name(key)}: size {size} along axis {axis} is not compatible; expected 1 or {total}"
             )
         if distinct:
             total = distinct.pop()

@@ -9,6 +9,7 @@ module              holds
 ``feeds``           transport: device feeds, one message per chunk (client side)
 ``completion``      hearing that chunks finished; devices that lost their workers
 ``front``           ``dispatch()``: split the arguments, call, join
+``signature``       what the model's signature says: unknown keywords, names
 ``reduce``          joining chunk results in dispatch order
 ==================  ==========================================================
 
