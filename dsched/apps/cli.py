@@ -476,9 +476,9 @@ def main(argv=None) -> int:
     except (GraphError, UsageError) as err:
         print(f"dsched: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # 128 + SIGINT, as a shell reports a program Ctrl-C ended (2 is a usage error)
         print("dsched: interrupted (Ctrl-C): the run was cancelled", file=sys.stderr, flush=True)
-        return 2
+        return 130
     except DispatchError as err:
         # A run that failed (a chunk over its time, results that do not match their chunk, errors the model
         # raised as RecoverableError): what failed, where, without a traceback; status 1, not a usage error.
