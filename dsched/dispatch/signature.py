@@ -11,8 +11,9 @@ arguments in errors (``args[1] ('b' of affine)``).
 
 from __future__ import annotations
 
-import difflib
 import inspect
+
+from dsched.checks import did_you_mean
 
 __all__ = ["argument_names", "check_keywords"]
 
@@ -61,10 +62,8 @@ def check_keywords(fn, kwargs: dict, own) -> None:
         return
     key = unknown[0]
     ours = [name for name, p in inspect.signature(own).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    close = difflib.get_close_matches(key, ours + takes, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]}=?" if close else ""
     raise TypeError(f"{key}: not a keyword of {own.__name__}, and {_name(fn)}{signature} takes no such "
-                    f"argument{hint}")
+                    f"argument{did_you_mean(key, ours + takes, '=')}")
 
 
 def argument_names(fn, keys) -> dict:
