@@ -49,7 +49,7 @@ def blocks(results: dict) -> dict:
     """``{block name: markdown}`` for every block ``results`` (a ``dsched bench --json`` file's content) can fill."""
     out = {"machine": _machine(results), "summary": _summary(results)}
     for suite, formatter in FORMATTERS.items():
-        if suite in results:
+        if suite in results and not {"skipped", "failed"} & set(results[suite]):  # not measured: block kept
             out[suite] = f"```text\n$ {results.get('command', 'dsched bench')}\n{formatter(results[suite])}\n```"
     return out
 
