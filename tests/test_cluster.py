@@ -252,3 +252,14 @@ def test_in_process_workers_http_servers_stay_on_loopback(hybrid_client):
 
     for worker in hybrid_client.cluster.workers.values():
         assert {host for host, *_ in get_tcp_server_addresses(worker.http_server)} == {"127.0.0.1"}
+
+
+def test_get_client_of_a_second_cluster_is_its_own_not_the_current_one():
+    """distributed compares clusters by name and hands out the current client of an equal one: two
+    LocalHybridClusters are never equal, so a second cluster's get_client() never closes the first's client."""
+    from distributed import Client
+
+    with LocalHybridCluster(["cpu"], dashboard_address=None) as first, Client(first) as outer:
+        with LocalHybridCluster(["cpu"], dashboard_address=None) as second, second.get_client() as inner:
+            assert inner is not outer and inner.cluster is second and first != second
+        assert outer.status == "running" and outer.submit(abs, -3).result() == 3
