@@ -84,13 +84,14 @@ def _check_axis(axis):
         raise ValueError(f"axis: expected an integer >= 0, got {axis!r}")
 
 
-def _batch_shape(value, field):
-    """The splittable shape of an entry; a clear error for an unsliceable object with shape and dtype."""
+def _batch_shape(value, key, name=None):
+    """The splittable shape of an entry; a clear error naming it (``name(key)``, or ``key`` itself) for an
+    unsliceable object with shape and dtype."""
     try:
         backend_of(value)
     except UnsupportedArrayError as err:
         if not hasattr(value, "__getitem__"):  # sliceable ones (Zarr, memory maps) are cut by indexing
-            raise UnsupportedArrayError(f"{field}: {err}") from None
+            raise UnsupportedArrayError(f"{key if name is None else name(key)}: {err}") from None
     return batch_shape(value)
 
 
@@ -121,7 +122,7 @@ class MappingLoader(WorkGenerator):
 
     An entry whose size along ``axis`` is 1, or that has no such axis (a
     scalar, a parameter), is passed whole into every chunk; all other sizes
-    must agree. ``names`` maps keys to the names errors give them (default
+    must agree. ``names(key)`` is the name errors give an entry (default
     ``mapping['key']``).
 
     Examples
@@ -136,9 +137,9 @@ class MappingLoader(WorkGenerator):
     def __init__(self, mapping, axis: int = 0, *, names=None):
         _check_axis(axis)
         mapping = {key: as_streamed(value) for key, value in mapping.items()}
-        name = (lambda key: f"mapping[{key!r}]") if names is None else names.__getitem__
+        name = (lambda key: f"mapping[{key!r}]") if names is None else names
         sizes = {}
-        shapes = {key: _batch_shape(value, name(key)) for key, value in mapping.items()}
+        shapes = {key: _batch_shape(value, key, name) for key, value in mapping.items()}
         for key, shape in shapes.items():
             if len(shape) > axis and shape[axis] != 1:
                 sizes[key] = shape[axis]

@@ -30,7 +30,7 @@ from dsched.devices.threads import limit_this_thread
 from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.dispatch.reuse import RecentCalls
 from dsched.dispatch.reduce import concat_reduce
-from dsched.dispatch.signature import argument_names, check_keywords
+from dsched.dispatch.signature import argument_name, check_keywords
 from dsched.errors import as_recoverable
 
 __all__ = ["dispatch"]
@@ -185,7 +185,7 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, trace_file
         raise ValueError("args: dispatch needs at least one array (or dict of arrays) to split")
     if _batch_is_empty(layout.mapping, axis):
         return _empty_result(out, axis)
-    loader = MappingLoader(layout.mapping, axis=axis, names=argument_names(fn, layout.mapping))
+    loader = MappingLoader(layout.mapping, axis=axis, names=functools.partial(argument_name, fn))
     reused = None if keep_grad or trace_file is not None or mode != "async" else _REUSED.take(
         fn, layout, kwargs, scheduler=scheduler, client=client, axis=axis, timeout=timeout)
     if reused is not None:  # a call like a recent one: its dispatcher, program and feeds again
