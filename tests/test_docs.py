@@ -50,7 +50,7 @@ def test_the_block_runs_as_written(block, outcomes):
 def test_every_marker_stands_before_a_python_block_and_gives_a_reason():
     for path in PAGES:
         text = path.read_text(encoding="utf-8")
-        for match in doc_blocks.MARKER.finditer(text):
+        for match in re.finditer(rf"^ *{doc_blocks.MARKER.pattern} *$", text, re.M):  # a line of its own
             line = text.count("\n", 0, match.start()) + 1
             following = text[match.end():].lstrip(" \n")
             assert following.startswith("```python"), f"{path.name}:{line}: a marker not followed by a Python block"
