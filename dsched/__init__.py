@@ -23,6 +23,7 @@ from dsched.devices.per_thread import PerThread
 from dsched.dispatch import DispatchFuture, WorkDispatcher, dispatch, submit
 from dsched.dispatch.reduce import concat_reduce, derivative_reduce
 from dsched.errors import AggregateError, ChunkTimeoutError, DispatchError, RecoverableError
+from dsched.observe.collect import RunReports, run_reports
 from dsched.observe.hooks import RunObserver
 from dsched.observe.report import ChunkRecord, RunReport
 from dsched.resident.batch import Batch
@@ -46,7 +47,7 @@ __all__ = [
     "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader",
     "concat_reduce", "derivative_reduce",
     "WorkDispatcher", "dispatch", "submit", "DispatchFuture", "shared_empty", "shared_copy", "ChunkRecord",
-    "RunReport", "RunObserver",
+    "RunReport", "RunObserver", "run_reports", "RunReports",
     "DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError", "ChunkResultError",
     "LocalHybridCluster", "PerThread",
     "plan", "as_batched", "map_blocks", "register", "PlacementWarning",

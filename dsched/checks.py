@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["check_positive_int"]
+__all__ = ["check_positive_int", "did_you_mean"]
 
 
 def check_positive_int(value, field: str, *, integers=(int, np.integer), expected="an integer >= 1",
@@ -38,3 +38,22 @@ def check_positive_int(value, field: str, *, integers=(int, np.integer), expecte
     if int(value) < 1:
         raise ValueError(f"{field}: {f'expected {expected}' if below is None else below}, got {value!r}")
     return int(value)
+
+
+def did_you_mean(word: str, candidates, suffix: str = "") -> str:
+    """``"; did you mean <candidate><suffix>?"`` for the candidate closest to a mistyped ``word``, or ``""``.
+
+    Examples
+    --------
+    >>> did_you_mean("clinet", ["scheduler", "client"], "=")
+    '; did you mean client=?'
+    >>> did_you_mean("colour", ["scheduler", "client"])
+    ''
+    >>> did_you_mean("J2", ["j2", "neml2"])
+    '; did you mean j2?'
+    """
+    import difflib
+
+    lowered = {str(c).lower(): c for c in candidates}  # 'J2' is close to 'j2'
+    close = difflib.get_close_matches(str(word).lower(), list(lowered), n=1, cutoff=0.6)
+    return f"; did you mean {lowered[close[0]]}{suffix}?" if close else ""

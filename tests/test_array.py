@@ -125,7 +125,7 @@ def test_plan_nonpositive_priorities_count_as_the_smallest_positive_one():
         (10, {"speeds": {"cpu": 1.0, "cuda:0": -2}}, "speeds['cuda:0']: expected a finite number of items per second > 0, got -2"),
         (10, {"speeds": {"cpu": 1.0, "cuda:0": float("nan")}}, "speeds['cuda:0']: expected a finite number"),
         (10, {"speeds": {"cpu": 1, "cuda:0": 1, "cuda:1": 1}}, "speeds: cuda:1 is not one of the scheduler's devices"),
-        (10, {"speeds": {"gpu": 1}}, "speeds: device: 'gpu' is not a device"),
+        (10, {"speeds": {"gpu": 1}}, "speeds: 'gpu' is not a device"),
         (10, {"speeds": [1, 2]}, "speeds: expected a mapping"),
     ],
 )

@@ -83,7 +83,7 @@ def test_ideal_formula():
     ({"devices": ()}, "devices: at least one emulated device is required"),
     ({"devices": ("cpu",)}, r"devices\[0\]: expected an EmulatedDevice, got 'cpu'"),
     ({"devices": (EmulatedDevice("cpu", 0.0),)}, r"devices\[0\]: rate must be > 0"),
-    ({"devices": (EmulatedDevice("gpu", 1.0),)}, r"devices\[0\]: device: 'gpu' is not a device"),
+    ({"devices": (EmulatedDevice("gpu", 1.0),)}, r"^devices\[0\]: 'gpu' is not a device"),
     ({"total": 0}, "total: expected an integer >= 1, got 0"),
     ({"chunk_seconds": 0}, "chunk_seconds: expected a positive number of seconds, got 0"),
     ({"json_path": "/no/such/folder/b.json"}, "json_path: the folder /no/such/folder does not exist"),
@@ -150,3 +150,57 @@ def test_percall_benchmarks_time_every_form_against_the_pipe_round_trip():
     assert 0.0 <= out["overlap"]["overlap"] <= 1.0 and os.path.exists(out["overlap"]["trace"])
     table = format_percall(out)
     assert "emulated" in table and "dsched.dispatch" in table and "a future: the caller's" in table
+
+
+def _suites(monkeypatch, **outcomes):
+    """Replace dsched bench's suites by ones that return a table or raise, as ``outcomes`` says."""
+    from dsched.apps import cli
+
+    def suite(name, outcome):
+        def run(args, say):
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return {"value": outcome}, f"{name} table"
+        return run
+
+    monkeypatch.setattr(cli, "_BENCH_SUITES", {name: suite(name, outcome) for name, outcome in outcomes.items()})
+    monkeypatch.setattr(cli, "SUITES", tuple(outcomes))
+
+
+def test_a_suite_missing_its_optional_dependency_is_skipped_in_one_line_and_the_others_print(
+        monkeypatch, capsys, tmp_path):
+    from dsched.apps.cli import main
+
+    missing = ModuleNotFoundError("No module named 'torch'", name="torch")
+    _suites(monkeypatch, percall=1.0, neml2=missing, batch=2.0)
+    assert main(["bench", "--json", str(tmp_path / "r.json")]) == 0
+    out, err = capsys.readouterr()
+    assert "percall table" in out and "batch table" in out
+    assert "neml2 suite skipped: torch is not installed (pip install 'dsched[neml2]')" in out
+    assert err.splitlines() == ["neml2: skipped: torch is not installed (pip install 'dsched[neml2]')"]
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert results["neml2"] == {"skipped": "torch is not installed (pip install 'dsched[neml2]')"}
+    from dsched.apps.bench.figures import blocks
+
+    assert "neml2" not in blocks({"neml2": results["neml2"]})  # a skipped suite leaves its figures in the docs as they were
+
+
+def test_a_suite_that_fails_is_one_line_the_others_print_and_the_status_is_1(monkeypatch, capsys, tmp_path):
+    from dsched.apps.cli import main
+
+    _suites(monkeypatch, percall=1.0, data=OSError("No space left on device\nmore"), batch=2.0)
+    assert main(["bench", "--json", str(tmp_path / "r.json")]) == 1
+    out, err = capsys.readouterr()
+    assert "percall table" in out and "batch table" in out and "Traceback" not in out + err
+    assert err.splitlines() == ["data: failed: OSError: No space left on device",
+                                "dsched: error: bench: the data suite(s) failed (above); the others' tables are "
+                                "complete"]
+    assert json.loads((tmp_path / "r.json").read_text())["data"] == {"failed": "OSError: No space left on device"}
+
+
+def test_zarr_is_a_core_dependency_so_the_data_suite_s_store_run_needs_no_extra():
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert "zarr>=3" in project["dependencies"]

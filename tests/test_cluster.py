@@ -76,7 +76,7 @@ def test_missing_gpu_without_emulation():
     [
         ([], r"devices: at least one device is required, got none"),
         (["cpu", "cpu"], r"devices: duplicate device in \['cpu', 'cpu'\]"),
-        (["cpu", "gpu"], r"devices: device: 'gpu' is not a device"),
+        (["cpu", "gpu"], r"^devices: 'gpu' is not a device"),
         (["cuda", "cuda:1"], r"devices: a bare 'cuda' next to cuda:1 is ambiguous"),
     ],
 )
@@ -95,7 +95,7 @@ def test_bad_threads_per_worker(threads):
     "capacities, message",
     [
         ({"cuda:1": 4}, r"capacities: cuda:1 is not one of the devices \['cpu', 'cuda:0'\]"),
-        ({"gpu": 4}, r"capacities: device: 'gpu' is not a device"),
+        ({"gpu": 4}, r"^capacities: 'gpu' is not a device"),
         ({"cuda:0": 0}, r"capacities\['cuda:0'\]: expected an integer >= 1, got 0"),
         ({"cpu": 2.5}, r"capacities\['cpu'\]: expected an integer >= 1, got 2.5"),
     ],
@@ -252,3 +252,14 @@ def test_in_process_workers_http_servers_stay_on_loopback(hybrid_client):
 
     for worker in hybrid_client.cluster.workers.values():
         assert {host for host, *_ in get_tcp_server_addresses(worker.http_server)} == {"127.0.0.1"}
+
+
+def test_get_client_of_a_second_cluster_is_its_own_not_the_current_one():
+    """distributed compares clusters by name and hands out the current client of an equal one: two
+    LocalHybridClusters are never equal, so a second cluster's get_client() never closes the first's client."""
+    from distributed import Client
+
+    with LocalHybridCluster(["cpu"], dashboard_address=None) as first, Client(first) as outer:
+        with LocalHybridCluster(["cpu"], dashboard_address=None) as second, second.get_client() as inner:
+            assert inner is not outer and inner.cluster is second and first != second
+        assert outer.status == "running" and outer.submit(abs, -3).result() == 3

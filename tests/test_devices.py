@@ -76,9 +76,9 @@ def test_parse_devices_accepts_one_spec_or_a_list():
 
 
 def test_parse_devices_names_the_field_and_bad_entry():
-    with pytest.raises(ValueError, match=r"devices: device: 'gpu' is not a device"):
+    with pytest.raises(ValueError, match=r"^devices: 'gpu' is not a device"):
         parse_devices(["cpu", "gpu"])
-    with pytest.raises(ValueError, match=r"^workers: device: 'cpu:0'"):
+    with pytest.raises(ValueError, match=r"^workers: 'cpu:0' is not a device"):
         parse_devices(["cpu:0"], field="workers")
 
 

@@ -501,10 +501,53 @@ def test_dispatch_refuses_a_result_without_the_batch_axis(hybrid_client, mode):
         dispatch(per_chunk_total, x, y, scheduler=SimpleScheduler("cpu", 7), client=hybrid_client, mode=mode, axis=1)
 
 
-def test_dispatch_names_the_argument_whose_size_disagrees():
-    with pytest.raises(ValueError, match=r"""^args\[1\]\['b'\]: size 3 along axis 0 is not compatible; expected 1 or 5"""):
+def test_dispatch_names_the_argument_whose_size_disagrees_as_the_user_wrote_it():
+    with pytest.raises(ValueError) as err:
         dispatch(affine, np.zeros(5), {"w": np.zeros(5), "b": np.zeros(3)}, 1.0, shift=0.0,
                  scheduler=SimpleScheduler("cpu", 2), mode="sync")
+    assert str(err.value) == "args[1]['b'] ('params' of affine): size 3 along axis 0 is not compatible; expected 1 or 5"
+    with pytest.raises(ValueError) as err:  # a ufunc's signature too
+        dispatch(np.add, np.zeros(5), np.zeros(4), scheduler=SimpleScheduler("cpu", 2), mode="sync")
+    assert str(err.value) == "args[1] ('x2' of add): size 4 along axis 0 is not compatible; expected 1 or 5"
+
+
+calls_of_norm = []
+
+
+def norm(x, order=2):
+    calls_of_norm.append(len(x))
+    return np.linalg.norm(x, ord=order, axis=1)
+
+
+def takes_any_keyword(x, **options):
+    return x * options["scale"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_keyword_the_model_does_not_take_is_a_type_error_before_any_work(hybrid_client, mode):
+    del calls_of_norm[:]
+    x = np.ones((10, 3))
+    with pytest.raises(TypeError) as err:
+        dispatch(norm, x, scheduler=SimpleScheduler("cpu", 4), mode=mode, clinet=hybrid_client)
+    assert str(err.value) == ("clinet: not a keyword of dispatch, and norm(x, order=2) takes no such argument; "
+                              "did you mean client=?")
+    with pytest.raises(TypeError) as err:  # close to one of the model's own
+        dispatch(norm, x, scheduler=SimpleScheduler("cpu", 4), mode=mode, client=hybrid_client, ordr=1)
+    assert str(err.value).endswith("takes no such argument; did you mean order=?")
+    with pytest.raises(TypeError) as err:  # close to nothing
+        dispatch(norm, x, scheduler=SimpleScheduler("cpu", 4), mode=mode, client=hybrid_client, colour="red")
+    assert str(err.value) == "colour: not a keyword of dispatch, and norm(x, order=2) takes no such argument"
+    assert calls_of_norm == []  # nothing ran: not the probe, not a chunk
+    np.testing.assert_allclose(dispatch(norm, x, scheduler=SimpleScheduler("cpu", 4), mode=mode,
+                                        client=hybrid_client, order=1), np.full(10, 3.0))
+
+
+def test_models_taking_any_keyword_get_every_keyword():  # a **kwargs function, a NumPy ufunc
+    x = np.arange(6.0)
+    np.testing.assert_array_equal(dispatch(takes_any_keyword, x, scheduler=SimpleScheduler("cpu", 4), mode="sync",
+                                           scale=2.0), 2 * x)
+    np.testing.assert_array_equal(dispatch(np.multiply, x, 3.0, scheduler=SimpleScheduler("cpu", 4), mode="sync",
+                                           dtype=np.float32), 3 * x)
 
 
 def test_dispatch_needs_an_array():

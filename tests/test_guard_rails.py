@@ -74,7 +74,20 @@ def free_port() -> int:
         (HEAD + "[options]\nthreads_per_worker = -3\n",
          "dsched: error: options.threads_per_worker: must be >= 1, got -3 in {path}"),
         ("[model]\nname = 'nope'\n[batch]\nsize = 10\n",
-         "dsched: error: model.name: unknown model 'nope'; known: " + ", ".join(sorted(MODELS)) + " in {path}"),
+         "dsched: error: model.name: unknown model 'nope'; known: " + ", ".join(sorted(MODELS))
+         + ", or your own function as 'package.module:function' in {path}"),
+        ("[model]\nname = 'J2'\n[batch]\nsize = 10\n",
+         "dsched: error: model.name: unknown model 'J2'; did you mean j2?; known: " + ", ".join(sorted(MODELS))
+         + ", or your own function as 'package.module:function' in {path}"),
+        (HEAD + "[scheduler]\ndevices = ['cpu', 'cuda:0']\nbatch_size = [32768, 262144]\n",
+         "dsched: error: scheduler.batch_size: [32768, 262144] has the wrong type (expected an integer) in {path}; "
+         "did you mean batch_sizes?"),
+        (HEAD + "[scheduler]\nbatchsizes = [4]\n",
+         "dsched: error: scheduler.batchsizes: unknown key in {path}; did you mean batch_sizes? (known in [scheduler]: "
+         "type, device, devices, batch_size, capacity, batch_sizes, capacities, priorities, profile, chunk_seconds)"),
+        ("[model]\nname = 'j2'\n[model.parameters]\nyeild_stress = 300.0\n[batch]\nsize = 10\n",
+         "dsched: error: model.parameters.yeild_stress: not a parameter of j2 in {path}; did you mean yield_stress? "
+         "(its parameters: youngs_modulus, poisson_ratio, yield_stress, hardening_modulus)"),
         (HEAD + "[scheduler]\ndevices = ['cpu', 'gpu']\n",
          "dsched: error: scheduler.devices: 'gpu' is not a device; expected 'cpu', 'cuda' or 'cuda:N' with N >= 0 "
          "in {path}"),
@@ -86,7 +99,8 @@ def free_port() -> int:
         (HEAD + "[scheduler]\ndevice = 'cpu'\nbatch_size = 8\ncapacity = 4\n",
          "dsched: error: scheduler.capacity: 4 is below batch_size 8 in {path}"),
     ],
-    ids=["device-and-devices", "threads-0", "threads-negative", "model-name", "devices-gpu", "device-cuda-x",
+    ids=["device-and-devices", "threads-0", "threads-negative", "model-name", "model-name-case", "batch-size-a-list",
+         "unknown-key-close", "parameters-unknown-field", "devices-gpu", "device-cuda-x",
          "simple-two-devices", "capacity-below-batch"],
 )
 def test_malformed_graph_is_one_line_with_status_2(tmp_path, capsys, no_cluster, text, line):
@@ -271,7 +285,7 @@ CTRL_C_GRAPHS = {
 
 
 @pytest.mark.parametrize("kind", list(CTRL_C_GRAPHS))
-def test_ctrl_c_cancels_the_run_with_one_line_and_status_2(tmp_path, kind):
+def test_ctrl_c_cancels_the_run_with_one_line_and_status_130(tmp_path, kind):
     path = graph_file(tmp_path, "[model]\nname = 'j2'\ntangent = false\n[batch]\nsize = 20_000_000\n"
                       + CTRL_C_GRAPHS[kind])
     # A session of its own, so SIGINT goes to the whole process group, worker processes included, as a
@@ -291,7 +305,7 @@ def test_ctrl_c_cancels_the_run_with_one_line_and_status_2(tmp_path, kind):
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 2
+    assert process.returncode == 130  # 128 + SIGINT, as shells report it; 2 is a configuration mistake
     assert elapsed < 2.0
     text = (err + rest).decode()
     # The one line comes last (after whatever the progress bar left), once, with no traceback from any process.

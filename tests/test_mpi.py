@@ -138,7 +138,7 @@ def test_schedules_like_simple_scheduler_on_its_device():
 @pytest.mark.parametrize("kwargs, message", [
     ({"devices": ["cpu", "cpu"], "batch_sizes": 4}, "devices: duplicate device cpu"),
     ({"devices": ["cuda", "cuda:0"], "batch_sizes": 4}, "devices: a bare 'cuda' next to cuda:0"),
-    ({"devices": ["gpu"], "batch_sizes": 4}, "devices: device: 'gpu' is not a device"),
+    ({"devices": ["gpu"], "batch_sizes": 4}, "devices: 'gpu' is not a device"),
     ({"devices": [], "batch_sizes": 4}, "devices: at least one device"),
     ({"devices": ["cpu", "cuda:0"], "batch_sizes": [4, 8, 16]}, "batch_sizes: expected 1 or 2 values"),
     ({"devices": ["cpu", "cuda:0"], "batch_sizes": [4, 0]}, r"batch_sizes\[1\]: must be >= 1, got 0"),

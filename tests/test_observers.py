@@ -132,3 +132,35 @@ def test_the_base_class_hooks_do_nothing():
     assert observer.run_started(None) is None
     assert observer.chunk_completed(None) is None
     assert not Observers()
+
+
+def halve_or_fail_on_seven(x):
+    if (x == 7.0).any():
+        raise ValueError("seven")
+    return x / 2
+
+
+def test_run_reports_collects_what_each_dispatch_in_the_block_did(hybrid_client):
+    """dispatch returns its outputs alone; ``with dsched.run_reports()`` gives each call's report, as Dask's
+    get_task_stream gives its tasks: a plain call, a second call like it (which reuses the first's dispatcher), a
+    failed one, and none after the block."""
+    scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[3, 5])
+    x = np.arange(20.0) + 20  # no seven: x - 20 has one, at item 7
+    with dsched.run_reports() as reports:
+        first = dsched.dispatch(halve_or_fail_on_seven, x, scheduler=scheduler, client=hybrid_client)
+        dsched.dispatch(halve_or_fail_on_seven, x + 10, scheduler=scheduler, client=hybrid_client)
+        with pytest.raises(ValueError, match="seven"):
+            dsched.dispatch(halve_or_fail_on_seven, x - 20, scheduler=scheduler, client=hybrid_client)
+    dsched.dispatch(halve_or_fail_on_seven, x, scheduler=scheduler, client=hybrid_client)
+    np.testing.assert_array_equal(first, x / 2)
+    assert len(reports) == 3 and [r.mode for r in reports] == ["async"] * 3
+    for report in reports[:2]:
+        assert report.items == 20 and report.output is None and report.results == []
+        assert sorted((r.offset, r.size) for r in report.records) == [
+            (r.offset, r.size) for r in sorted(report.records, key=lambda r: r.offset)]
+        assert {str(r.device) for r in report.records} <= {"cpu", "cuda:0"}
+        assert sum(row["items"] for row in report.by_device().values()) == 20 and report.wall_time > 0
+    [failed] = [r for r in reports[2].records if r.error is not None]
+    assert failed.offset <= 7 < failed.offset + failed.size and failed.device in (dsched.Device("cpu"),
+                                                                                 dsched.Device("cuda:0"))
+    assert reports[2].items == sum(r.size for r in reports[2].records if r.error is None) < 20  # it stopped there

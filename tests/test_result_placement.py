@@ -377,3 +377,39 @@ def test_a_miss_on_one_thread_does_not_fail_a_placed_chunk_running_on_another():
     placed.join()
     np.testing.assert_array_equal(out, np.repeat([2.0, 3.0, 4.0, 101.0, 201.0], n))
     store.close()
+
+
+def test_an_output_travelling_by_value_is_not_taken_for_an_array_the_model_keeps():
+    """The README's hello world: a float output placed beside a string output, which travels back by value. The
+    string array is still held (on its way to the client) when the model's next chunk starts: dsched holds it, not
+    the model, so the model is placed and no warning says it keeps arrays."""
+    from dsched.dataplane.outputs import BY_VALUE, Leftover, OutputLayout, OutputSlot
+    from dsched.dataplane.store import RunStore
+    from dsched.worker.chunk import ChunkProgram
+    from dsched.worker.result_placement import placement_counts, run_and_write
+
+    n = 20_000
+
+    def model(x):
+        return {"norm": x * 2.0, "device": np.full(len(x), "cpu")}
+
+    out = {"norm": np.zeros(4 * n)}
+    store = RunStore(shared=False)
+    layout, program = OutputLayout.of(model(np.zeros(n)), n), ChunkProgram("by-value-beside-placed", model)
+    targets = tuple(BY_VALUE if leaf.by_value else store.register(out[leaf.path[0]]) for leaf in layout.leaves)
+    in_flight = []  # the leftovers a worker has not sent yet
+
+    def chunk(index):
+        x = np.full(n, float(index))
+        slot = OutputSlot(layout, targets, index * n, (index + 1) * n, index)
+        leftover = run_and_write(program, slot, slot.rows(), lambda: model(x), "cpu")
+        in_flight.append(leftover)
+        return leftover
+
+    before = placement_counts()
+    on_a_thread(lambda: [chunk(i) for i in range(4)])()
+    seen = {name: placement_counts()[name] - before[name] for name in before}
+    assert all(isinstance(leftover, Leftover) for leftover in in_flight)
+    assert seen["kept"] == 0 and seen["placed"] >= 1, seen
+    np.testing.assert_array_equal(out["norm"], np.repeat([0.0, 2.0, 4.0, 6.0], n))
+    store.close()

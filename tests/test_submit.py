@@ -70,8 +70,11 @@ def test_a_failure_arrives_at_result_with_the_type_dispatch_raises(process_clien
 
 
 def test_a_mistake_in_the_call_raises_at_submit_before_any_work(process_client, scheduler):
-    with pytest.raises(ValueError, match=r"^args\[1\]: size 3 along axis 0 is not compatible; expected 1 or 10$"):
+    with pytest.raises(ValueError, match=r"^args\[1\] \('a' of affine\): size 3 along axis 0 is not compatible; "
+                                         r"expected 1 or 10$"):
         dsched.submit(affine, np.zeros(10), np.zeros(3), scheduler=scheduler, client=process_client)
+    with pytest.raises(TypeError, match=r"^clinet: not a keyword of dispatch, .*did you mean client=\?$"):
+        dsched.submit(affine, np.zeros(10), 1.0, scheduler=scheduler, clinet=process_client)
 
 
 def test_cancel_stops_a_running_call_and_one_waiting_behind_it(process_client, scheduler, tmp_path):

@@ -170,7 +170,7 @@ def test_builtin_model_by_name_tunes_in_sync_mode(tmp_path):
     ({"start": 512, "max_batch": 256}, "max_batch: 256 is below start 512"),
     ({"mode": "fast"}, "mode: expected 'sync' or 'async', got 'fast'"),
     ({"max_time": -1}, r"max_time: expected a number of seconds >= 0, got -1"),
-    ({"devices": ["gpu"]}, "devices: device: 'gpu' is not a device"),
+    ({"devices": ["gpu"]}, "devices: 'gpu' is not a device"),
     ({"png_path": "/no/such/folder/x.png"}, "png_path: the folder /no/such/folder does not exist"),
 ])
 def test_bad_tuning_options_are_value_errors_before_any_work(kwargs, message):

@@ -385,11 +385,13 @@ def _bench(args) -> int:
                         *([f"--only {args.only}"] if args.only else []), *(["--processes"] if args.processes else []),
                         *(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                           if k.startswith("neml2_") and v is not None and not (k == "neml2_steps" and v == 10))])
-    results, tables = {"command": command, "machine": machine_info()}, []
+    results, tables, failed = {"command": command, "machine": machine_info()}, [], []
     for suite in SUITES:
         if args.only in (None, suite):
-            results[suite], table = _BENCH_SUITES[suite](args, say)
+            results[suite], table = _bench_suite(suite, args, say)
             tables.append(f"$ {command}  [{suite}]\n{table}")
+            if "failed" in results[suite]:
+                failed.append(suite)
     if args.json:
         import json
 
@@ -401,7 +403,35 @@ def _bench(args) -> int:
           f"{machine['gpus'] or 'no GPU (CUDA devices emulated)'}, load {machine['load_average']} at the start. "
           "Targets are information: they were set on a 2-core machine at full sizes; --quick sizes, other "
           "machines and a busy machine read differently.")
-    return 0
+    if failed:
+        print(f"dsched: error: bench: the {', '.join(failed)} suite(s) failed (above); the others' tables are "
+              "complete", file=sys.stderr)
+    return 1 if failed else 0
+
+
+#: the extra that brings a module a suite may need (zarr is a core dependency)
+_EXTRA_OF = {"neml2": "neml2", "torch": "neml2", "cupy": "cuda12", "dask_cuda": "cuda12", "mpi4py": "mpi",
+             "prometheus_client": "prometheus"}
+
+
+def _bench_suite(suite, args, say):
+    """One suite's ``(results, table)``. A suite whose optional dependency is missing is skipped, and one that
+    fails is one line: either way the other suites still run and print (``dsched bench`` ends in no traceback)."""
+    try:
+        return _BENCH_SUITES[suite](args, say)
+    except UsageError:
+        raise
+    except ModuleNotFoundError as err:
+        name = (err.name or "a module").partition(".")[0]
+        extra = _EXTRA_OF.get(name)
+        how = f"pip install 'dsched[{extra}]'" if extra else f"pip install {name}"
+        reason = f"{name} is not installed ({how})"
+        say(f"{suite}: skipped: {reason}")
+        return {"skipped": reason}, f"{suite} suite skipped: {reason}"
+    except Exception as err:  # noqa: BLE001  a failed suite must not throw away the tables measured before it
+        reason = f"{type(err).__name__}: {err}".splitlines()[0]
+        say(f"{suite}: failed: {reason}")
+        return {"failed": reason}, f"{suite} suite failed: {reason}"
 
 
 def _bench_scheduling(args, say):
@@ -476,9 +506,9 @@ def main(argv=None) -> int:
     except (GraphError, UsageError) as err:
         print(f"dsched: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # 128 + SIGINT, as a shell reports a program Ctrl-C ended (2 is a usage error)
         print("dsched: interrupted (Ctrl-C): the run was cancelled", file=sys.stderr, flush=True)
-        return 2
+        return 130
     except DispatchError as err:
         # A run that failed (a chunk over its time, results that do not match their chunk, errors the model
         # raised as RecoverableError): what failed, where, without a traceback; status 1, not a usage error.

@@ -16,7 +16,6 @@ from dsched.devices.cuda import visible_gpus
 from dsched.devices.device import UNLIMITED_CAPACITY, Device
 from dsched.devices.ownership import emulated_devices
 from dsched.dispatch.dispatcher import WorkDispatcher
-from dsched.models import get_model
 from dsched.observe.report import RunReport
 from dsched.observe.trace import check_trace_path
 from dsched.worker.chunk import takes_out
@@ -42,7 +41,7 @@ def run_graph(graph, *, client=None, progress=True) -> JobResult:
     if its outputs cannot fit in memory, or if it needs a GPU this machine lacks
     and does not emulate it.
     """
-    model = get_model(graph.model)
+    model = graph.entry()
     parameters = model.parameters_type(**graph.parameters)
     # A model that takes out= computes into the run's output rows (asked once here, not per chunk).
     do_work = functools.partial(_model_chunk_into if takes_out(model.chunk) else _model_chunk, model.chunk,

@@ -3,9 +3,10 @@
 They play the part of NEML2's input files with their ``[Schedulers]`` section::
 
     [model]
-    name = "j2"                 # a model of dsched.models
+    name = "j2"                 # a model of dsched.models, or your own: "package.module:function"
     tangent = true
-    [model.parameters]          # the model's parameters (J2Parameters fields)
+    generator = "package.module:inputs"   # your own model's inputs, made where each chunk runs
+    [model.parameters]          # the model's parameters (J2Parameters fields, or your function's keywords)
     yield_stress = 250.0
     [batch]
     size = 1_000_000
@@ -24,7 +25,8 @@ They play the part of NEML2's input files with their ``[Schedulers]`` section::
     dashboard = false           # true: `dsched run` serves the dashboard on loopback and prints its link
 
 Every key is checked before anything starts: an unknown key or a value of
-the wrong type is a :class:`GraphError` naming it. Two checks need the run's
+the wrong type is a :class:`GraphError` naming it, with "did you mean" for a
+close key. Two checks need the run's
 surroundings and are methods of :class:`Graph`, called before a cluster
 starts: :meth:`Graph.check_devices_present` (a CUDA device this machine lacks,
 without emulation) and :meth:`Graph.check_memory` (outputs that cannot fit in
@@ -39,10 +41,13 @@ from importlib import resources
 from pathlib import Path
 
 from dsched.dataplane.loaders import MappingLoader
+from dsched.dataplane.store import resolve_work
 from dsched.devices.context import running_on
 from dsched.devices.cuda import visible_gpus
 from dsched.devices.device import UNLIMITED_CAPACITY, Device, parse_devices
+from dsched.checks import did_you_mean
 from dsched.models import get_model
+from dsched.models.imported import is_import_path
 from dsched.models.neml2 import graph_parameters
 from dsched.schedulers import PerformanceModelScheduler, SimpleScheduler, StaticHybridScheduler
 from dsched.schedulers.model import saved_costs_cover
@@ -63,8 +68,9 @@ AUTO_PRIORITY = {"cpu": 1.0, "cuda": 2.0}
 _INT, _FLOAT, _BOOL, _STR = int, (int, float), bool, str
 _SCHEMA = {
     # input, model, inputs and outputs: name = "neml2" only (dsched.models.neml2.graph_parameters)
+    # generator: name = "package.module:function" only (dsched.models.imported)
     "model": {"name": _STR, "tangent": _BOOL, "parameters": dict, "input": _STR, "model": _STR, "inputs": dict,
-              "outputs": list},
+              "outputs": list, "generator": _STR},
     "batch": {"size": _INT},
     "scheduler": {
         "type": _STR,
@@ -111,6 +117,16 @@ class Graph:
     batch_size: int
     scheduler: dict
     options: dict
+    generator: str | None = None  # a function model's inputs: "package.module:function"
+
+    def entry(self):
+        """The graph's :class:`~dsched.models.Model`: a built-in, or the function ``model.name`` names."""
+        return get_model(self.model, folder=self.folder, generator=self.generator)
+
+    @property
+    def folder(self) -> str | None:
+        """The graph file's folder (where a function model's module may be), ``None`` for an embedded graph."""
+        return str(Path(self.source).resolve().parent) if Path(self.source).is_file() else None
 
     @property
     def mode(self) -> str:
@@ -151,8 +167,12 @@ class Graph:
         """
         path = self.options.get("input")
         if path is None:
+            if is_import_path(self.model) and self.generator is None:
+                raise GraphError(f"model.generator: {self.model} needs its inputs: name a generator function "
+                                 f"('package.module:function') or give an input store (--input, options.input) "
+                                 f"in {self.source}")
             return None
-        names = get_model(self.model).inputs
+        names = [name for name in self.entry().inputs if name not in self.parameters]
         if not names:
             raise GraphError(f"options.input: the {self.model!r} model reads no input arrays (it makes its own "
                              f"inputs) in {self.source}")
@@ -176,15 +196,18 @@ class Graph:
         return MappingLoader({name: group[name] for name in names})
 
     def output_bytes_per_item(self) -> int:
-        """Bytes of output per item: the model's declared outputs, else probed on two items on the CPU."""
-        model = get_model(self.model)
+        """Bytes of output per item: the model's declared outputs, else probed on two items on the CPU (of the
+        input store where there is one)."""
+        model = self.entry()
         if model.outputs is not None:
             import numpy as np
 
             return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
                        for shape, dtype in model.outputs(self.tangent).values())
+        loader = self.input_loader()
+        work = slice(0, 2) if loader is None else resolve_work(loader.next(min(2, loader.total))[1])
         with running_on("cpu"):
-            result = model.chunk(slice(0, 2), Device("cpu"), model.parameters_type(**self.parameters),
+            result = model.chunk(work, Device("cpu"), model.parameters_type(**self.parameters),
                                  tangent=self.tangent)
         return -(-_nbytes(result) // 2)
 
@@ -196,7 +219,7 @@ class Graph:
         and the joined arrays briefly coexist: twice the outputs. A graph
         whose outputs go to disk (``options.output``) is never refused.
         """
-        declared = get_model(self.model).outputs is not None
+        declared = self.entry().outputs is not None
         per_item = self.output_bytes_per_item()
         needed = (1 if declared else 2) * per_item * self.batch_size
         if self.options.get("output"):
@@ -221,10 +244,7 @@ class Graph:
             gpus = visible_gpus() if present is None else [d for d in present if d.is_cuda]
             return [Device("cpu"), *gpus]
         field = self._devices_field
-        try:
-            return parse_devices(spec, field=field)
-        except ValueError as err:  # "field: device: 'gpu' ..." names the field once
-            raise ValueError(str(err).replace(f"{field}: device: ", f"{field}: ", 1)) from None
+        return parse_devices(spec, field=field)
 
     def build_scheduler(self, present=None):
         """The scheduler the graph describes; ``auto`` means Simple on one device, StaticHybrid on more.
@@ -308,6 +328,9 @@ def _prefixed(field: str, err) -> str:
     """
     message = str(err)
     head, sep, rest = message.partition(": ")
+    section = field.partition(".")[0]
+    if sep and " " not in head and head.startswith(section + ".") and head != field.rstrip("."):
+        return message  # names another key of the section, or one inside the field, already
     if sep and " " not in head:
         if field.endswith("."):
             return message if head.startswith(field) else f"{field}{message}"
@@ -339,6 +362,29 @@ def load_graph(path=None) -> Graph:
     return parse_graph(data, source)
 
 
+def _fits(item, expected) -> bool:
+    return isinstance(item, expected) and (expected is _BOOL or not isinstance(item, bool))
+
+
+def _type_name(expected) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list",
+             dict: "a table"}
+    kinds = expected if isinstance(expected, tuple) else (expected,)
+    return " or ".join(dict.fromkeys(names[k] for k in kinds if k is not float or int not in kinds))
+
+
+def _check_parameters(entry, parameters, name, source):
+    """Unknown fields of a built-in model's parameter type, named with the valid ones (a :class:`GraphError`)."""
+    kind = entry.parameters_type
+    if not dataclasses.is_dataclass(kind):
+        return
+    fields = [f.name for f in dataclasses.fields(kind)]
+    for key in parameters:
+        if key not in fields:
+            raise GraphError(f"model.parameters.{key}: not a parameter of {name} in {source}"
+                             f"{did_you_mean(key, fields)} (its parameters: {', '.join(fields)})")
+
+
 def _check_count(field, value, source):
     """A count of items (a size, a capacity, or a list of them) must fit a device's resource: <= 10**15."""
     values = value if isinstance(value, list) else [value]
@@ -358,11 +404,12 @@ def parse_graph(data: dict, source: str = "<graph>") -> Graph:
         for key, item in value.items():
             expected = _SCHEMA[section].get(key)
             if expected is None:
-                raise GraphError(
-                    f"{section}.{key}: unknown key in {source} (known in [{section}]: {', '.join(_SCHEMA[section])})"
-                )
-            if not isinstance(item, expected) or (expected is not _BOOL and isinstance(item, bool)):
-                raise GraphError(f"{section}.{key}: {item!r} has the wrong type in {source}")
+                raise GraphError(f"{section}.{key}: unknown key in {source}{did_you_mean(key, _SCHEMA[section])} "
+                                 f"(known in [{section}]: {', '.join(_SCHEMA[section])})")
+            if not _fits(item, expected):
+                fitting = [k for k, kind in _SCHEMA[section].items() if k != key and _fits(item, kind)]
+                raise GraphError(f"{section}.{key}: {item!r} has the wrong type (expected {_type_name(expected)}) "
+                                 f"in {source}{did_you_mean(key, fitting)}")
             _check_count(f"{section}.{key}", item, source)
     for section, key in _REQUIRED:
         if key not in data.get(section, {}):
@@ -378,10 +425,18 @@ def parse_graph(data: dict, source: str = "<graph>") -> Graph:
             raise GraphError(f"{err} in {source}") from None
     elif neml2_keys:
         raise GraphError(f"model.{neml2_keys[0]}: only for name = 'neml2' in {source}")
+    own = is_import_path(model["name"])
+    for key in ("generator",) if not own else ("tangent",):
+        if key in model:
+            raise GraphError(f"model.{key}: only for " + ("your own model (name = 'package.module:function')"
+                                                          if key == "generator" else "the built-in models")
+                             + f" in {source}")
+    folder = str(Path(source).resolve().parent) if Path(source).is_file() else None
     try:
-        entry = get_model(model["name"])
+        entry = get_model(model["name"], folder=folder, generator=model.get("generator"))
     except ValueError as err:
         raise GraphError(f"{_prefixed('model.name', err)} in {source}") from None
+    _check_parameters(entry, parameters, model["name"], source)
     try:
         entry.parameters_type(**parameters)
     except (TypeError, ValueError) as err:
@@ -406,7 +461,8 @@ def parse_graph(data: dict, source: str = "<graph>") -> Graph:
                          f"{options['chunk_timeout']} in {source}")
     if options.get("threads_per_worker", 1) < 1:
         raise GraphError(f"options.threads_per_worker: must be >= 1, got {options['threads_per_worker']} in {source}")
-    graph = Graph(source, model["name"], dict(parameters), model.get("tangent", True), size, scheduler, options)
+    graph = Graph(source, model["name"], dict(parameters), model.get("tangent", True), size, scheduler, options,
+                  model.get("generator"))
     try:
         graph.build_scheduler()  # every scheduler error surfaces now, before any cluster starts
     except ValueError as err:

@@ -161,7 +161,7 @@ def workload_from(model, parameters=None) -> TuningWorkload:
         entry = get_model(model)
         return TuningWorkload(model, _ModelChunk(entry.chunk, entry.parameters_type(**(parameters or {})), True))
     if all(hasattr(model, a) for a in ("model", "parameters", "tangent")):  # a dsched.graph.Graph
-        entry = get_model(model.model)
+        entry = model.entry() if hasattr(model, "entry") else get_model(model.model)
         params = entry.parameters_type(**model.parameters)
         return TuningWorkload(model.model, _ModelChunk(entry.chunk, params, model.tangent))
     if callable(model):

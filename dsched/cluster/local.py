@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 from distributed.core import Status
@@ -146,7 +147,9 @@ class LocalHybridCluster(SpecCluster):
                 scheduler=scheduler,
                 silence_logs=silence_logs,
                 asynchronous=asynchronous,
-                name="LocalHybridCluster",
+                # Unique: distributed compares clusters by name, and Cluster.get_client() hands out the current
+                # client when its cluster "equals" this one, even another cluster's.
+                name=f"LocalHybridCluster-{uuid.uuid4().hex[:8]}",
                 **kwargs,
             )
 

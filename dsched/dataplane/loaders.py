@@ -105,13 +105,21 @@ def resolve_axis(axis, shape, field):
     return int(axis) % ndim
 
 
-def _batch_shape(value, field):
-    """The splittable shape of an entry; a clear error for an unsliceable object with shape and dtype."""
+def _resolve(axis, shape, key, name):
+    """:func:`resolve_axis`, the entry named by ``name(key)`` only if it has no such axis."""
+    if -len(shape) <= axis < len(shape):
+        return int(axis) % len(shape)
+    return resolve_axis(axis, shape, name(key))
+
+
+def _batch_shape(value, key, name=None):
+    """The splittable shape of an entry; a clear error naming it (``name(key)``, or ``key`` itself) for an
+    unsliceable object with shape and dtype."""
     try:
         backend_of(value)
     except UnsupportedArrayError as err:
         if not hasattr(value, "__getitem__"):  # sliceable ones (Zarr, memory maps) are cut by indexing
-            raise UnsupportedArrayError(f"{field}: {err}") from None
+            raise UnsupportedArrayError(f"{key if name is None else name(key)}: {err}") from None
     return batch_shape(value)
 
 
@@ -145,8 +153,8 @@ class MappingLoader(WorkGenerator):
     absent from it, or marked ``None``, goes whole); a negative axis counts from
     the end of each entry's own shape. A scalar entry, and one whose size along
     its axis is 1, is passed whole into every chunk; all other sizes must agree,
-    and an entry with no such axis is a ValueError. ``names`` gives the entries'
-    names in messages (default ``mapping['key']``).
+    and an entry with no such axis is a ValueError. ``names(key)`` is the name
+    errors give an entry (default ``mapping['key']``).
 
     Examples
     --------
@@ -166,12 +174,11 @@ class MappingLoader(WorkGenerator):
             if value is not None or not per_entry:
                 _check_axis(value, "axis" if not per_entry else f"axis[{key!r}]")
         mapping = {key: as_streamed(value) for key, value in mapping.items()}
-        names = names or {}
-        name = {key: names.get(key, f"mapping[{key!r}]") for key in mapping}
+        name = (lambda key: f"mapping[{key!r}]") if names is None else names  # read only for an error
         requested = {key: (axis.get(key) if per_entry else axis) for key in mapping}
-        shapes = {key: _batch_shape(value, name[key]) for key, value in mapping.items() if requested[key] is not None}
+        shapes = {key: _batch_shape(value, key, name) for key, value in mapping.items() if requested[key] is not None}
         # Resolved per entry: None for those that go whole (scalars, entries marked None).
-        self.axes = {key: None if a is None or not shapes[key] else resolve_axis(a, shapes[key], name[key])
+        self.axes = {key: None if a is None or not shapes[key] else _resolve(a, shapes[key], key, name)
                      for key, a in requested.items()}
         along = {key: shapes[key][a] for key, a in self.axes.items() if a is not None}
         sizes = {key: n for key, n in along.items() if n != 1}
@@ -179,7 +186,7 @@ class MappingLoader(WorkGenerator):
         if len(distinct) > 1:
             total = max(distinct)
             key, size = next((k, s) for k, s in sizes.items() if s != total)
-            raise ValueError(f"{name[key]}: size {size} along axis {self.axes[key]} is not compatible; "
+            raise ValueError(f"{name(key)}: size {size} along axis {self.axes[key]} is not compatible; "
                              f"expected 1 or {total}")
         if distinct:
             total = distinct.pop()

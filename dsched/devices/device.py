@@ -16,7 +16,7 @@ import re
 from dsched.checks import check_positive_int
 from dsched.names import EMULATED_RESOURCE, RESOURCE_PREFIX
 
-__all__ = ["Device", "parse_devices", "placement_device", "device_resource", "device_entries", "check_capacities",
+__all__ = ["Device", "parse_device", "parse_devices", "placement_device", "device_resource", "device_entries", "check_capacities",
            "device_of_resources", "EMULATED_RESOURCE", "RESOURCE_PREFIX", "UNLIMITED_CAPACITY"]
 
 # Canonical spellings only (ASCII digits, no leading zeros, no spaces), so that
@@ -105,14 +105,27 @@ def _parse(spec) -> tuple:
     return kind, index, name, hash(name)
 
 
+def parse_device(spec, field="device") -> Device:
+    """``Device(spec)``, its error naming ``field`` once.
+
+    Examples
+    --------
+    >>> parse_device("cuda0", "devices[1]")
+    Traceback (most recent call last):
+    ...
+    ValueError: devices[1]: 'cuda0' is not a device; expected 'cpu', 'cuda' or 'cuda:N' with N >= 0
+    """
+    try:
+        return Device(spec)
+    except ValueError as err:
+        raise ValueError(f"{field}: {str(err).removeprefix('device: ')}") from None
+
+
 def parse_devices(devices, field="devices") -> list[Device]:
     """Turn a list of device specs into Devices, rejecting a bare ``cuda`` next to ``cuda:N``."""
     if isinstance(devices, (str, Device)):
         devices = [devices]
-    try:
-        parsed = [Device(d) for d in devices]
-    except ValueError as err:
-        raise ValueError(f"{field}: {err}") from None
+    parsed = [parse_device(d, field) for d in devices]
     bare = any(d.is_cuda and d.index is None for d in parsed)
     indexed = [str(d) for d in parsed if d.is_cuda and d.index is not None]
     if bare and indexed:
@@ -147,10 +160,7 @@ def device_entries(mapping, devices, field, among="the devices"):
     """
     devices = [Device(d) for d in devices]
     for key, value in mapping.items():
-        try:
-            device = Device(key)
-        except ValueError as err:
-            raise ValueError(f"{field}: {err}") from None
+        device = parse_device(key, field)
         if device not in devices:
             raise ValueError(f"{field}: {device} is not one of {among} {[str(d) for d in devices]}")
         yield device, value

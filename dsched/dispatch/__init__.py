@@ -9,7 +9,7 @@ module              holds
 ``feeds``           transport: device feeds, one message per chunk (client side)
 ``completion``      hearing that chunks finished (or a cancel); devices that lost their workers
 ``front``           ``dispatch()``: check and lay out a call, run it, join
-``arguments``       which arguments are split, along which axis
+``arguments``       which arguments are split, along which axis; keywords the model takes
 ``submit``          ``submit()``: a call that returns a future at once
 ``lanes``           transport: the same-host fast lane of device feeds
 ``reuse``           calls like a recent one reuse its dispatcher

@@ -31,6 +31,7 @@ from dsched.devices.ownership import device_owners, forget_cluster_info, recent_
 from dsched.dispatch.async_run import AsyncRun
 from dsched.dispatch.completion import current_cancellation
 from dsched.errors import AggregateError, ChunkTimeoutError
+from dsched.observe.collect import open_collectors
 from dsched.observe.dashboard.client import RunTotal
 from dsched.observe.hooks import Observers, RunStart
 from dsched.observe.predictions import PredictionObserver
@@ -309,7 +310,7 @@ class WorkDispatcher:
             observers.append(TraceObserver(self.trace_file))
         if self.on_chunk_done is not None:
             observers.append(ChunkCallback(self.on_chunk_done))
-        return Observers(observers + self.observers)
+        return Observers(observers + self.observers + open_collectors())  # last: they see what the others saw
 
     def _begin(self, generator, observers, run_id=None, client=None):
         """Tell a policy that plans the run's tail its size, and the observers that the run starts."""

@@ -26,7 +26,8 @@ from dsched.dataplane.rundata import check_out
 from dsched.dataplane.store import resolve_work
 from dsched.devices import backends
 from dsched.devices.threads import limit_this_thread
-from dsched.dispatch.arguments import ArgsLayout, is_split, keep_grad_setting, out_axis_of
+from dsched.dispatch.arguments import (ArgsLayout, argument_name, check_keywords, is_split, keep_grad_setting,
+                                       out_axis_of)
 from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.dispatch.reuse import RecentCalls
 from dsched.dispatch.reduce import concat_reduce
@@ -126,6 +127,7 @@ class PreparedCall:
                  timeout, keep_grad, host_arrays=False):
         if not callable(fn):
             raise ValueError(f"fn: expected a callable, got {fn!r}")
+        check_keywords(fn, kwargs, dispatch)  # a typo'd keyword of dispatch's would otherwise reach the model
         keep_grad = keep_grad_setting(keep_grad)
         if keep_grad and out is not None:
             raise ValueError("out: outputs written in place carry no autograd graph; drop out= or keep_grad")
@@ -136,7 +138,7 @@ class PreparedCall:
         self.scheduler, self.client, self.mode, self.timeout = scheduler, client, mode, timeout
         self.trace_file, self.out, self.overwrite, self.keep_grad = trace_file, out, overwrite, keep_grad
         self.host_arrays = bool(host_arrays)
-        self.loader = None if _batch_is_empty(layout) else _loader(layout)
+        self.loader = None if _batch_is_empty(layout) else _loader(layout, fn)
 
     def run(self):
         """Dispatch the call; the joined result."""
@@ -161,9 +163,10 @@ class PreparedCall:
             return dispatcher.run(self.loader)
 
 
-def _loader(layout):
-    """The call's chunks: a :class:`MappingLoader` over the layout's entries, each along its own axis."""
-    return MappingLoader(layout.mapping, axis=layout.axes, names={key: key for key in layout.mapping})
+def _loader(layout, fn):
+    """The call's chunks: a :class:`MappingLoader` over the layout's entries, each along its own axis, named in
+    errors as written (``args[1]['b'] ('params' of fn)``)."""
+    return MappingLoader(layout.mapping, axis=layout.axes, names=functools.partial(argument_name, fn))
 
 
 def _batch_is_empty(layout) -> bool:
@@ -188,7 +191,7 @@ def _probe_layout(fn, layout, kwargs, axis):
     probe = getattr(fn, "probe_outputs", True)
     if probe is False:
         return None
-    _, first = _loader(layout).next(1)
+    _, first = _loader(layout, fn).next(1)
     first = {key: _read_only_copy(value) for key, value in resolve_work(first).items()}
     call = functools.partial(probe if callable(probe) else fn, *layout.rebuild(first), **kwargs)
     result = _within(call, float(dask.config.get("dsched.probe-timeout", PROBE_SECONDS)))

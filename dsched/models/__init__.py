@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+from dsched.checks import did_you_mean
+from dsched.models.imported import imported_fields, is_import_path
 from dsched.models.j2 import J2_INPUTS, J2Parameters, j2_chunk, j2_outputs, j2_update, loading_strain, write_j2_inputs
 from dsched.models.neml2 import NEML2ConvergenceError, NEML2Model, NEML2Parameters, neml2_chunk
 
@@ -53,15 +55,20 @@ MODELS = {
 }
 
 
-def get_model(name):
-    """The :class:`Model` registered as ``name``.
+def get_model(name, *, folder=None, generator=None):
+    """The :class:`Model` registered as ``name``, or the function an import path names
+    (``"package.module:function"``, :mod:`dsched.models.imported`; ``folder``: where else to find its module,
+    ``generator``: the import path of its inputs' generator).
 
     Raises
     ------
     ValueError
-        If no model has that name.
+        If no model has that name, or the import path does not name a function.
     """
+    if is_import_path(name):
+        return Model(**imported_fields(name, folder, generator))
     try:
         return MODELS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"model: unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
+        raise ValueError(f"model: unknown model {name!r}{did_you_mean(str(name), MODELS)}; known: "
+                         f"{', '.join(sorted(MODELS))}, or your own function as 'package.module:function'") from None

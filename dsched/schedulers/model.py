@@ -40,7 +40,7 @@ import math
 import threading
 import time
 
-from dsched.devices.device import Device
+from dsched.devices.device import Device, parse_device
 from dsched.schedulers.base import DeviceStatus, WorkScheduler, broadcast, build_status, check_positive_int
 from dsched.schedulers.costmodel import (
     DeviceCalibration,
@@ -485,10 +485,7 @@ def _given_costs(costs, devices) -> dict:
         raise ValueError(f"costs: expected a mapping {{device: SaturationFit}}, got {costs!r}")
     out = {}
     for key, value in costs.items():
-        try:
-            device = Device(key)
-        except ValueError as err:
-            raise ValueError(f"costs: {err}") from None
+        device = parse_device(key, "costs")
         if device not in devices:
             raise ValueError(f"costs[{str(key)!r}]: not one of the scheduler's devices ({', '.join(map(str, devices))})")
         fit = value if isinstance(value, SaturationFit) else fit_of(value)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsched.devices.device import Device
+from dsched.devices.device import parse_device
 from dsched.schedulers.base import DeviceStatus, SingleDeviceScheduler, check_positive_int
 
 __all__ = ["SimpleScheduler"]
@@ -31,10 +31,7 @@ class SimpleScheduler(SingleDeviceScheduler):
     def __init__(self, device, batch_size, capacity=None):
         if isinstance(device, (list, tuple)):
             raise ValueError(f"device: SimpleScheduler takes one device, got {[str(d) for d in device]}")
-        try:
-            device = Device(device)
-        except ValueError as err:
-            raise ValueError(f"device: {err}") from None
+        device = parse_device(device, "device")
         batch_size = check_positive_int(batch_size, "batch_size")
         capacity = batch_size if capacity is None else check_positive_int(capacity, "capacity")
         if capacity < batch_size:

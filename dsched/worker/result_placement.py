@@ -105,11 +105,14 @@ def run_and_write(program, slot, rows, run, device):
             else:
                 _verify(plan, positions, arrays, rows)
     del arrays
+    leftover = None
     try:
-        return slot.write(result, device, rows=rows)
+        leftover = slot.write(result, device, rows=rows)
+        return leftover
     finally:
         del result
-        _leave(plan, call, watched=positions is None, agreed=agreed)
+        # Outputs travelling back by value are held by dsched until sent, not kept by the model.
+        _leave(plan, call, watched=positions is None, agreed=agreed, travelling=_owners(leftover))
 
 
 def _plan_for(program, slot) -> _Plan:
@@ -166,16 +169,28 @@ def _alive(pending) -> list:
     return still_alive(call, addresses) if call is not None else live_placements(addresses)
 
 
-def _leave(plan, call, watched, agreed):
+def _owners(leftover) -> set:
+    """Addresses of the memory the arrays of ``leftover`` (a :class:`~dsched.dataplane.outputs.Leftover` or
+    ``None``) lie in: each array's own and its bases'."""
+    owners = set()
+    for array in (leftover.arrays.values() if leftover is not None else ()):
+        while isinstance(array, np.ndarray):
+            owners.add(_address(array))
+            array = array.base
+    return owners
+
+
+def _leave(plan, call, watched, agreed, travelling=frozenset()):
     """After the chunk (its result gone): what it left alive, to be judged when the model's next chunk starts.
 
     A watched chunk that agreed with the one before is judged on everything it
     allocated (the first may have made what a model makes once: imports,
-    tables); a placed one on what was placed.
+    tables); a placed one on what was placed. ``travelling``: addresses of
+    outputs on their way back by value, held by dsched, not by the model.
     """
     with _lock:
         if watched:
-            survivors = call.survivors() if agreed else []
+            survivors = [address for address in call.survivors() if address not in travelling] if agreed else []
             call.unfollow(keep=survivors)
             if survivors:
                 plan.pending = (call, survivors)

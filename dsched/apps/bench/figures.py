@@ -10,8 +10,10 @@ and ``python -m dsched.apps.bench.figures results.json README.md docs/*.md``
 rewrites every marked block from the file: ``bench:<suite>`` (``percall``,
 ``scheduling``, ``data``, ``policy``, ``batch``, ``neml2``) holds the suite's table as
 ``dsched bench`` prints it, ``bench:summary`` a table of the headline ratios
-with their targets, and ``bench:machine`` the machine and command they come
-from. A block whose suite is not in the file is left as it is.
+with their targets, ``bench:headline`` dsched against each peer (NumPy, Dask,
+Ray, NEML2; :mod:`dsched.apps.bench.headline`), ``bench:machine`` the
+machine and command they come from, and ``bench:setup`` the same without the
+load and the date. A block whose suite is not in the file is left as it is.
 
 Examples
 --------
@@ -33,6 +35,7 @@ import sys
 
 from dsched.apps.bench.batch import format_load_steps
 from dsched.apps.bench.data import format_data_table
+from dsched.apps.bench.headline import headline
 from dsched.apps.bench.neml2 import format_neml2_table
 from dsched.apps.bench.percall import format_percall
 from dsched.apps.bench.policy import format_policy_table
@@ -47,9 +50,11 @@ _BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /ben
 
 def blocks(results: dict) -> dict:
     """``{block name: markdown}`` for every block ``results`` (a ``dsched bench --json`` file's content) can fill."""
-    out = {"machine": _machine(results), "summary": _summary(results)}
+    out = {"machine": _machine(results), "setup": _machine(results, brief=True), "summary": _summary(results)}
+    if headline(results):
+        out["headline"] = headline(results)
     for suite, formatter in FORMATTERS.items():
-        if suite in results:
+        if suite in results and not {"skipped", "failed"} & set(results[suite]):  # not measured: block kept
             out[suite] = f"```text\n$ {results.get('command', 'dsched bench')}\n{formatter(results[suite])}\n```"
     return out
 
@@ -89,13 +94,15 @@ def machine_info() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
-def _machine(results) -> str:
+def _machine(results, brief=False) -> str:
+    """The machine and command of the run; ``brief``: without the load and the date (the README's)."""
     machine = results.get("machine", {})
     parts = [f"`{results.get('command', 'dsched bench')}`"]
     if machine:
         parts.append(f"{machine.get('cpus', '?')} CPU cores ({machine.get('cpu', 'unknown CPU')}), "
-                     f"{machine.get('memory_gib', '?')} GiB, {machine.get('gpus') or 'no GPU'}, "
-                     f"load {machine.get('load_average', '?')} at the start, {machine.get('date', '')}")
+                     f"{machine.get('memory_gib', '?')} GiB, {machine.get('gpus') or 'no GPU'}"
+                     + ("" if brief else f", load {machine.get('load_average', '?')} at the start, "
+                                         f"{machine.get('date', '')}"))
     parts.append("CUDA devices of these runs are emulated (NumPy on the CPU): not a GPU measurement")
     return "Measured with " + "; ".join(parts) + "."
 

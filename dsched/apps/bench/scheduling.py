@@ -68,7 +68,7 @@ from dsched.checks import check_positive_int
 from dsched.cluster.local import LocalHybridCluster
 from dsched.dataplane.loaders import SliceGenerator
 from dsched.devices.context import worker_device
-from dsched.devices.device import Device, device_of_resources, device_resource
+from dsched.devices.device import Device, device_of_resources, device_resource, parse_device
 from dsched.devices.ownership import cluster_info, emulated_devices
 from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.dispatch.feeds import release_parked
@@ -338,10 +338,7 @@ def _check_devices(devices):
     for i, d in enumerate(devices):
         if not isinstance(d, EmulatedDevice):
             raise ValueError(f"devices[{i}]: expected an EmulatedDevice, got {d!r}")
-        try:
-            Device(d.device)
-        except ValueError as err:
-            raise ValueError(f"devices[{i}]: {err}") from None
+        parse_device(d.device, f"devices[{i}]")
         if not d.rate > 0 or not d.t0 >= 0:
             raise ValueError(f"devices[{i}]: rate must be > 0 and t0 >= 0, got rate={d.rate!r}, t0={d.t0!r}")
     if len({d.device for d in devices}) != len(devices):

@@ -37,7 +37,7 @@ A GPU worker's memory is the worker's own ``/metrics``
 (:mod:`dsched.observe.dashboard.gpu`).
 
 ``prometheus_client`` is optional (``pip install 'dsched[prometheus]'``):
-without it the first plugin to start warns once, and everything else works.
+without it the dsched_ families are quietly off, as Dask's own metrics are, and everything else works.
 """
 
 from __future__ import annotations
@@ -47,12 +47,11 @@ import collections
 import logging
 import math
 import threading
-import warnings
 import weakref
 
 from dsched.observe.report import median_relative_error, relative_error
 
-__all__ = ["Histogram", "PredictionStats", "export", "withdraw", "prometheus_client_or_warn",
+__all__ = ["Histogram", "PredictionStats", "export", "withdraw", "prometheus_client_if_installed",
            "DURATION_BUCKETS", "ERROR_BUCKETS", "RECENT_PREDICTIONS"]
 
 logger = logging.getLogger(__name__)
@@ -66,7 +65,7 @@ RECENT_PREDICTIONS = 1000
 
 _lock = threading.Lock()
 _plugins = weakref.WeakSet()  # the live DashboardPlugins of this process
-_state = {"registered": False, "warned": False}
+_state = {"registered": False, "missing": False}
 
 
 class Histogram:
@@ -148,19 +147,19 @@ class PredictionStats:
 
 # --- registering --------------------------------------------------------------------
 
-def prometheus_client_or_warn():
-    """``prometheus_client``, or ``None`` after a warning (once per process) that it is missing."""
-    if _state["warned"]:  # missing: not looked for again (install() runs on every request of the JSON route)
+def prometheus_client_if_installed():
+    """``prometheus_client``, or ``None`` where it is not installed: the metrics are then quietly off, as Dask's
+    own are (one DEBUG log line per process says so)."""
+    if _state["missing"]:  # missing: not looked for again (install() runs on every request of the JSON route)
         return None
     try:
         import prometheus_client
     except ImportError:
         with _lock:
-            warned, _state["warned"] = _state["warned"], True
-        if not warned:
-            warnings.warn("dsched: prometheus_client is not installed, so the scheduler's /metrics has no dsched_ "
-                          "families (pip install 'dsched[prometheus]'); everything else works", RuntimeWarning,
-                          stacklevel=2)
+            missing, _state["missing"] = _state["missing"], True
+        if not missing:
+            logger.debug("dsched: prometheus_client is not installed, so the scheduler's /metrics has no dsched_ "
+                         "families (pip install 'dsched[prometheus]')")
         return None
     return prometheus_client
 
@@ -171,7 +170,7 @@ def export(plugin) -> bool:
     Registers the process's collector in ``prometheus_client.REGISTRY`` the
     first time (once per process, however many schedulers start).
     """
-    prometheus_client = prometheus_client_or_warn()
+    prometheus_client = prometheus_client_if_installed()
     if prometheus_client is None:
         return False
     with _lock:
