@@ -8,10 +8,11 @@ Pages mark where figures go with a pair of HTML comments::
 
 and ``python -m dsched.apps.bench.figures results.json README.md docs/*.md``
 rewrites every marked block from the file: ``bench:<suite>`` (``percall``,
-``scheduling``, ``data``, ``policy``, ``batch``, ``neml2``) holds the suite's table as
+``scheduling``, ``data``, ``policy``, ``batch``, ``neml2``, ``gpu``) holds the suite's table as
 ``dsched bench`` prints it, ``bench:summary`` a table of the headline ratios
 with their targets, and ``bench:machine`` the machine and command they come
-from. A block whose suite is not in the file is left as it is.
+from. A block whose suite is not in the file, or was skipped in it (``gpu``
+without a GPU, ``neml2`` without NEML2), is left as it is.
 
 Examples
 --------
@@ -33,6 +34,7 @@ import sys
 
 from dsched.apps.bench.batch import format_load_steps
 from dsched.apps.bench.data import format_data_table
+from dsched.apps.bench.gpu import format_gpu_table
 from dsched.apps.bench.neml2 import format_neml2_table
 from dsched.apps.bench.percall import format_percall
 from dsched.apps.bench.policy import format_policy_table
@@ -41,7 +43,8 @@ from dsched.apps.bench.scheduling import format_table
 __all__ = ["blocks", "fill", "machine_info", "main"]
 
 FORMATTERS = {"percall": format_percall, "scheduling": format_table, "data": format_data_table,
-              "policy": format_policy_table, "batch": format_load_steps, "neml2": format_neml2_table}
+              "policy": format_policy_table, "batch": format_load_steps, "neml2": format_neml2_table,
+              "gpu": format_gpu_table}
 _BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 
 
@@ -49,7 +52,7 @@ def blocks(results: dict) -> dict:
     """``{block name: markdown}`` for every block ``results`` (a ``dsched bench --json`` file's content) can fill."""
     out = {"machine": _machine(results), "summary": _summary(results)}
     for suite, formatter in FORMATTERS.items():
-        if suite in results:
+        if isinstance(results.get(suite), dict) and "skipped" not in results[suite]:
             out[suite] = f"```text\n$ {results.get('command', 'dsched bench')}\n{formatter(results[suite])}\n```"
     return out
 
@@ -96,7 +99,13 @@ def _machine(results) -> str:
         parts.append(f"{machine.get('cpus', '?')} CPU cores ({machine.get('cpu', 'unknown CPU')}), "
                      f"{machine.get('memory_gib', '?')} GiB, {machine.get('gpus') or 'no GPU'}, "
                      f"load {machine.get('load_average', '?')} at the start, {machine.get('date', '')}")
-    parts.append("CUDA devices of these runs are emulated (NumPy on the CPU): not a GPU measurement")
+    gpu = results.get("gpu")
+    if any(suite in results for suite in FORMATTERS if suite != "gpu"):
+        parts.append("CUDA devices of these runs are emulated (NumPy on the CPU): not a GPU measurement"
+                     if not isinstance(gpu, dict) or "skipped" in gpu else
+                     "the gpu suite on a real GPU; the other suites' CUDA devices are emulated (NumPy on the CPU)")
+    if isinstance(gpu, dict) and "gpu" in gpu:
+        parts.append(f"GPU: {gpu['gpu']['name']}")
     return "Measured with " + "; ".join(parts) + "."
 
 
