@@ -55,8 +55,11 @@ def pinned_registrations(dask_worker=None):
 
     from dsched.dataplane.segments import _pinned
 
-    return sorted((writable, int(cupy.cuda.runtime.pointerGetAttributes(pointer).type))
-                  for (_, writable), (_, pointer) in list(_pinned.items()))
+    def memory_type(pointer):
+        attributes = cupy.cuda.runtime.pointerGetAttributes(pointer)
+        return int(getattr(attributes, "type", getattr(attributes, "memoryType", -1)))  # CuPy's name varies
+
+    return sorted((writable, memory_type(pointer)) for (_, writable), (_, pointer) in list(_pinned.items()))
 
 
 def test_shared_inputs_and_outputs_are_page_locked_and_each_chunk_runs_on_a_stream_of_its_own(gpu_cluster):
