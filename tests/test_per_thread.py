@@ -130,3 +130,24 @@ def test_worker_processes_get_glibc_mmap_threshold_back():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")
     assert restore_mmap_threshold() is True
+
+
+def test_a_thread_is_limited_once_torch_is_whole_not_while_another_thread_imports_it(monkeypatch):
+    # While one worker thread imports torch, sys.modules holds it half made (no set_num_threads yet): another
+    # thread's chunk must go on, and be limited on its next call, once torch is whole.
+    import sys
+    import types
+
+    from dsched.devices import threads
+
+    calls = []
+    half_made = types.ModuleType("torch")
+    monkeypatch.setitem(sys.modules, "torch", half_made)
+    monkeypatch.setattr(threads, "_share", 3)
+    monkeypatch.setattr(threads, "_applied", threading.local())
+    threads.limit_this_thread()
+    assert calls == [] and getattr(threads._applied, "threads", None) is None
+    half_made.set_num_threads = calls.append  # the import finished
+    threads.limit_this_thread()
+    threads.limit_this_thread()  # once per thread
+    assert calls == [3]

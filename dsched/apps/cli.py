@@ -349,7 +349,7 @@ def _add_bench(subparsers):
         "bench",
         help="benchmark scheduling (emulated devices) and the data plane (J2 on real arrays) against their peers",
         description=(
-            "Six suites, each measured against its peers in the same run (targets are information: set on a 2-core reference machine, not pass or fail on yours). 'percall': the cost of one call of a no-op "
+            "Seven suites, each measured against its peers in the same run (targets are information: set on a 2-core reference machine, not pass or fail on yours). 'percall': the cost of one call of a no-op "
             "(dispatch, a WorkDispatcher kept across calls, a Batch step) against plain Dask, Ray where installed, "
             "and a Pipe round trip to two bare processes, the limit. 'scheduling': emulated devices of known "
             "speed (each serial, sleeping t0 + n/rate per chunk): hybrid efficiency of StaticHybridScheduler "
@@ -362,18 +362,20 @@ def _add_bench(subparsers):
             "resident batch against re-dispatching every step and NumPy. 'neml2': four of NEML2's benchmark "
             "scenarios (elasticity, radret, isoharden, chaboche2) through NEML2Model.dispatch, a resident Batch and "
             "a TransientDriver, against NEML2's own driver on 1 and 2 threads and the two-worker limit (needs the "
-            "neml2 extra). Prints tables; --json writes the numbers."
+            "neml2 extra). 'gpu': dsched on a real cuda:0 against CuPy and torch on the same GPU (J2 and NEML2's radret "
+            "against one call on the whole batch, host-GPU-host bandwidth, cpu + cuda:0 against the GPU alone, the "
+            "cost of a call); skipped without CuPy and a GPU. Prints tables; --json writes the numbers."
         ),
     )
     bench.add_argument("--quick", action="store_true", help="small sizes (a minute or two)")
-    bench.add_argument("--only", choices=SUITES, help="run one suite (default: all)")
+    bench.add_argument("--only", choices=SUITES, help="run one suite (default: all; gpu is skipped without a GPU)")
     bench.add_argument("--json", help="write the results to this JSON file")
     bench.add_argument("--processes", action="store_true", help="scheduling suite: device workers in processes")
     add_neml2_arguments(bench)
     bench.set_defaults(handler=_bench)
 
 
-SUITES = ("percall", "scheduling", "data", "policy", "batch", "neml2")
+SUITES = ("percall", "scheduling", "data", "policy", "batch", "neml2", "gpu")
 
 
 def _bench(args) -> int:
@@ -476,8 +478,18 @@ def _bench_percall(args, say):
     return results, format_percall(results)
 
 
+def _bench_gpu(args, say):
+    from dsched.apps.bench.gpu import format_gpu_table, gpu_missing, run_gpu_benchmarks
+
+    missing = gpu_missing()
+    if missing:  # one line: the table's
+        return {"skipped": missing}, f"gpu suite skipped: {missing}"
+    results = run_gpu_benchmarks(quick=args.quick, progress=say)
+    return results, format_gpu_table(results)
+
+
 _BENCH_SUITES = {"percall": _bench_percall, "scheduling": _bench_scheduling, "data": _bench_data,
-                 "policy": _bench_policy, "batch": _bench_batch, "neml2": _bench_neml2}
+                 "policy": _bench_policy, "batch": _bench_batch, "neml2": _bench_neml2, "gpu": _bench_gpu}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -193,7 +193,8 @@ def _cupy_for(device):
         import cupy
     except ImportError:
         raise RuntimeError(
-            f"device {device}: moving NumPy arrays to a CUDA device needs CuPy (pip install 'dsched[cuda12]'); "
+            f"device {device}: moving NumPy arrays to a CUDA device needs CuPy (pip install 'dsched[cuda13]', or "
+            "'dsched[cuda12]' for a CUDA 12 driver); "
             "pass torch tensors for a torch model, or run on an emulated device (LocalHybridCluster(emulate=True))"
         ) from None
     return cupy
@@ -539,7 +540,8 @@ def array_module(device=None):
         import cupy
     except ImportError:
         raise RuntimeError(
-            f"device {device}: computing on a CUDA device needs CuPy (pip install 'dsched[cuda12]'); "
+            f"device {device}: computing on a CUDA device needs CuPy (pip install 'dsched[cuda13]', or "
+            "'dsched[cuda12]' for a CUDA 12 driver); "
             "on a machine without a GPU, run on an emulated device (LocalHybridCluster(emulate=True))"
         ) from None
     return cupy

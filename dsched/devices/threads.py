@@ -138,9 +138,11 @@ def limit_this_thread() -> None:
     """
     if _share is None or getattr(_applied, "threads", None) == _share:
         return
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(_share)
+    # Another of the worker's threads may be importing torch right now: its module is then in sys.modules,
+    # half made, without set_num_threads yet. This thread is limited on a later call.
+    set_num_threads = getattr(sys.modules.get("torch"), "set_num_threads", None)
+    if set_num_threads is not None:
+        set_num_threads(_share)
         _applied.threads = _share
 
 

@@ -8,12 +8,13 @@ Pages mark where figures go with a pair of HTML comments::
 
 and ``python -m dsched.apps.bench.figures results.json README.md docs/*.md``
 rewrites every marked block from the file: ``bench:<suite>`` (``percall``,
-``scheduling``, ``data``, ``policy``, ``batch``, ``neml2``) holds the suite's table as
+``scheduling``, ``data``, ``policy``, ``batch``, ``neml2``, ``gpu``) holds the suite's table as
 ``dsched bench`` prints it, ``bench:summary`` a table of the headline ratios
 with their targets, ``bench:headline`` dsched against each peer (NumPy, Dask,
 Ray, NEML2; :mod:`dsched.apps.bench.headline`), ``bench:machine`` the
 machine and command they come from, and ``bench:setup`` the same without the
-load and the date. A block whose suite is not in the file is left as it is.
+load and the date. A block whose suite is not in the file, or was skipped or
+failed in it (``gpu`` without a GPU, ``neml2`` without NEML2), is left as it is.
 
 Examples
 --------
@@ -35,6 +36,7 @@ import sys
 
 from dsched.apps.bench.batch import format_load_steps
 from dsched.apps.bench.data import format_data_table
+from dsched.apps.bench.gpu import format_gpu_table
 from dsched.apps.bench.headline import headline
 from dsched.apps.bench.neml2 import format_neml2_table
 from dsched.apps.bench.percall import format_percall
@@ -44,7 +46,8 @@ from dsched.apps.bench.scheduling import format_table
 __all__ = ["blocks", "fill", "machine_info", "main"]
 
 FORMATTERS = {"percall": format_percall, "scheduling": format_table, "data": format_data_table,
-              "policy": format_policy_table, "batch": format_load_steps, "neml2": format_neml2_table}
+              "policy": format_policy_table, "batch": format_load_steps, "neml2": format_neml2_table,
+              "gpu": format_gpu_table}
 _BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 
 
@@ -54,7 +57,7 @@ def blocks(results: dict) -> dict:
     if headline(results):
         out["headline"] = headline(results)
     for suite, formatter in FORMATTERS.items():
-        if suite in results and not {"skipped", "failed"} & set(results[suite]):  # not measured: block kept
+        if isinstance(results.get(suite), dict) and not {"skipped", "failed"} & set(results[suite]):  # kept
             out[suite] = f"```text\n$ {results.get('command', 'dsched bench')}\n{formatter(results[suite])}\n```"
     return out
 
@@ -103,7 +106,13 @@ def _machine(results, brief=False) -> str:
                      f"{machine.get('memory_gib', '?')} GiB, {machine.get('gpus') or 'no GPU'}"
                      + ("" if brief else f", load {machine.get('load_average', '?')} at the start, "
                                          f"{machine.get('date', '')}"))
-    parts.append("CUDA devices of these runs are emulated (NumPy on the CPU): not a GPU measurement")
+    gpu = results.get("gpu")
+    if any(suite in results for suite in FORMATTERS if suite != "gpu"):
+        parts.append("CUDA devices of these runs are emulated (NumPy on the CPU): not a GPU measurement"
+                     if not isinstance(gpu, dict) or "skipped" in gpu else
+                     "the gpu suite on a real GPU; the other suites' CUDA devices are emulated (NumPy on the CPU)")
+    if isinstance(gpu, dict) and "gpu" in gpu:
+        parts.append(f"GPU: {gpu['gpu']['name']}")
     return "Measured with " + "; ".join(parts) + "."
 
 
