@@ -172,3 +172,20 @@ def test_batch_load_steps_on_cpu_and_cuda0_match_numpy_step_by_step(gpu_client):
     assert (expected["alpha"] > 0).mean() > 0.5  # the state changed: the steps carried it
     assert set(np.unique(got["on_gpu"])) == {0.0, 1.0}
     assert "cupy" in kinds and "numpy" in kinds  # resident on the GPU as CuPy, on the CPU as NumPy
+
+
+def numpy_only_model(x):
+    """A model written with NumPy alone, as most FE materials are: it fails on a CuPy array."""
+    assert type(x) is np.ndarray, type(x)
+    return np.sqrt(x) + 1.0, on_gpu_flags(x)
+
+
+def test_a_numpy_model_on_the_gpu_worker_gets_host_arrays(gpu_client):
+    """host_arrays=True: the chunks placed on cuda:0 arrive as NumPy (the model runs on the GPU worker's CPU
+    threads), equal to the CPU's result; without it, the cuda:0 chunks are CuPy and this model refuses them."""
+    x = np.random.default_rng(3).random(N)
+    y, on_gpu = dsched.dispatch(numpy_only_model, x, scheduler=hybrid(), client=gpu_client, host_arrays=True)
+    np.testing.assert_array_equal(y, np.sqrt(x) + 1.0)
+    assert not on_gpu.any()
+    with pytest.raises(Exception, match="ndarray"):
+        dsched.dispatch(numpy_only_model, x, scheduler=hybrid(), client=gpu_client)
