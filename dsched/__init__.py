@@ -23,6 +23,7 @@ from dsched.devices.per_thread import PerThread
 from dsched.dispatch import WorkDispatcher, dispatch
 from dsched.dispatch.reduce import concat_reduce, derivative_reduce
 from dsched.errors import AggregateError, ChunkTimeoutError, DispatchError, RecoverableError
+from dsched.models.fe_material import FEMaterial
 from dsched.observe.hooks import RunObserver
 from dsched.observe.report import ChunkRecord, RunReport
 from dsched.resident.batch import Batch
@@ -48,7 +49,7 @@ __all__ = [
     "DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError", "ChunkResultError",
     "LocalHybridCluster", "PerThread",
     "plan", "as_batched", "map_blocks", "register", "PlacementWarning",
-    "Batch", "TransientDriver",
+    "Batch", "TransientDriver", "FEMaterial",
 ]
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+from dsched.models.fe_material import FEMaterial
 from dsched.models.j2 import J2_INPUTS, J2Parameters, j2_chunk, j2_outputs, j2_update, loading_strain, write_j2_inputs
 from dsched.models.neml2 import NEML2ConvergenceError, NEML2Model, NEML2Parameters, neml2_chunk
 
 __all__ = [
+    "FEMaterial",
     "J2Parameters",
     "j2_update",
     "j2_chunk",
