@@ -13,7 +13,8 @@ computes both).
     pip install "dsched[fe]"                       # FElupe (GPL-3.0) from PyPI
     python examples/fe_plasticity.py               # 2 x 12 x 12 cells: a few seconds
     python examples/fe_plasticity.py --size 100    # 20,000 cells, 80,000 points
-    python examples/fe_plasticity.py --case hexahedra --size 12 --layers 8
+    python examples/fe_plasticity.py --layers 16 --size 40 --one-call
+    python examples/fe_plasticity.py --case hexahedra --size 8
     python examples/fe_plasticity.py --scheduler-file sf.json   # a running cluster
 
 ``--case hexahedra`` is a 3-D block of hexahedra (eight points per cell) and
@@ -23,6 +24,8 @@ dominates the solve. ``dsched bench --only fe`` times these solves.
 """
 
 import argparse
+import collections
+import copy
 import time
 
 import numpy as np
@@ -74,6 +77,33 @@ def material(layers=1):
         statevars=((1,), (3, 3), (3, 3)) * layers)
 
 
+class OneCall:
+    """A FElupe strain-based material (``MaterialStrain``) as one function giving its gradient and hessian lists.
+
+    FElupe calls the material function twice per Newton iteration: for the
+    stress (``tangent=False``) and again for the tangent. Here its gradient
+    runs the function once per chunk of cells with the tangent, and its hessian
+    takes those results in the same order (FElupe evaluates both over the same
+    chunks, one after the other): the stress and the state are the function's
+    own, so the results are FElupe's to the last bit, from one call.
+    """
+
+    def __init__(self, umat):
+        self.umat, self.x = umat, umat.x
+
+    def __call__(self, x):
+        umat, function, results = copy.copy(self.umat), self.umat.material, collections.deque()
+
+        def with_tangent(*args, tangent, **kwargs):
+            results.append(function(*args, tangent=True, **kwargs))
+            return results[-1]
+
+        umat.material = with_tangent
+        gradient = umat.gradient(x)
+        umat.material = lambda *args, **kwargs: results.popleft()
+        return gradient, umat.hessian(x)
+
+
 def problem(case, size, umat, steps=10):
     """A FElupe job of ``case`` ("plate" or "hexahedra") with ``umat``; its solid body and the job."""
     import felupe as fem
@@ -120,14 +150,17 @@ def main(argv=None):
     parser.add_argument("--size", type=int, default=12, help="cells per edge (the plate has 2 size^2 cells)")
     parser.add_argument("--layers", type=int, default=1, help="J2 layers of the material (1: FElupe's J2)")
     parser.add_argument("--steps", type=int, default=10, help="load steps")
+    parser.add_argument("--one-call", action="store_true",
+                        help="call the material function once per chunk for stress, state and tangent (OneCall)")
     parser.add_argument("--scheduler-file", help="a running Dask cluster's scheduler file (else a local one)")
     args = parser.parse_args(argv)
     for name in ("size", "layers", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}: expected at least 1, got {getattr(args, name)}")
 
-    import dsched
     from distributed import Client
+
+    import dsched
 
     seconds, u, state = solve(args.case, args.size, material(args.layers), args.steps)
     print(f"FElupe alone:          {seconds:7.2f} s ({state.shape[-1]} cells, {state.shape[-2]} points each)")
@@ -139,7 +172,8 @@ def main(argv=None):
                                             dashboard_address=None)
         client = Client(cluster)
     try:
-        umat = dsched.FEMaterial(material(args.layers), scheduler=scheduler_for(state.shape[-1]), client=client)
+        model = OneCall(material(args.layers)) if args.one_call else material(args.layers)
+        umat = dsched.FEMaterial(model, scheduler=scheduler_for(state.shape[-1]), client=client)
         seconds_d, u_d, state_d = solve(args.case, args.size, umat, args.steps)
     finally:
         client.close()

@@ -349,7 +349,7 @@ def _add_bench(subparsers):
         "bench",
         help="benchmark scheduling (emulated devices) and the data plane (J2 on real arrays) against their peers",
         description=(
-            "Six suites, each measured against its peers in the same run (targets are information: set on a 2-core reference machine, not pass or fail on yours). 'percall': the cost of one call of a no-op "
+            "Seven suites, each measured against its peers in the same run (targets are information: set on a 2-core reference machine, not pass or fail on yours). 'percall': the cost of one call of a no-op "
             "(dispatch, a WorkDispatcher kept across calls, a Batch step) against plain Dask, Ray where installed, "
             "and a Pipe round trip to two bare processes, the limit. 'scheduling': emulated devices of known "
             "speed (each serial, sleeping t0 + n/rate per chunk): hybrid efficiency of StaticHybridScheduler "
@@ -362,7 +362,8 @@ def _add_bench(subparsers):
             "resident batch against re-dispatching every step and NumPy. 'neml2': four of NEML2's benchmark "
             "scenarios (elasticity, radret, isoharden, chaboche2) through NEML2Model.dispatch, a resident Batch and "
             "a TransientDriver, against NEML2's own driver on 1 and 2 threads and the two-worker limit (needs the "
-            "neml2 extra). Prints tables; --json writes the numbers."
+            "neml2 extra). 'fe': a FElupe J2 plasticity solve with its material alone and through dsched.FEMaterial "
+            "(needs the fe extra and examples/ of a checkout). Prints tables; --json writes the numbers."
         ),
     )
     bench.add_argument("--quick", action="store_true", help="small sizes (a minute or two)")
@@ -373,7 +374,7 @@ def _add_bench(subparsers):
     bench.set_defaults(handler=_bench)
 
 
-SUITES = ("percall", "scheduling", "data", "policy", "batch", "neml2")
+SUITES = ("percall", "scheduling", "data", "policy", "batch", "neml2", "fe")
 
 
 def _bench(args) -> int:
@@ -446,8 +447,19 @@ def _bench_percall(args, say):
     return results, format_percall(results)
 
 
+def _bench_fe(args, say):
+    from dsched.apps.bench.fe import format_fe_table, run_fe_benchmarks, skip_reason
+
+    reason = skip_reason()
+    if reason is not None:
+        say(f"fe: skipped: {reason}")
+        return {"skipped": reason}, f"fe suite skipped: {reason}"
+    results = run_fe_benchmarks(quick=args.quick, progress=say)
+    return results, format_fe_table(results)
+
+
 _BENCH_SUITES = {"percall": _bench_percall, "scheduling": _bench_scheduling, "data": _bench_data,
-                 "policy": _bench_policy, "batch": _bench_batch, "neml2": _bench_neml2}
+                 "policy": _bench_policy, "batch": _bench_batch, "neml2": _bench_neml2, "fe": _bench_fe}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ Pages mark where figures go with a pair of HTML comments::
 
 and ``python -m dsched.apps.bench.figures results.json README.md docs/*.md``
 rewrites every marked block from the file: ``bench:<suite>`` (``percall``,
-``scheduling``, ``data``, ``policy``, ``batch``, ``neml2``) holds the suite's table as
+``scheduling``, ``data``, ``policy``, ``batch``, ``neml2``, ``fe``) holds the suite's table as
 ``dsched bench`` prints it, ``bench:summary`` a table of the headline ratios
 with their targets, and ``bench:machine`` the machine and command they come
 from. A block whose suite is not in the file is left as it is.
@@ -33,6 +33,7 @@ import sys
 
 from dsched.apps.bench.batch import format_load_steps
 from dsched.apps.bench.data import format_data_table
+from dsched.apps.bench.fe import format_fe_table
 from dsched.apps.bench.neml2 import format_neml2_table
 from dsched.apps.bench.percall import format_percall
 from dsched.apps.bench.policy import format_policy_table
@@ -41,7 +42,8 @@ from dsched.apps.bench.scheduling import format_table
 __all__ = ["blocks", "fill", "machine_info", "main"]
 
 FORMATTERS = {"percall": format_percall, "scheduling": format_table, "data": format_data_table,
-              "policy": format_policy_table, "batch": format_load_steps, "neml2": format_neml2_table}
+              "policy": format_policy_table, "batch": format_load_steps, "neml2": format_neml2_table,
+              "fe": format_fe_table}
 _BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 
 
