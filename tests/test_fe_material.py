@@ -180,6 +180,24 @@ def test_the_example_checks_itself():
     assert "bit-identical to FElupe's own: True" in done.stdout
 
 
+def _guide_blocks():
+    import re
+
+    return re.findall(r"^```python\n(.*?)^```", (ROOT / "docs" / "solvers.md").read_text(), re.S | re.M)
+
+
+@pytest.mark.parametrize("index", range(len(_guide_blocks())))
+def test_the_guides_code_runs_as_written(index, tmp_path):
+    code = _guide_blocks()[index]
+    if "felupe" in code and importlib.util.find_spec("felupe") is None:
+        pytest.skip("felupe is not installed (pip install 'dsched[fe]')")
+    script = tmp_path / "guide.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), "the guide's code prints its result"
+
+
 # --- the adapter alone (no FElupe) ------------------------------------------------------------------------------
 
 def both_at_once(x, scale=1.0):
