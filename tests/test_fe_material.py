@@ -180,6 +180,49 @@ def test_the_example_checks_itself():
     assert "bit-identical to FElupe's own: True" in done.stdout
 
 
+@needs_felupe
+def test_the_fe_bench_times_every_form_and_checks_the_bits(process_client):
+    from dsched.apps.bench.figures import blocks
+    from dsched.apps.bench.fe import FORMS, format_fe_table, run_fe_benchmarks
+
+    results = run_fe_benchmarks(client=process_client, repeats=1, sizes={"16 J2 layers, plate": 2}, steps=2)
+    (case,) = results["cases"].values()
+    assert list(case["rows"]) == list(FORMS) and case["layers"] == 16
+    alone = case["rows"]["FElupe alone"]
+    assert alone["cells"] == 8 and alone["state_variables"] == 16 * 19 + 18 and 0 < alone["material_share"] < 1
+    for form in FORMS[1:]:
+        row = case["rows"][form]
+        assert row["identical"] is True and 0 < row["dispatches"] <= alone["iterations"] + 2 * case["steps"]
+        assert row["ratio"] == pytest.approx(alone["best"] / row["best"])
+    value, bound, _ = results["targets"]["FE solve, 16 J2 layers, plate: material through dsched >= 1.5 x FElupe alone"]
+    assert bound == 1.5 and value == max(case["rows"][form]["ratio"] for form in FORMS[1:])
+    assert results["targets"]["FE solve: results bit-identical to FElupe alone"] is True
+    table = format_fe_table(results)
+    assert "16 J2 layers, plate: 8 cells, 32 points, 322 state variables per point" in table
+    assert "through dsched, one call" in table and "cuda:0 is emulated" in table
+    assert blocks({"fe": results})["fe"].endswith(table + "\n```")
+
+
+def test_the_fe_bench_says_why_it_cannot_run():
+    from dsched.apps.bench.fe import format_fe_table, skip_reason
+
+    missing = ROOT / "examples" / "missing.py"
+    reason = skip_reason(missing)
+    if importlib.util.find_spec("felupe") is None:
+        assert reason == "felupe is not installed (pip install 'dsched[fe]')"
+    else:
+        assert reason == f"{missing} is missing (run dsched bench from a checkout of dsched)"
+    assert format_fe_table({"skipped": reason}) == f"fe suite skipped: {reason}"
+
+
+@needs_felupe
+def test_the_fe_bench_refuses_an_unknown_case_before_any_work():
+    from dsched.apps.bench.fe import run_fe_benchmarks
+
+    with pytest.raises(ValueError, match=r"^sizes: no case 'hex' \(cases: 'J2 plate', '16 J2 layers, plate'\)$"):
+        run_fe_benchmarks(sizes={"hex": 2})
+
+
 def _guide_blocks():
     import re
 

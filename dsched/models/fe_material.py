@@ -41,6 +41,7 @@ Examples
 
 from __future__ import annotations
 
+import cloudpickle
 import numpy as np
 
 from dsched.dataplane.store import shared_empty
@@ -67,6 +68,12 @@ class _Evaluate:
         self.material, self.what = material, what
         self.moves_inputs = host_arrays  # dispatch then leaves the chunk in host memory (NumPy) on a GPU worker
 
+    def __reduce__(self):
+        # The material through cloudpickle, whichever pickler carries this (Dask's tries plain pickle first): a
+        # material of a module registered to travel by value (cloudpickle.register_pickle_by_value, for a module
+        # the workers cannot import) must not go by reference on the way.
+        return _rebuilt, (cloudpickle.dumps(self.material), self.what, self.moves_inputs)
+
     def __call__(self, *x, **kwargs):
         x = list(x)
         cells = max((a.shape[-1] for a in x if isinstance(a, np.ndarray) and a.ndim), default=1)
@@ -88,6 +95,11 @@ class _Evaluate:
                     item = np.broadcast_to(item, item.shape[:-1] + (cells,))
                 out[f"{tag}{i}/{len(items)}"] = item
         return out
+
+
+def _rebuilt(material, what, host_arrays):
+    """An :class:`_Evaluate` from its pickled form (its material's cloudpickle bytes)."""
+    return _Evaluate(cloudpickle.loads(material), what, host_arrays)
 
 
 def _lists(result) -> tuple:

@@ -130,17 +130,23 @@ def _cells(example, case, size) -> int:
     return solid.results.statevars.shape[-1]
 
 
-def run_fe_benchmarks(*, quick=False, repeats=2, client=None, progress=None) -> dict:
+def run_fe_benchmarks(*, quick=False, repeats=2, client=None, progress=None, sizes=None, steps=10) -> dict:
     """Both cases (``quick``: small meshes); ``{"cases": {name: measure_case(...)}, "targets": {...}}``.
 
-    Runs on ``client``, else on a cluster of two single-thread worker processes (``cpu`` and an emulated
-    ``cuda:0``) started here. Raises ``RuntimeError`` with the reason where FElupe or the example is missing.
+    ``sizes`` maps a case's name to its cells per edge instead (a subset runs those cases only). Runs on
+    ``client``, else on a cluster of two single-thread worker processes (``cpu`` and an emulated ``cuda:0``)
+    started here. Raises ``RuntimeError`` with the reason where FElupe or the example is missing.
     """
     reason = skip_reason()
     if reason is not None:
         raise RuntimeError(reason)
     from distributed import Client
 
+    if sizes is None:
+        sizes = {name: quick_size if quick else size for name, (_, size, quick_size, _) in CASES.items()}
+    unknown = sorted(set(sizes) - set(CASES))
+    if unknown:
+        raise ValueError(f"sizes: no case {unknown[0]!r} (cases: {', '.join(map(repr, CASES))})")
     example = load_example()
     cluster = None
     if client is None:
@@ -148,15 +154,15 @@ def run_fe_benchmarks(*, quick=False, repeats=2, client=None, progress=None) -> 
                                             dashboard_address=None)
     try:
         with (Client(cluster, set_as_default=False) if cluster is not None else _Kept(client)) as on:
-            cases = {name: measure_case(example, on, case, quick_size if quick else size, layers, repeats,
-                                        progress=progress)
-                     for name, (case, size, quick_size, layers) in CASES.items()}
+            cases = {name: measure_case(example, on, CASES[name][0], size, CASES[name][3], repeats, steps, progress)
+                     for name, size in sizes.items()}
     finally:
         if cluster is not None:
             cluster.close()
     targets = {}
-    for name, bound in TARGETS.items():
-        best = max(cases[name]["rows"][form]["ratio"] for form in FORMS[1:])
+    for name, case in cases.items():
+        best = max(case["rows"][form]["ratio"] for form in FORMS[1:])
+        bound = TARGETS[name]
         targets[f"FE solve, {name}: material through dsched >= {bound:g} x FElupe alone"] = (best, bound, best >= bound)
     targets["FE solve: results bit-identical to FElupe alone"] = all(
         case["rows"][form]["identical"] for case in cases.values() for form in FORMS[1:])
