@@ -51,7 +51,7 @@ __all__ = ["FEMaterial"]
 
 #: how ``FEMaterial`` evaluates: gradient and hessian in one call, or each when asked
 TANGENT_MODES = ("with-gradient", "apart")
-_SLAB = 1 << 16  # elements compared at a time: a changed input is told from its first slab
+_SLAB = 1 << 19  # bytes compared at a time: a changed input is told from its first slab
 
 
 class _Evaluate:
@@ -113,17 +113,18 @@ def _lists(result) -> tuple:
 
 
 def _equal(a, b) -> bool:
-    """Whether two inputs hold the same values; a changed array is usually told from its first slab."""
+    """Whether two inputs hold the same values, bit for bit (NaN included); a changed array is usually told from
+    its first slab."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape or a.dtype != b.dtype:
             return False
-        if not (a.flags.c_contiguous and b.flags.c_contiguous):
+        if not (a.flags.c_contiguous and b.flags.c_contiguous) or a.dtype.hasobject:
             return bool(np.array_equal(a, b))
-        flat_a, flat_b = a.reshape(-1), b.reshape(-1)
-        return all(np.array_equal(flat_a[i:i + _SLAB], flat_b[i:i + _SLAB]) for i in range(0, flat_a.size, _SLAB))
+        bytes_a, bytes_b = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
+        return all(np.array_equal(bytes_a[i:i + _SLAB], bytes_b[i:i + _SLAB]) for i in range(0, bytes_a.size, _SLAB))
     try:
         return a is b or bool(a == b)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):  # e.g. dicts of arrays: told apart, evaluated again
         return False
 
 
