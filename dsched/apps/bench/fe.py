@@ -5,7 +5,7 @@ The same solve, in the same run, three ways:
 - ``FElupe alone``: FElupe's own material, called by FElupe on all points at once (one process, one thread);
 - ``through dsched``: :class:`dsched.FEMaterial` around the same material: each Newton iteration is one
   dispatch, split by cells over two single-thread worker processes (``cpu`` and an emulated ``cuda:0``),
-  one chunk per device, which runs the material's gradient and hessian;
+  four chunks per device (``scheduler_for`` of the example), each running the material's gradient and hessian;
 - ``through dsched, one call``: the same, the material function called once per chunk for the stress,
   the state and the tangent (``OneCall`` of the example), where FElupe calls it twice.
 
