@@ -137,18 +137,20 @@ def solve(case, size, umat, steps=10):
     return time.perf_counter() - start, solid.field[0].values.copy(), np.array(solid.results.statevars)
 
 
-def scheduler_for(cells, devices=("cpu", "cuda:0"), chunks_per_device=4):
-    """Cells in a few chunks per device, two in flight on each.
+def scheduler_for(cells, points_per_cell=4, devices=("cpu", "cuda:0")):
+    """Cells in up to four chunks per device (none below 2,048 points), two in flight on each.
 
     Plastic cells cost more than elastic ones, so equal halves would leave
     one device waiting for the other: with several chunks, a device that
     finishes early takes more, and with two in flight it never waits for its
     next one. Smaller chunks also let FElupe skip the plastic update where a
-    chunk has no plastic point.
+    chunk has no plastic point. Below 2,048 points a chunk's share of the
+    call's fixed cost outweighs that.
     """
     import dsched
 
-    size = -(-cells // (len(devices) * chunks_per_device))
+    chunks = max(1, min(4, cells * points_per_cell // (2048 * len(devices))))
+    size = -(-cells // (len(devices) * chunks))
     return dsched.StaticHybridScheduler(list(devices), batch_sizes=size, capacities=2 * size)
 
 
@@ -181,7 +183,7 @@ def main(argv=None):
         client = Client(cluster)
     try:
         model = OneCall(material(args.layers)) if args.one_call else material(args.layers)
-        umat = dsched.FEMaterial(model, scheduler=scheduler_for(state.shape[-1]), client=client)
+        umat = dsched.FEMaterial(model, scheduler=scheduler_for(state.shape[-1], state.shape[-2]), client=client)
         seconds_d, u_d, state_d = solve(args.case, args.size, umat, args.steps)
     finally:
         client.close()

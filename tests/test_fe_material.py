@@ -138,8 +138,8 @@ def test_a_tangent_the_same_for_every_cell_comes_back_broadcast(process_client, 
 def test_a_felupe_solve_through_dsched_equals_felupes_own(process_client, example, layers):
     """The whole Newton loop: displacements and state variables bit-identical, one dispatch per iteration."""
     _, u, state = example.solve("plate", 3, example.material(layers), steps=3)
-    umat = FEMaterial(example.material(layers), scheduler=example.scheduler_for(state.shape[-1]),
-                      client=process_client)
+    umat = FEMaterial(example.material(layers), scheduler=StaticHybridScheduler(["cpu", "cuda:0"], [4, 3]),
+                      client=process_client)  # 18 cells in five chunks
     counted = _Counted(umat)
     _, u_dsched, state_dsched = example.solve("plate", 3, counted, steps=3)
     np.testing.assert_array_equal(u_dsched, u)

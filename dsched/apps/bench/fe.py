@@ -5,7 +5,8 @@ The same solve, in the same run, three ways:
 - ``FElupe alone``: FElupe's own material, called by FElupe on all points at once (one process, one thread);
 - ``through dsched``: :class:`dsched.FEMaterial` around the same material: each Newton iteration is one
   dispatch, split by cells over two single-thread worker processes (``cpu`` and an emulated ``cuda:0``),
-  four chunks per device (``scheduler_for`` of the example), each running the material's gradient and hessian;
+  up to four chunks per device (``scheduler_for`` of the example), each running the material's gradient
+  and hessian;
 - ``through dsched, one call``: the same, the material function called once per chunk for the stress,
   the state and the tangent (``OneCall`` of the example), where FElupe calls it twice.
 
@@ -94,7 +95,7 @@ def measure_case(example, client, case, size, layers, repeats=2, steps=10, progr
     """One case, every form, ``repeats`` interleaved rounds; seconds per form (best and all) and the checks."""
     say = progress or (lambda line: None)
     rows = {form: {"seconds": []} for form in FORMS}
-    reference, cells = None, _cells(example, case, size)
+    reference, (cells, points) = None, _cells(example, case, size)
     for round_ in range(repeats):
         for form in FORMS:
             material = example.material(layers)
@@ -103,7 +104,7 @@ def measure_case(example, client, case, size, layers, repeats=2, steps=10, progr
             else:
                 one_call = form.endswith("one call")
                 umat = dsched.FEMaterial(example.OneCall(material) if one_call else material,
-                                         scheduler=example.scheduler_for(cells), client=client)
+                                         scheduler=example.scheduler_for(cells, points), client=client)
             say(f"fe: {case} ({size} cells per edge, {layers} layer{'s' * (layers > 1)}), {form}, "
                 f"round {round_ + 1} of {repeats}")
             seconds, u, state = example.solve(case, size, umat, steps)
@@ -125,9 +126,11 @@ def measure_case(example, client, case, size, layers, repeats=2, steps=10, progr
     return {"case": case, "size": size, "layers": layers, "steps": steps, "repeats": repeats, "rows": rows}
 
 
-def _cells(example, case, size) -> int:
+def _cells(example, case, size) -> tuple:
+    """The case's cells and quadrature points per cell."""
     solid, _ = example.problem(case, size, example.material(1), steps=1)
-    return solid.results.statevars.shape[-1]
+    points, cells = solid.results.statevars.shape[-2:]
+    return cells, points
 
 
 def run_fe_benchmarks(*, quick=False, repeats=2, client=None, progress=None, sizes=None, steps=10) -> dict:
