@@ -24,6 +24,7 @@ from dsched.dispatch import DispatchFuture, WorkDispatcher, dispatch, submit
 from dsched.dispatch.reduce import concat_reduce, derivative_reduce
 from dsched.errors import AggregateError, ChunkTimeoutError, DispatchError, RecoverableError
 from dsched.observe.collect import RunReports, run_reports
+from dsched.models.fe_material import FEMaterial
 from dsched.observe.hooks import RunObserver
 from dsched.observe.report import ChunkRecord, RunReport
 from dsched.resident.batch import Batch
@@ -51,7 +52,7 @@ __all__ = [
     "DispatchError", "RecoverableError", "AggregateError", "ChunkTimeoutError", "ChunkResultError",
     "LocalHybridCluster", "PerThread",
     "plan", "as_batched", "map_blocks", "register", "PlacementWarning",
-    "Batch", "TransientDriver", "TrialState",
+    "Batch", "TransientDriver", "TrialState", "FEMaterial",
 ]
 
 

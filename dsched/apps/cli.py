@@ -349,7 +349,7 @@ def _add_bench(subparsers):
         "bench",
         help="benchmark scheduling (emulated devices) and the data plane (J2 on real arrays) against their peers",
         description=(
-            "Seven suites, each measured against its peers in the same run (targets are information: set on a 2-core reference machine, not pass or fail on yours). 'percall': the cost of one call of a no-op "
+            "Eight suites, each measured against its peers in the same run (targets are information: set on a 2-core reference machine, not pass or fail on yours). 'percall': the cost of one call of a no-op "
             "(dispatch, a WorkDispatcher kept across calls, a Batch step) against plain Dask, Ray where installed, "
             "and a Pipe round trip to two bare processes, the limit. 'scheduling': emulated devices of known "
             "speed (each serial, sleeping t0 + n/rate per chunk): hybrid efficiency of StaticHybridScheduler "
@@ -375,7 +375,7 @@ def _add_bench(subparsers):
     bench.set_defaults(handler=_bench)
 
 
-SUITES = ("percall", "scheduling", "data", "policy", "batch", "neml2", "gpu")
+SUITES = ("percall", "scheduling", "data", "policy", "batch", "neml2", "fe", "gpu")
 
 
 def _bench(args) -> int:
@@ -488,8 +488,20 @@ def _bench_gpu(args, say):
     return results, format_gpu_table(results)
 
 
+def _bench_fe(args, say):
+    from dsched.apps.bench.fe import format_fe_table, run_fe_benchmarks, skip_reason
+
+    reason = skip_reason()
+    if reason is not None:
+        say(f"fe: skipped: {reason}")
+        return {"skipped": reason}, f"fe suite skipped: {reason}"
+    results = run_fe_benchmarks(quick=args.quick, progress=say)
+    return results, format_fe_table(results)
+
+
 _BENCH_SUITES = {"percall": _bench_percall, "scheduling": _bench_scheduling, "data": _bench_data,
-                 "policy": _bench_policy, "batch": _bench_batch, "neml2": _bench_neml2, "gpu": _bench_gpu}
+                 "policy": _bench_policy, "batch": _bench_batch, "neml2": _bench_neml2, "fe": _bench_fe,
+                 "gpu": _bench_gpu}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,13 +8,15 @@ Pages mark where figures go with a pair of HTML comments::
 
 and ``python -m dsched.apps.bench.figures results.json README.md docs/*.md``
 rewrites every marked block from the file: ``bench:<suite>`` (``percall``,
-``scheduling``, ``data``, ``policy``, ``batch``, ``neml2``, ``gpu``) holds the suite's table as
+``scheduling``, ``data``, ``policy``, ``batch``, ``neml2``, ``fe``, ``gpu``) holds the suite's table as
 ``dsched bench`` prints it, ``bench:summary`` a table of the headline ratios
 with their targets, ``bench:headline`` dsched against each peer (NumPy, Dask,
-Ray, NEML2; :mod:`dsched.apps.bench.headline`), ``bench:machine`` the
-machine and command they come from, and ``bench:setup`` the same without the
-load and the date. A block whose suite is not in the file, or was skipped or
-failed in it (``gpu`` without a GPU, ``neml2`` without NEML2), is left as it is.
+Ray, NEML2; :mod:`dsched.apps.bench.headline`), ``bench:break-even`` the model
+time per call that distributing a call needs (from the percall suite),
+``bench:machine`` the machine and command they come from, and ``bench:setup``
+the same without the load and the date. A block whose suite is not in the file,
+or was skipped or failed in it (``gpu`` without a GPU, ``neml2`` without
+NEML2), is left as it is.
 
 Examples
 --------
@@ -36,6 +38,7 @@ import sys
 
 from dsched.apps.bench.batch import format_load_steps
 from dsched.apps.bench.data import format_data_table
+from dsched.apps.bench.fe import format_fe_table
 from dsched.apps.bench.gpu import format_gpu_table
 from dsched.apps.bench.headline import headline
 from dsched.apps.bench.neml2 import format_neml2_table
@@ -47,7 +50,7 @@ __all__ = ["blocks", "fill", "machine_info", "main"]
 
 FORMATTERS = {"percall": format_percall, "scheduling": format_table, "data": format_data_table,
               "policy": format_policy_table, "batch": format_load_steps, "neml2": format_neml2_table,
-              "gpu": format_gpu_table}
+              "fe": format_fe_table, "gpu": format_gpu_table}
 _BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 
 
@@ -56,6 +59,8 @@ def blocks(results: dict) -> dict:
     out = {"machine": _machine(results), "setup": _machine(results, brief=True), "summary": _summary(results)}
     if headline(results):
         out["headline"] = headline(results)
+    if "rows" in results.get("percall", {}):
+        out["break-even"] = break_even(results["percall"])
     for suite, formatter in FORMATTERS.items():
         if isinstance(results.get(suite), dict) and not {"skipped", "failed"} & set(results[suite]):  # kept
             out[suite] = f"```text\n$ {results.get('command', 'dsched bench')}\n{formatter(results[suite])}\n```"
@@ -125,6 +130,38 @@ def _summary(results) -> str:
                 reached = reached[-1]
             rows.append(f"| {suite} | {target} | {'reached' if reached else 'not reached'} |")
     return "\n".join(rows)
+
+
+#: speed-ups on two workers the break-even table gives the model time for
+SPEEDUPS = (1.0, 1.5, 1.8)
+
+
+def break_even(percall, workers=2) -> str:
+    """When distributing a call pays: the model time per call that ``workers`` workers need for each speed-up.
+
+    A call whose model takes ``T`` on one process takes ``T / workers + c`` on
+    ``workers`` equal workers, ``c`` being the call's fixed cost (``dsched.dispatch``
+    of a no-op, from the percall suite), so a speed-up ``S`` needs
+    ``T >= S c / (1 - S / workers)``.
+
+    Examples
+    --------
+    >>> print(break_even({"rows": {"dsched.dispatch": 1000.0}}))  # doctest: +NORMALIZE_WHITESPACE
+    | speed-up on 2 workers | the model's time per call on one process, at least |
+    |---|---|
+    | 1.0 x (break-even) | 2.0 ms |
+    | 1.5 x | 6.0 ms |
+    | 1.8 x | 18.0 ms |
+    <BLANKLINE>
+    From a call's fixed cost of 1,000 us (`dsched.dispatch` of a no-op, two chunks on two worker processes).
+    """
+    cost = percall["rows"]["dsched.dispatch"] / 1e3  # milliseconds
+    rows = ["| speed-up on 2 workers | the model's time per call on one process, at least |", "|---|---|"]
+    for speedup in SPEEDUPS:
+        label = f"{speedup:.1f} x" + (" (break-even)" if speedup == 1.0 else "")
+        rows.append(f"| {label} | {speedup * cost / (1 - speedup / workers):.1f} ms |")
+    return "\n".join(rows) + (f"\n\nFrom a call's fixed cost of {cost * 1e3:,.0f} us (`dsched.dispatch` of a no-op, "
+                              "two chunks on two worker processes).")
 
 
 def main(argv=None) -> int:

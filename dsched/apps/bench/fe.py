@@ -1,0 +1,209 @@
+"""Benchmark of a finite-element solve: FElupe's Newton loop with its material alone, and through dsched.
+
+The same solve, in the same run, three ways:
+
+- ``FElupe alone``: FElupe's own material, called by FElupe on all points at once (one process, one thread);
+- ``through dsched``: :class:`dsched.FEMaterial` around the same material: each Newton iteration is one
+  dispatch, split by cells over two single-thread worker processes (``cpu`` and an emulated ``cuda:0``),
+  up to four chunks per device (``scheduler_for`` of the example), each running the material's gradient
+  and hessian;
+- ``through dsched, one call``: the same, the material function called once per chunk for the stress,
+  the state and the tangent (``OneCall`` of the example), where FElupe calls it twice.
+
+Two cases: FElupe's J2 plate with a hole (the linear solve dominates), and the same plate with a
+material of 16 J2 layers in parallel (322 state variables per point: the material dominates). Each
+row is the best of interleaved repeats; every dsched row is checked against FElupe alone, bit for bit.
+``material share`` is the part of FElupe's own solve spent in its material.
+
+The FE code is FElupe (GPL-3.0), which the dsched package does not import: the solves are those of
+``examples/fe_plasticity.py``, loaded from the checkout this package runs from. The suite is skipped,
+with its reason, where FElupe or the example is missing. Nothing here measures a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+import dsched
+from dsched.apps.bench.scheduling import verdict
+
+__all__ = ["CASES", "TARGETS", "format_fe_table", "load_example", "run_fe_benchmarks", "skip_reason"]
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[3] / "examples" / "fe_plasticity.py"
+#: case name -> (example case, cells per edge, quick cells per edge, J2 layers)
+CASES = {"J2 plate": ("plate", 100, 20, 1), "16 J2 layers": ("plate", 40, 12, 16)}
+#: case name -> the ratio to FElupe alone that the best dsched row should reach
+TARGETS = {"J2 plate": 1.0, "16 J2 layers": 1.5}
+FORMS = ("FElupe alone", "through dsched", "through dsched, one call")
+
+
+def skip_reason(example=EXAMPLE):
+    """Why the suite cannot run here (FElupe or the example missing), or ``None``."""
+    if importlib.util.find_spec("felupe") is None:
+        return "felupe is not installed (pip install 'dsched[fe]')"
+    if not pathlib.Path(example).is_file():
+        return f"{example} is missing (run dsched bench from a checkout of dsched)"
+    return None
+
+
+def load_example(path=EXAMPLE):
+    """``examples/fe_plasticity.py`` as a module, pickled by value (worker processes cannot import it by name)."""
+    import cloudpickle
+
+    name = "dsched_fe_example"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        cloudpickle.register_pickle_by_value(module)
+    return sys.modules[name]
+
+
+class _Timed:
+    """A material whose calls are timed and counted on their way (FElupe alone: its material's share)."""
+
+    def __init__(self, material):
+        self.material, self.x, self.seconds, self.iterations = material, material.x, 0.0, 0
+
+    def gradient(self, x):
+        start = time.perf_counter()
+        try:
+            return self.material.gradient(x)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def hessian(self, x):
+        start = time.perf_counter()
+        self.iterations += 1  # FElupe asks for one tangent per Newton iteration
+        try:
+            return self.material.hessian(x)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def measure_case(example, client, case, size, layers, repeats=2, steps=10, progress=None) -> dict:
+    """One case, every form, ``repeats`` interleaved rounds; seconds per form (best and all) and the checks."""
+    say = progress or (lambda line: None)
+    rows = {form: {"seconds": []} for form in FORMS}
+    reference, (cells, points) = None, _cells(example, case, size)
+    for round_ in range(repeats):
+        for form in FORMS:
+            material = example.material(layers)
+            if form == "FElupe alone":
+                umat = _Timed(material)
+            else:
+                one_call = form.endswith("one call")
+                umat = dsched.FEMaterial(example.OneCall(material) if one_call else material,
+                                         scheduler=example.scheduler_for(cells, points), client=client)
+            say(f"fe: {case} ({size} cells per edge, {layers} layer{'s' * (layers > 1)}), {form}, "
+                f"round {round_ + 1} of {repeats}")
+            seconds, u, state = example.solve(case, size, umat, steps)
+            row = rows[form]
+            row["seconds"].append(seconds)
+            if form == "FElupe alone":
+                reference = (u, state)
+                row.update(material_share=umat.seconds / seconds, iterations=umat.iterations)
+                row.update(cells=state.shape[-1], points=state.shape[-1] * state.shape[-2],
+                           state_variables=state.shape[0])
+            else:
+                same = bool(np.array_equal(u, reference[0]) and np.array_equal(state, reference[1]))
+                row["identical"] = row.get("identical", True) and same
+                row["dispatches"] = umat.evaluations
+    alone = min(rows["FElupe alone"]["seconds"])
+    for form, row in rows.items():
+        row["best"] = min(row["seconds"])
+        row["ratio"] = alone / row["best"]
+    return {"case": case, "size": size, "layers": layers, "steps": steps, "repeats": repeats, "rows": rows}
+
+
+def _cells(example, case, size) -> tuple:
+    """The case's cells and quadrature points per cell."""
+    solid, _ = example.problem(case, size, example.material(1), steps=1)
+    points, cells = solid.results.statevars.shape[-2:]
+    return cells, points
+
+
+def run_fe_benchmarks(*, quick=False, repeats=2, client=None, progress=None, sizes=None, steps=10) -> dict:
+    """Both cases (``quick``: small meshes); ``{"cases": {name: measure_case(...)}, "targets": {...}}``.
+
+    ``sizes`` maps a case's name to its cells per edge instead (a subset runs those cases only). Runs on
+    ``client``, else on a cluster of two single-thread worker processes (``cpu`` and an emulated ``cuda:0``)
+    started here. Raises ``RuntimeError`` with the reason where FElupe or the example is missing.
+    """
+    reason = skip_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    from distributed import Client
+
+    if sizes is None:
+        sizes = {name: quick_size if quick else size for name, (_, size, quick_size, _) in CASES.items()}
+    unknown = sorted(set(sizes) - set(CASES))
+    if unknown:
+        raise ValueError(f"sizes: no case {unknown[0]!r} (cases: {', '.join(map(repr, CASES))})")
+    example = load_example()
+    cluster = None
+    if client is None:
+        cluster = dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                                            dashboard_address=None)
+    try:
+        with (Client(cluster, set_as_default=False) if cluster is not None else _Kept(client)) as on:
+            cases = {name: measure_case(example, on, CASES[name][0], size, CASES[name][3], repeats, steps, progress)
+                     for name, size in sizes.items()}
+    finally:
+        if cluster is not None:
+            cluster.close()
+    targets = {}
+    for name, case in cases.items():
+        best = max(case["rows"][form]["ratio"] for form in FORMS[1:])
+        bound = TARGETS[name]
+        targets[f"{name} >= {bound:g} x FElupe alone"] = (best, bound, best >= bound)
+    targets["bit-identical to FElupe"] = all(
+        case["rows"][form]["identical"] for case in cases.values() for form in FORMS[1:])
+    return {"cases": cases, "targets": targets,
+            "emulation": "the cuda:0 worker is emulated (a CPU process): two worker processes, no GPU"}
+
+
+class _Kept:
+    """A client given by the caller, used in a ``with`` block without being closed at its end."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def __enter__(self):
+        return self.client
+
+    def __exit__(self, *exc):
+        return False
+
+
+def format_fe_table(results) -> str:
+    """The suite as a text table (or the line saying why it was skipped)."""
+    if "skipped" in results:
+        return f"fe suite skipped: {results['skipped']}"
+    lines = []
+    for name, case in results["cases"].items():
+        alone = case["rows"]["FElupe alone"]
+        lines.append(f"{name}: a {case['case']} of {alone['cells']:,} cells, {alone['points']:,} points, "
+                     f"{alone['state_variables']} state variables per point, {case['steps']} load steps, "
+                     f"{alone['iterations']} Newton iterations; material {alone['material_share']:.0%} of FElupe's solve")
+        lines.append(f"  {'form':<28}{'best s':>9}{'x alone':>9}{'dispatches':>12}  bit-identical")
+        for form, row in case["rows"].items():
+            extra = "" if form == "FElupe alone" else f"{row['dispatches']:>12}  {'yes' if row['identical'] else 'NO'}"
+            lines.append(f"  {form:<28}{row['best']:>9.2f}{row['ratio']:>8.2f}x{extra}")
+    for target, reached in results.get("targets", {}).items():
+        value = f" ({reached[0]:.2f} x)" if isinstance(reached, (list, tuple)) else ""
+        met = reached[-1] if isinstance(reached, (list, tuple)) else reached
+        lines.append(f"target {target}: {verdict(met)}{value}")
+    lines.append(f"best of {next(iter(results['cases'].values()))['repeats']} interleaved rounds; cuda:0 is "
+                 "emulated (a CPU process): this measures the FE solve on two CPU workers, not a GPU.")
+    return "\n".join(lines)

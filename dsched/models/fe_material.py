@@ -1,0 +1,252 @@
+"""A finite-element material whose points run through :func:`dsched.dispatch`: FElupe's material protocol, by shape.
+
+FE codes such as `FElupe <https://github.com/adtzlr/felupe>`_ call their
+material as an object with two methods, at every Newton iteration, on all
+quadrature points of all cells at once:
+
+- ``gradient(x)`` -> ``[stress, ..., new_state]``,
+- ``hessian(x)`` -> ``[tangent, ...]``,
+
+where ``x = [F, ..., state]`` holds arrays whose last two axes are the
+quadrature points and the cells (``F`` is ``(3, 3, q, c)``, the state
+``(n, q, c)``), and whose attribute ``x`` gives their shapes without those axes
+(a solid sizes its state variables from ``x[-1]``). :class:`FEMaterial` has
+that shape: handed to the FE code in place of the material, it evaluates the
+material's own methods chunk by chunk over the devices, every input and output
+split along the cell axis (``axis=-1``, views in the caller's layout).
+
+A Newton iteration asks for the gradient and the hessian at the same ``x``.
+So one evaluation gives both, in one dispatch, and the second call at equal
+inputs returns what the first computed: one dispatch per iteration, not two.
+Nothing here imports FElupe: the adapter meets its protocol by methods and arrays.
+
+Examples
+--------
+>>> import numpy as np
+>>> from dsched import SimpleScheduler
+>>> class Scaled:                         # the shape of a FElupe material: x, gradient(x), hessian(x)
+...     x = [np.eye(3), np.zeros(1)]
+...     def gradient(self, x):
+...         F, state = x
+...         return [2.0 * F, state + 1.0]
+...     def hessian(self, x):
+...         return [np.ones((3, 3, 3, 3, *x[0].shape[2:]))]
+>>> umat = FEMaterial(Scaled(), scheduler=SimpleScheduler("cpu", 2), mode="sync")
+>>> F, state = np.ones((3, 3, 4, 5)), np.zeros((1, 4, 5))   # 4 quadrature points, 5 cells
+>>> stress, new_state = umat.gradient([F, state])
+>>> (tangent,) = umat.hessian([F, state])                   # the same x: no second evaluation
+>>> stress.shape, new_state.shape, tangent.shape, umat.evaluations
+((3, 3, 4, 5), (1, 4, 5), (3, 3, 3, 3, 4, 5), 1)
+"""
+
+from __future__ import annotations
+
+import cloudpickle
+import numpy as np
+
+from dsched.dataplane.store import shared_empty
+from dsched.dispatch.front import dispatch
+
+__all__ = ["FEMaterial"]
+
+#: how ``FEMaterial`` evaluates: gradient and hessian in one call, or each when asked
+TANGENT_MODES = ("with-gradient", "apart")
+_SLAB = 1 << 19  # bytes compared at a time: a changed input is told from its first slab
+
+
+class _Evaluate:
+    """What each chunk runs on its worker: the material's gradient and/or hessian of the chunk, as one dict.
+
+    The keys say where each array goes: ``"g0/2"`` is item 0 of a gradient list
+    of 2, ``"h1/3"`` item 1 of a hessian list of 3 (an item the material
+    returned as ``None`` has no key). An output with one entry along the cell
+    axis (a tangent the same for every point, as FElupe's linear elasticity
+    gives) is broadcast to the chunk's cells, so that the chunks join.
+    """
+
+    def __init__(self, material, what, host_arrays):
+        self.material, self.what = material, what
+        self.moves_inputs = host_arrays  # dispatch then leaves the chunk in host memory (NumPy) on a GPU worker
+
+    def __reduce__(self):
+        # The material through cloudpickle, whichever pickler carries this (Dask's tries plain pickle first): a
+        # material of a module registered to travel by value (cloudpickle.register_pickle_by_value, for a module
+        # the workers cannot import) must not go by reference on the way.
+        return _rebuilt, (cloudpickle.dumps(self.material), self.what, self.moves_inputs)
+
+    def __call__(self, *x, **kwargs):
+        x = list(x)
+        cells = max((a.shape[-1] for a in x if isinstance(a, np.ndarray) and a.ndim), default=1)
+        if callable(getattr(self.material, "gradient", None)):
+            gradient = self.material.gradient(x, **kwargs) if self.what != "hessian" else None
+            hessian = self.material.hessian(x, **kwargs) if self.what != "gradient" else None
+        else:  # one function gives both
+            gradient, hessian = self.material(x, **kwargs)
+        out = {}
+        for tag, items in (("g", gradient if self.what != "hessian" else None),
+                           ("h", hessian if self.what != "gradient" else None)):
+            if items is None:
+                continue
+            items = list(items)
+            for i, item in enumerate(items):
+                if item is None:
+                    continue
+                if isinstance(item, np.ndarray) and item.ndim and item.shape[-1] == 1 and cells > 1:
+                    item = np.broadcast_to(item, item.shape[:-1] + (cells,))
+                out[f"{tag}{i}/{len(items)}"] = item
+        return out
+
+
+def _rebuilt(material, what, host_arrays):
+    """An :class:`_Evaluate` from its pickled form (its material's cloudpickle bytes)."""
+    return _Evaluate(cloudpickle.loads(material), what, host_arrays)
+
+
+def _lists(result) -> tuple:
+    """The gradient and hessian lists of one evaluation's dict (``None`` for one not evaluated)."""
+    lists = {}
+    for key, value in result.items():
+        tag, (index, length) = key[0], (int(n) for n in key[1:].split("/"))
+        items = lists.setdefault(tag, [None] * length)
+        items[index] = value
+    return lists.get("g"), lists.get("h")
+
+
+def _equal(a, b) -> bool:
+    """Whether two inputs hold the same values, bit for bit (NaN included); a changed array is usually told from
+    its first slab."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if not (a.flags.c_contiguous and b.flags.c_contiguous) or a.dtype.hasobject:
+            return bool(np.array_equal(a, b))
+        bytes_a, bytes_b = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
+        return all(np.array_equal(bytes_a[i:i + _SLAB], bytes_b[i:i + _SLAB]) for i in range(0, bytes_a.size, _SLAB))
+    try:
+        return a is b or bool(a == b)
+    except (TypeError, ValueError):  # e.g. dicts of arrays: told apart, evaluated again
+        return False
+
+
+class FEMaterial:
+    """A finite-element material (FElupe's ``gradient``/``hessian`` protocol) evaluated through :func:`dsched.dispatch`.
+
+    Parameters
+    ----------
+    material : object or callable
+        An object with ``gradient(x)`` and ``hessian(x)`` (a FElupe material
+        such as ``LinearElasticPlasticIsotropicHardening``, or any object of
+        that shape), or a function ``evaluate(x) -> (gradient, hessian)`` that
+        gives both lists in one call (then ``x`` must be given). It travels to
+        the workers: it must pickle (a module-level function, not a lambda).
+    scheduler : WorkScheduler
+        How the cells are split over the devices (the batch is the cells).
+    client : distributed.Client, optional
+        The cluster (default: the current client).
+    x : list, optional
+        The input template, shapes without the point and cell axes (FElupe:
+        ``[np.eye(3), np.zeros(n_state)]``); default: ``material.x``.
+    tangent : {"with-gradient", "apart"}
+        ``"with-gradient"`` (default): each evaluation gives the gradient and
+        the hessian in one dispatch, and a call at equal inputs returns what the
+        last evaluation gave (Newton's iteration: one dispatch). ``"apart"``:
+        ``gradient`` dispatches the gradient only, ``hessian`` the hessian only
+        (for a solver that reuses its tangent over many iterations).
+    host_arrays : bool
+        Chunks stay NumPy arrays in host memory on every device, as NumPy
+        materials need (on a GPU worker the material runs on that worker's CPU
+        thread). ``False`` moves them to the device first (CuPy on a GPU).
+    axis : int
+        The cell axis of every input and output: FElupe's last (-1).
+    **dispatch_options
+        Passed to :func:`dsched.dispatch` (``mode``, ``timeout``, ``trace_file``).
+
+    Notes
+    -----
+    Outputs are joined along the cell axis; one the same for every cell (size
+    1 there) comes back broadcast to all cells. The last evaluation's inputs
+    are copied into shared memory, where the workers read them (no second copy), and
+    kept to compare the next call's inputs with; :meth:`clear` forgets them
+    (call it after changing the material's parameters).
+    """
+
+    def __init__(self, material, *, scheduler, client=None, x=None, tangent="with-gradient", host_arrays=True,
+                 axis=-1, **dispatch_options):
+        has_methods = callable(getattr(material, "gradient", None)) and callable(getattr(material, "hessian", None))
+        if not has_methods and not callable(material):
+            raise ValueError(f"material: expected an object with gradient(x) and hessian(x), or a function "
+                             f"evaluate(x) -> (gradient, hessian), got {material!r}")
+        if tangent not in TANGENT_MODES:
+            raise ValueError(f"tangent: expected one of {', '.join(map(repr, TANGENT_MODES))}, got {tangent!r}")
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise ValueError(f"axis: expected an integer (the cell axis), got {axis!r}")
+        x = getattr(material, "x", None) if x is None else x
+        if not has_methods and x is None:
+            raise ValueError("x: a material given as a function needs x=, the input template (e.g. [np.eye(3), "
+                             "np.zeros(n_state)])")
+        unknown = sorted(set(dispatch_options) - {"mode", "timeout", "trace_file"})
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not an option of FEMaterial (dispatch options: mode, timeout, "
+                             "trace_file)")
+        self.material, self.scheduler, self.client, self.tangent, self.axis = material, scheduler, client, tangent, axis
+        if x is not None:
+            self.x = x
+        self._options = dispatch_options
+        self._calls = {what: _Evaluate(material, what, bool(host_arrays)) for what in ("both", "gradient", "hessian")}
+        self._buffers = {}  # input index -> a shared-memory array the inputs are copied into
+        self._inputs = []  # the last evaluation's inputs, in those arrays (what the workers read)
+        self._kwargs = None
+        self._gradient = self._hessian = None
+        self.evaluations = 0  # dispatches made: a Newton iteration costs one
+
+    @property
+    def kwargs(self):
+        """The material's parameters (``material.kwargs``, as FElupe's views read them), else ``{}``."""
+        return getattr(self.material, "kwargs", {})
+
+    def gradient(self, x, **kwargs):
+        """The material's ``gradient(x)`` (stress, ..., new state), evaluated over the devices."""
+        if self._gradient is None or not self._same(x, kwargs):
+            self._evaluate(x, kwargs, "both" if self.tangent == "with-gradient" else "gradient")
+        return list(self._gradient)
+
+    def hessian(self, x, **kwargs):
+        """The material's ``hessian(x)`` (tangents), evaluated over the devices."""
+        if self._hessian is None or not self._same(x, kwargs):
+            self._evaluate(x, kwargs, "both" if self.tangent == "with-gradient" else "hessian")
+        return list(self._hessian)
+
+    def clear(self):
+        """Forget the last evaluation, so that the next call evaluates again (after changing the material)."""
+        self._inputs, self._kwargs, self._gradient, self._hessian = [], None, None, None
+
+    def _same(self, x, kwargs) -> bool:
+        """Whether ``x`` and ``kwargs`` equal the last evaluation's."""
+        return (len(x) == len(self._inputs) and _equal(kwargs, self._kwargs)
+                and all(_equal(a, b) for a, b in zip(x, self._inputs)))
+
+    def _evaluate(self, x, kwargs, what):
+        """One dispatch; keeps what it gave, and the inputs it gave it for."""
+        if not isinstance(x, (list, tuple)):
+            raise ValueError(f"x: expected a list of arrays, such as [F, state], got {type(x).__name__}")
+        self.clear()  # a failed evaluation leaves nothing to reuse
+        inputs = [self._shared(a, i) for i, a in enumerate(x)]
+        result = dispatch(self._calls[what], *inputs, scheduler=self.scheduler, client=self.client, axis=self.axis,
+                          **self._options, **kwargs)
+        self.evaluations += 1
+        gradient, hessian = _lists(result)
+        self._inputs, self._kwargs = inputs, dict(kwargs)
+        self._gradient, self._hessian = gradient, hessian
+
+    def _shared(self, value, index):
+        """An input, copied into a shared-memory array of this material's (reused while its shape holds)."""
+        if not isinstance(value, np.ndarray) or not value.ndim or value.dtype.hasobject:
+            return value
+        kept = self._buffers.get(index)
+        if kept is None or kept.shape != value.shape or kept.dtype != value.dtype:
+            kept = self._buffers[index] = shared_empty(value.shape, value.dtype)
+        np.copyto(kept, value)
+        return kept
+
+    def __repr__(self):
+        return f"FEMaterial({self.material!r}, tangent={self.tangent!r}, evaluations={self.evaluations})"

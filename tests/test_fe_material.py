@@ -1,0 +1,316 @@
+"""FEMaterial: a finite-element material (FElupe's gradient/hessian protocol) evaluated through dispatch.
+
+Against FElupe's own materials on a small mesh, on worker processes (a CPU and an emulated cuda:0), with
+results compared to the last bit: the same NumPy function computes both sides. Tests that need FElupe skip
+without it (pip install "dsched[fe]"); the adapter's own checks run everywhere.
+"""
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import dsched
+from dsched import FEMaterial, SimpleScheduler, StaticHybridScheduler
+from dsched.models import fe_material
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "fe_plasticity.py"
+needs_felupe = pytest.mark.skipif(importlib.util.find_spec("felupe") is None,
+                                  reason="felupe is not installed (pip install 'dsched[fe]')")
+
+
+@pytest.fixture(scope="module")
+def example():
+    """examples/fe_plasticity.py as a module (its materials and meshes), pickled by value for the workers."""
+    from dsched.apps.bench.fe import load_example
+
+    return load_example(EXAMPLE)
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    """Several chunks per device: 40 cells in chunks of 7 (cpu) and 5 (cuda:0)."""
+    return StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[7, 5])
+
+
+@pytest.fixture
+def dispatches(monkeypatch):
+    """The calls FEMaterial makes to dsched.dispatch, counted (each still runs for real)."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].what)
+        return dispatch(*args, **kwargs)
+
+    dispatch = fe_material.dispatch
+    monkeypatch.setattr(fe_material, "dispatch", counted)
+    return calls
+
+
+def plastic_inputs(umat, cells=40, points=4, seed=3):
+    """[F, state] of a J2 material, strained so that about half the points yield."""
+    rng = np.random.default_rng(seed)
+    F = np.eye(3)[:, :, None, None] + rng.normal(scale=0.0008, size=(3, 3, points, cells))
+    return [F, np.zeros((*umat.x[-1].shape, points, cells))]
+
+
+def assert_lists_equal(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_array_equal(g, w)  # to the last bit: the same arithmetic on the same values
+
+
+# --- against FElupe's own materials ---------------------------------------------------------------------------
+
+@needs_felupe
+def test_gradient_and_hessian_equal_felupes_to_the_last_bit(process_client, example, hybrid):
+    j2 = example.material()
+    x = plastic_inputs(j2)
+    umat = FEMaterial(j2, scheduler=hybrid, client=process_client)
+    want_gradient, want_hessian = j2.gradient(x), j2.hessian(x)
+    assert 0.2 < (want_gradient[1][0] > 0).mean() < 0.8  # some points yield, some do not
+    assert_lists_equal(umat.gradient(x), want_gradient)
+    assert_lists_equal(umat.hessian(x), want_hessian)
+    assert umat.x is j2.x  # a solid sizes its state variables from x[-1]
+
+
+@needs_felupe
+def test_hessian_after_gradient_at_the_same_x_does_not_dispatch_again(process_client, example, hybrid, dispatches):
+    j2 = example.material()
+    x = plastic_inputs(j2)
+    umat = FEMaterial(j2, scheduler=hybrid, client=process_client)
+    umat.gradient(x)
+    tangent = umat.hessian(x)[0]
+    assert dispatches == ["both"] and umat.evaluations == 1
+    # FElupe updates F in place between iterations: the same array with new values is a new evaluation.
+    x[0][0, 0] += 1e-3
+    umat.hessian(x)
+    assert dispatches == ["both", "both"]
+    np.testing.assert_array_equal(umat.gradient(x)[0], j2.gradient(x)[0])
+    assert dispatches == ["both", "both"] and not np.array_equal(umat.hessian(x)[0], tangent)
+    umat.clear()
+    umat.gradient(x)
+    assert dispatches == ["both", "both", "both"]
+
+
+@needs_felupe
+def test_apart_dispatches_the_gradient_and_the_hessian_each_when_asked(process_client, example, hybrid, dispatches):
+    j2 = example.material()
+    x = plastic_inputs(j2)
+    umat = FEMaterial(j2, scheduler=hybrid, client=process_client, tangent="apart")
+    assert_lists_equal(umat.gradient(x), j2.gradient(x))
+    assert_lists_equal(umat.hessian(x), j2.hessian(x))
+    assert dispatches == ["gradient", "hessian"]
+
+
+@needs_felupe
+def test_one_call_gives_felupes_gradient_and_hessian(process_client, example, hybrid):
+    j2 = example.material()
+    x = plastic_inputs(j2)
+    umat = FEMaterial(example.OneCall(j2), scheduler=hybrid, client=process_client)
+    assert_lists_equal(umat.gradient(x), j2.gradient(x))
+    assert_lists_equal(umat.hessian(x), j2.hessian(x))
+    assert umat.evaluations == 1
+
+
+@needs_felupe
+def test_a_tangent_the_same_for_every_cell_comes_back_broadcast(process_client, hybrid):
+    import felupe as fem
+
+    elastic = fem.LinearElastic(E=210000.0, nu=0.3)  # no state variables (shape (0,)), a constant tangent
+    x = plastic_inputs(elastic)
+    umat = FEMaterial(elastic, scheduler=hybrid, client=process_client)
+    stress, state = umat.gradient(x)
+    (tangent,) = umat.hessian(x)
+    assert_lists_equal([stress, state], elastic.gradient(x))
+    (constant,) = elastic.hessian(x)
+    assert constant.shape == (3, 3, 3, 3, 1, 1) and tangent.shape == (3, 3, 3, 3, 1, 40)
+    np.testing.assert_array_equal(tangent, np.broadcast_to(constant, tangent.shape))
+
+
+@needs_felupe
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_felupe_solve_through_dsched_equals_felupes_own(process_client, example, layers):
+    """The whole Newton loop: displacements and state variables bit-identical, one dispatch per iteration."""
+    _, u, state = example.solve("plate", 3, example.material(layers), steps=3)
+    umat = FEMaterial(example.material(layers), scheduler=StaticHybridScheduler(["cpu", "cuda:0"], [4, 3]),
+                      client=process_client)  # 18 cells in five chunks
+    counted = _Counted(umat)
+    _, u_dsched, state_dsched = example.solve("plate", 3, counted, steps=3)
+    np.testing.assert_array_equal(u_dsched, u)
+    np.testing.assert_array_equal(state_dsched, state)
+    assert np.abs(state[0]).max() > 0  # it did yield
+    # FElupe asks for the hessian at the x of the gradient before it: no dispatch of its own.
+    assert counted.calls["hessian"] > 0 and counted.dispatched["hessian"] == 0
+    assert 0 < umat.evaluations == counted.dispatched["gradient"] <= counted.calls["gradient"]
+
+
+class _Counted:
+    """An FEMaterial's gradient and hessian calls counted on the way to it, and the dispatches each made."""
+
+    def __init__(self, umat):
+        self.umat, self.x = umat, umat.x
+        self.calls, self.dispatched = {"gradient": 0, "hessian": 0}, {"gradient": 0, "hessian": 0}
+
+    def _call(self, method, x):
+        before = self.umat.evaluations
+        self.calls[method] += 1
+        try:
+            return getattr(self.umat, method)(x)
+        finally:
+            self.dispatched[method] += self.umat.evaluations - before
+
+    def gradient(self, x):
+        return self._call("gradient", x)
+
+    def hessian(self, x):
+        return self._call("hessian", x)
+
+
+@needs_felupe
+def test_the_example_checks_itself():
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--size", "3", "--steps", "2"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "bit-identical to FElupe's own: True" in done.stdout
+
+
+@needs_felupe
+def test_the_fe_bench_times_every_form_and_checks_the_bits(process_client):
+    from dsched.apps.bench.figures import blocks
+    from dsched.apps.bench.fe import FORMS, format_fe_table, run_fe_benchmarks
+
+    results = run_fe_benchmarks(client=process_client, repeats=1, sizes={"16 J2 layers": 2}, steps=2)
+    (case,) = results["cases"].values()
+    assert list(case["rows"]) == list(FORMS) and case["layers"] == 16
+    alone = case["rows"]["FElupe alone"]
+    assert alone["cells"] == 8 and alone["state_variables"] == 16 * 19 + 18 and 0 < alone["material_share"] < 1
+    for form in FORMS[1:]:
+        row = case["rows"][form]
+        assert row["identical"] is True and 0 < row["dispatches"] <= alone["iterations"] + 2 * case["steps"]
+        assert row["ratio"] == pytest.approx(alone["best"] / row["best"])
+    value, bound, _ = results["targets"]["16 J2 layers >= 1.5 x FElupe alone"]
+    assert bound == 1.5 and value == max(case["rows"][form]["ratio"] for form in FORMS[1:])
+    assert results["targets"]["bit-identical to FElupe"] is True
+    table = format_fe_table(results)
+    assert "16 J2 layers: a plate of 8 cells, 32 points, 322 state variables per point" in table
+    assert "through dsched, one call" in table and "cuda:0 is emulated" in table
+    assert blocks({"fe": results})["fe"].endswith(table + "\n```")
+
+
+def test_the_fe_bench_says_why_it_cannot_run():
+    from dsched.apps.bench.fe import format_fe_table, skip_reason
+
+    missing = ROOT / "examples" / "missing.py"
+    reason = skip_reason(missing)
+    if importlib.util.find_spec("felupe") is None:
+        assert reason == "felupe is not installed (pip install 'dsched[fe]')"
+    else:
+        assert reason == f"{missing} is missing (run dsched bench from a checkout of dsched)"
+    assert format_fe_table({"skipped": reason}) == f"fe suite skipped: {reason}"
+
+
+@needs_felupe
+def test_the_fe_bench_refuses_an_unknown_case_before_any_work():
+    from dsched.apps.bench.fe import run_fe_benchmarks
+
+    with pytest.raises(ValueError, match=r"^sizes: no case 'hex' \(cases: 'J2 plate', '16 J2 layers'\)$"):
+        run_fe_benchmarks(sizes={"hex": 2})
+
+
+def _guide_blocks():
+    import re
+
+    return re.findall(r"^```python\n(.*?)^```", (ROOT / "docs" / "solvers.md").read_text(), re.S | re.M)
+
+
+@pytest.mark.parametrize("index", range(len(_guide_blocks())))
+def test_the_guides_code_runs_as_written(index, tmp_path):
+    code = _guide_blocks()[index]
+    if "felupe" in code and importlib.util.find_spec("felupe") is None:
+        pytest.skip("felupe is not installed (pip install 'dsched[fe]')")
+    script = tmp_path / "guide.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), "the guide's code prints its result"
+
+
+# --- the adapter alone (no FElupe) ------------------------------------------------------------------------------
+
+def both_at_once(x, scale=1.0):
+    """A material given as one function: (gradient list, hessian list); the state passes through as None."""
+    F, state = x
+    return [scale * F, None], [np.einsum("ij...,kl...->ijkl...", F, F), None]
+
+
+def test_a_one_call_function_and_its_none_items(process_client):
+    F = np.random.default_rng(0).normal(size=(3, 3, 2, 9))
+    x = [F, np.zeros((1, 2, 9))]
+    umat = FEMaterial(both_at_once, x=[np.eye(3), np.zeros(1)], scheduler=SimpleScheduler("cuda:0", 4),
+                      client=process_client)
+    stress, state = umat.gradient(x, scale=2.0)
+    tangent, nothing = umat.hessian(x, scale=2.0)
+    np.testing.assert_array_equal(stress, 2.0 * F)
+    np.testing.assert_array_equal(tangent, np.einsum("ij...,kl...->ijkl...", F, F))
+    assert state is None and nothing is None and umat.evaluations == 1
+    umat.gradient(x, scale=3.0)  # other keyword arguments: another evaluation
+    assert umat.evaluations == 2
+
+
+def array_kinds(x):
+    """Per cell: 1 where the chunk's F arrived as a NumPy array, 0 where as a device array."""
+    return [np.full(x[0].shape[-1], float(isinstance(x[0], np.ndarray)))], []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_arrays, numpy", [(True, 1.0), (False, 0.0)])
+def test_host_arrays_decide_whether_a_gpu_chunk_arrives_as_numpy(host_arrays, numpy):
+    from distributed import Client
+
+    with dsched.LocalHybridCluster(["cuda:0"], dashboard_address=None) as cluster, Client(cluster) as client:
+        umat = FEMaterial(array_kinds, x=[np.eye(3)], scheduler=SimpleScheduler("cuda:0", 3), client=client,
+                          host_arrays=host_arrays)
+        assert umat.gradient([np.ones((3, 3, 1, 7))])[0].tolist() == [numpy] * 7
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(material=object()), "material: expected an object with gradient(x) and hessian(x), or a function"),
+    (dict(material=both_at_once), "x: a material given as a function needs x="),
+    (dict(material=both_at_once, x=[], tangent="lazy"),
+     "tangent: expected one of 'with-gradient', 'apart', got 'lazy'"),
+    (dict(material=both_at_once, x=[], axis=None), "axis: expected an integer (the cell axis), got None"),
+    (dict(material=both_at_once, x=[], out="r.zarr"), "out: not an option of FEMaterial"),
+])
+def test_bad_arguments_are_one_line_errors(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        FEMaterial(scheduler=SimpleScheduler("cpu", 2), **kwargs)
+    assert str(err.value).startswith(message)
+
+
+def test_x_must_be_a_list():
+    umat = FEMaterial(both_at_once, x=[], scheduler=SimpleScheduler("cpu", 2), mode="sync")
+    with pytest.raises(ValueError, match=r"^x: expected a list of arrays, such as \[F, state\], got ndarray$"):
+        umat.gradient(np.zeros((3, 3, 1, 2)))
+
+
+def test_a_failed_evaluation_leaves_nothing_to_reuse():
+    calls = []
+
+    def fails_once(x):
+        calls.append(1)
+        if len(calls) == 1:
+            raise dsched.RecoverableError("local Newton did not converge")
+        return [x[0]], [x[0]]
+
+    umat = FEMaterial(fails_once, x=[np.eye(3)], scheduler=SimpleScheduler("cpu", 8), mode="sync")
+    x = [np.ones((3, 3, 1, 4))]
+    with pytest.raises(dsched.RecoverableError, match="did not converge"):
+        umat.gradient(x)
+    np.testing.assert_array_equal(umat.hessian(x)[0], x[0])
+    assert umat.evaluations == 1
