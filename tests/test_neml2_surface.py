@@ -335,3 +335,48 @@ def test_the_calibration_example_fits_as_one_neml2_process_does(process_client):
     assert len(across) == len(alone) >= 4
     np.testing.assert_allclose(across, alone, rtol=1e-10, atol=0)
     assert abs(across[-1] - calibrate.TRUE_YIELD) < 1e-6  # the truth, recovered
+
+
+# --- the bench's compiled rows ------------------------------------------------------
+
+
+def test_the_bench_measures_compiled_rows_and_counts_recompilations(process_client):
+    import dataclasses
+
+    from dsched.apps.bench.neml2 import format_neml2_table, measure_scenario, verdicts
+    from dsched.models.neml2_scenarios import SCENARIOS
+
+    small = dataclasses.replace(SCENARIOS["elasticity"], points=40)
+    result = measure_scenario(small, process_client, steps=2, repeats=1, block=7, compile=COMPILE)
+    compiled = result["compiled"]
+    assert compiled["forms"] == ["numpy", "driver"] and compiled["options"] == COMPILE
+    assert set(compiled["rate"]) == {"neml2_1", "neml2_2", "neml2", "side_by_side", "numpy", "driver"}
+    assert compiled["neml2_threads"] in (1, 2)
+    assert compiled["seconds"]["neml2"] == min(compiled["seconds"]["neml2_1"], compiled["seconds"]["neml2_2"])
+    assert compiled["graphs"]["warm_up"] > 0 and compiled["graphs"]["recompilations"] == 0
+    # Halves of 20 points in pieces of 7, 7 and 6 (padded to 7): elasticity is exact on the same pieces.
+    assert all(e["same_chunks_relative"] == 0.0 for e in compiled["error"].values())
+    targets = verdicts([result])
+    assert targets["compiled: no recompilation after the warm-up (graphs)"] == (0, 0, True)
+    assert {"compiled: median >= 1.2 x NEML2 compiled",
+            "compiled: every form >= 0.8 x compiled halves side by side"} <= set(targets)
+    table = format_neml2_table({"scenarios": [result], "forms": list(result["efficiency"]), "steps": 2,
+                                "repeats": 1, "machine": "test", "load": None, "targets": targets, "block": 7})
+    assert "compiled (neml2.compile): NEML2's driver, the better of 1 and 2 threads" in table
+    assert "target compiled: no recompilation after the warm-up (graphs): 0.00 (threshold 0): reached" in table
+
+
+def test_compiled_bench_options_name_the_option(tmp_path):
+    import argparse
+
+    from dsched.apps.bench.neml2 import add_arguments, options
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parser.add_argument("--quick", action="store_true")
+    assert options(parser.parse_args([]))["compile"] is None and options(parser.parse_args([]))["aoti"] is None
+    assert options(parser.parse_args(["--neml2-compile"]))["compile"] == {}
+    assert options(parser.parse_args(["--neml2-compile", "max-autotune"]))["compile"] == {"mode": "max-autotune"}
+    assert options(parser.parse_args(["--neml2-aoti", str(tmp_path / "aoti")]))["aoti"] == str(tmp_path / "aoti")
+    with pytest.raises(ValueError, match=r"--neml2-aoti: the folder holding .*nowhere/aoti does not exist"):
+        options(parser.parse_args(["--neml2-aoti", str(tmp_path / "nowhere" / "aoti")]))

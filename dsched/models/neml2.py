@@ -319,7 +319,7 @@ class NEML2Model:
         try:
             values, second = evaluate(
                 engine, operation, state, extra, params, batch=batch, device=device, block=self.block,
-                sizes=padded_sizes((self._token, str(device))), outputs=self.output_names,
+                sizes=padded_sizes((self._token, str(device))) if engine.compiled else None, outputs=self.output_names,
                 allocate=numpy_storage if kind == "numpy" else None, keep_grad=self.keep_grad)
         except neml2.solvers.ConvergenceError as err:
             raise NEML2ConvergenceError(f"NEML2 model {self.model!r} ({self.input.name}): {err}") from None
