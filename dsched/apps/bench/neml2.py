@@ -56,6 +56,9 @@ Targets (ratios within the run): every scenario and form >= 0.8 x the limit;
 the median of all forms and scenarios >= 1.0 x NEML2 on 2 threads; the typed
 form within 1.2 x the NumPy form's time; a resident Batch at least as fast
 as dispatching every step.
+
+``--neml2-compile [MODE]`` and ``--neml2-aoti DIR`` add compiled and AOTI
+rows, and their targets (:mod:`dsched.apps.bench.neml2_compiled`).
 """
 
 from __future__ import annotations
