@@ -356,7 +356,9 @@ def test_the_bench_measures_compiled_rows_and_counts_recompilations(process_clie
     assert compiled["graphs"]["warm_up"] > 0 and compiled["graphs"]["recompilations"] == 0
     # Halves of 20 points in pieces of 7, 7 and 6 (padded to 7): elasticity is exact on the same pieces.
     assert all(e["same_chunks_relative"] == 0.0 for e in compiled["error"].values())
+    assert compiled["param_vjp"]["parameters"] == 2 and compiled["param_vjp"]["relative"] <= 1e-10  # E and nu
     targets = verdicts([result])
+    assert targets["compiled: param_vjp equals NEML2's to 1e-10 relative"][2]
     assert targets["compiled: no recompilation after the warm-up (graphs)"] == (0, 0, True)
     assert {"compiled: median >= 1.2 x NEML2 compiled",
             "compiled: every form >= 0.8 x compiled halves side by side"} <= set(targets)
@@ -377,6 +379,7 @@ def test_compiled_bench_options_name_the_option(tmp_path):
     assert options(parser.parse_args([]))["compile"] is None and options(parser.parse_args([]))["aoti"] is None
     assert options(parser.parse_args(["--neml2-compile"]))["compile"] == {}
     assert options(parser.parse_args(["--neml2-compile", "max-autotune"]))["compile"] == {"mode": "max-autotune"}
+    assert options(parser.parse_args(["--neml2-compile", "backend=aot_eager"]))["compile"] == {"backend": "aot_eager"}
     assert options(parser.parse_args(["--neml2-aoti", str(tmp_path / "aoti")]))["aoti"] == str(tmp_path / "aoti")
     with pytest.raises(ValueError, match=r"--neml2-aoti: the folder holding .*nowhere/aoti does not exist"):
         options(parser.parse_args(["--neml2-aoti", str(tmp_path / "nowhere" / "aoti")]))

@@ -161,8 +161,9 @@ class NEML2Model:
         ``neml2.aoti.AOTIModel``: ``cpu`` on a CPU or an emulated GPU,
         ``cuda`` on a real GPU. A run's device with no leaf, or a derivative
         the artifacts were exported without, is a ``ValueError`` before any
-        work starts. The parameters are those promoted at export
-        (``promoted=[...]``). Other options as for the constructor.
+        work starts (the metadata and the leaves are read here: export every
+        leaf before making the model). The parameters are those promoted at
+        export (``promoted=[...]``). Other options as for the constructor.
         """
         import torch
 

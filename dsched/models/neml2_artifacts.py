@@ -60,13 +60,14 @@ class Artifacts:
             self.parameter_derivatives = {(out, renamed.get(p, p)) for out, p in meta.get("parameter_derivatives", [])}
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"root: {path} is not NEML2 artifact metadata ({type(err).__name__}: {err})") from None
-        if not self.leaves():
+        self._leaves = sorted(f"{leaf.parent.name}/{leaf.name}" for leaf in self.root.glob("*/*")
+                              if leaf.is_dir() and any(leaf.glob("*.pt2")))
+        if not self._leaves:
             raise ValueError(f"root: {self.root} holds no compiled leaf (<device>/<dtype>/ with .pt2 files)")
 
     def leaves(self) -> list:
-        """The ``"<device>/<dtype>"`` leaves present (with compiled graphs in them), sorted."""
-        return sorted(f"{leaf.parent.name}/{leaf.name}" for leaf in self.root.glob("*/*")
-                      if leaf.is_dir() and any(leaf.glob("*.pt2")))
+        """The ``"<device>/<dtype>"`` leaves present (with compiled graphs in them) when the root was read, sorted."""
+        return list(self._leaves)
 
     @staticmethod
     def leaf_device(device, emulated=False) -> str:

@@ -269,7 +269,8 @@ def format_neml2_table(results) -> str:
                              for s in results["scenarios"]))
     lines.extend(format_compiled(results, _rate))
     for name, (value, threshold, met) in results["targets"].items():
-        lines.append(f"target {name}: {value:.2f} (threshold {threshold}): {verdict(met)}")
+        shown = f"{value:.2f}" if value == 0 or abs(value) >= 0.01 else f"{value:.1e}"
+        lines.append(f"target {name}: {shown} (threshold {threshold}): {verdict(met)}")
     return "\n".join(lines)
 
 
@@ -295,8 +296,9 @@ def add_arguments(parser):
                         help=f"neml2 suite: points per NEML2 call on a CPU in the dsched forms (default {BLOCK}; "
                              "'none': one call per chunk)")
     parser.add_argument("--neml2-compile", metavar="MODE", nargs="?", const="default",
-                        help="neml2 suite: add compiled rows (neml2.compile, torch.compile's MODE, or 'default' "
-                             "when none is given): NEML2 compiled against dsched's forms with compile=True")
+                        help="neml2 suite: add compiled rows (neml2.compile with torch.compile's MODE, 'default' "
+                             "when none is given, or backend=NAME): NEML2 compiled against dsched's forms with "
+                             "compile=True")
     parser.add_argument("--neml2-aoti", metavar="DIR",
                         help="neml2 suite: add AOTI rows from the artifact roots DIR/<scenario> (exported there "
                              "with neml2.export_model_for_aoti when missing: minutes per scenario)")
