@@ -122,6 +122,7 @@ def test_param_vjp_sums_the_chunks_in_chunk_order(process_client):
         "stress": torch.as_tensor(cotangents["stress"][a:b]), "equivalent_plastic_strain": zero}) for a, b in EQUAL_CHUNKS]
     summed = {k: sum((p[k] for p in per_chunk[1:]), per_chunk[0][k]) for k in per_chunk[0]}  # chunk order
     assert sorted(first) == sorted(summed) and len(first) == 9
+    assert all(type(g) is np.ndarray and g.shape == () for g in first.values())  # NumPy in, NumPy arrays out
     for name, value in summed.items():
         np.testing.assert_array_equal(first[name], _numpy(value), err_msg=name)  # the same bits
         np.testing.assert_array_equal(again[name], first[name], err_msg=name)

@@ -449,7 +449,9 @@ class NEML2Model:
                                     reduce=ordered_sum, mode=mode, client=client, timeout=timeout,
                                     trace_file=trace_file)
         with dispatcher:
-            return dispatcher.run(MappingLoader(entries))
+            grads = dispatcher.run(MappingLoader(entries))
+        # NumPy sums 0-d arrays into scalars: every gradient comes back an array, whatever the number of chunks.
+        return {name: np.asarray(g) if isinstance(g, np.generic) else g for name, g in grads.items()}
 
     def _dispatch(self, operation, inputs, extra, params, scheduler, options, *, tangents=()):
         self._prepare(operation, inputs, scheduler, options, tangents=tangents, params=params or ())
