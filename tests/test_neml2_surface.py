@@ -384,3 +384,41 @@ def test_compiled_bench_options_name_the_option(tmp_path):
     assert options(parser.parse_args(["--neml2-aoti", str(tmp_path / "aoti")]))["aoti"] == str(tmp_path / "aoti")
     with pytest.raises(ValueError, match=r"--neml2-aoti: the folder holding .*nowhere/aoti does not exist"):
         options(parser.parse_args(["--neml2-aoti", str(tmp_path / "nowhere" / "aoti")]))
+
+
+# --- a real GPU -----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_the_surface_and_parameters_on_a_real_gpu_match_neml2_on_the_cpu():
+    """cuda:0 beside the CPU: jvp, param_vjp, a parameter change and a compiled model, against NEML2 on the CPU
+    (the GPU's last bits differ, and NEML2's Newton stops on a tolerance: tightened, the two agree closely)."""
+    from distributed import Client
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU visible to torch")
+    inputs, n = _inputs(4_000, seed=11), 4_000
+    tangents = {"E": np.random.default_rng(12).normal(size=(n, 6))}
+    cotangents = {"stress": np.random.default_rng(13).normal(size=(n, 6))}
+    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [1_000, 3_000], priorities=[1, 2])
+    model = NEML2Model(VISCOPLASTIC, "model", overrides=TIGHT)
+    reference = _load(overrides=TIGHT, parameters={YIELD: 120.0})
+    state = _state(inputs)
+    zero = torch.zeros((), dtype=torch.float64)
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        model.set_parameter(YIELD, 120.0)
+        outputs, jvp = model.jvp(inputs, tangents, scheduler=s, client=client)
+        grads = model.param_vjp(inputs, cotangents, scheduler=s, client=client)
+        compiled = NEML2Model(ELASTIC, "model", compile=COMPILE).dispatch(
+            {"strain": inputs["E"]}, scheduler=s, client=client)
+    expected_out, expected_jvp = reference.jvp(state, {"E": torch.as_tensor(tangents["E"])})
+    for name in outputs:
+        np.testing.assert_allclose(outputs[name], _numpy(expected_out[name]), rtol=1e-9, atol=1e-9, err_msg=name)
+    np.testing.assert_allclose(jvp["stress"], _numpy(expected_jvp["stress"]), rtol=1e-8, atol=1e-6)
+    whole = reference.param_vjp(state, {"stress": torch.as_tensor(cotangents["stress"]), "equivalent_plastic_strain": zero})
+    largest = max(float(value.abs().max()) for value in whole.values())  # round-off zeros compare at its scale
+    for name, value in whole.items():
+        np.testing.assert_allclose(grads[name], _numpy(value), rtol=1e-8, atol=1e-12 * largest, err_msg=name)
+    np.testing.assert_allclose(compiled["stress"], _numpy(_load(ELASTIC).call_by_name(
+        {"strain": torch.as_tensor(inputs["E"])})["stress"]), rtol=1e-12)
