@@ -7,8 +7,9 @@ The data: the stress of dsched's Perzyna viscoplastic model (an implicit
 update, NEML2's own Newton solve) on ``--points`` material points after one
 step of 1 s from rest, computed with a yield stress of 180 (the file says
 150). The fit starts from the file's value and recovers 180 by minimising the
-mean squared stress error with L-BFGS (``torch.optim``). Each evaluation, across a CPU worker and
-a GPU worker (an emulated one without a GPU):
+mean squared stress error with L-BFGS (``torch.optim``). Each evaluation of
+the loss, across a CPU worker and a GPU worker (an emulated one without a
+GPU):
 
 - ``model.dispatch`` evaluates the stress, chunk by chunk;
 - ``model.param_vjp`` gives the loss's gradient with respect to the yield
@@ -120,8 +121,9 @@ def main():
 
     gpus = dsched.visible_gpus()
     devices = ["cpu", *map(str, gpus)] if gpus else ["cpu", "cuda:0"]
-    half = args.points // len(devices)
-    scheduler = dsched.StaticHybridScheduler(devices, [half] * (len(devices) - 1) + [args.points - half * (len(devices) - 1)])
+    share = args.points // len(devices)  # one chunk per device: NEML2's cost per call paid once on each
+    scheduler = dsched.StaticHybridScheduler(devices, [share] * (len(devices) - 1)
+                                             + [args.points - share * (len(devices) - 1)])
     inputs = step_inputs(args.points)
     target = synthetic_target(inputs)
     model = NEML2Model(VISCOPLASTIC_INPUT, "model", overrides=TIGHT)
