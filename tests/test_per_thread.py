@@ -62,6 +62,34 @@ def test_per_thread_models_work_as_dispatch_functions():
 # --- compute threads ----------------------------------------------------------------
 
 
+FREED_BY = []  # the names of the threads that freed a _Freed model
+
+
+class _Freed:
+    """A model that records which thread freed it."""
+
+    def __init__(self, device):
+        pass
+
+    def __del__(self, record=FREED_BY.append, thread=threading.current_thread):  # still there at exit
+        record(thread().name)
+
+
+def test_a_thread_that_ends_leaves_its_models_to_a_thread_that_goes_on():
+    """A thread ending as the interpreter shuts down must not free a torch model (it would let go of the GIL in
+    C++ and abort the process): its models are freed by the next lookup, in a thread that goes on, or at exit."""
+    from dsched.devices import per_thread
+
+    FREED_BY.clear()
+    model = PerThread(_Freed)
+    worker = threading.Thread(target=model.get, args=("cpu",), name="ending")
+    worker.start()
+    worker.join()
+    assert FREED_BY == [] and len(per_thread._ENDED) == 1  # handed over, not freed by "ending"
+    PerThread(_Freed).get("cpu")  # any lookup, here in the main thread, frees what ended threads left
+    assert FREED_BY == ["MainThread"] and per_thread._ENDED == []
+
+
 def test_thread_share_divides_the_cores_among_worker_threads():
     assert thread_share(4, cores=2) == 1
     assert thread_share(3, cores=16) == 5

@@ -1,12 +1,22 @@
-"""NEML2 models as dsched models: load a NEML2 input file, evaluate it chunk by chunk on any device.
+"""NEML2 models as dsched models: load a NEML2 model, evaluate it chunk by chunk on any device.
 
-NEML2 3.1's Python path evaluates a model eagerly on one device and leaves
-the per-device loop to the user; :class:`NEML2Model` is that loop's model
-side. It loads ``neml2.load_model(input, model)`` once per worker thread and
-device (NEML2's implicit updates keep their Newton state on the model object,
-so threads must not share one), maps inputs to NEML2 variables by name,
-returns the outputs (and on request the Jacobian ``{output: {input: block}}``),
-and turns NEML2's convergence failures into :class:`~dsched.RecoverableError`.
+NEML2 3.1's Python path evaluates a model on one device and leaves the
+per-device loop to the user; :class:`NEML2Model` is that loop's model side.
+It loads the model once per worker thread and device (NEML2's implicit
+updates keep their Newton state on the model object, so threads must not
+share one), maps inputs to NEML2 variables by name, and turns NEML2's
+convergence failures into :class:`~dsched.RecoverableError`. The model is
+NEML2's own (``NEML2Model(input, model)``), compiled in place on each copy
+with ``neml2.compile`` (``compile=True``), or an AOTI artifact exported by
+``neml2.export_model_for_aoti`` (:meth:`NEML2Model.from_artifacts`).
+
+Over a scheduler it offers NEML2's whole sensitivity surface, chunked and
+joined as NEML2's C++ ``DispatchedModel`` does (:mod:`dsched.models.neml2_surface`):
+:meth:`~NEML2Model.dispatch` (the outputs), :meth:`~NEML2Model.jvp`,
+:meth:`~NEML2Model.jacobian`, :meth:`~NEML2Model.param_jacobian` and
+:meth:`~NEML2Model.param_vjp` (summed over the chunks in chunk order). Its
+parameters (:meth:`~NEML2Model.set_parameter`, :meth:`~NEML2Model.named_parameters`)
+reach every device's copy at the next call (:mod:`dsched.models.neml2_parameters`).
 
 >>> model = NEML2Model("viscoplastic.i", "model")             # doctest: +SKIP
 >>> out = model.dispatch({"E": strain, "t": 1.0, ...}, scheduler=scheduler)  # doctest: +SKIP
@@ -27,20 +37,38 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import uuid
 from pathlib import Path
 
 import numpy as np
 
 from dsched.checks import check_positive_int
+from dsched.dataplane.loaders import MappingLoader
 from dsched.devices import backends
+from dsched.devices.ownership import emulated_devices
 from dsched.devices.per_thread import PerThread
+from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.dispatch.front import dispatch
 from dsched.errors import NEML2ConvergenceError, as_recoverable  # noqa: F401  (as_recoverable: its old home)
-from dsched.models.row_blocks import BLOCK, joined, rows_of, spans
 from dsched.models.j2 import loading_strain
+from dsched.models.neml2_artifacts import Artifacts
+from dsched.models.neml2_engines import ArtifactEngine, NativeEngine, compiled_graphs
+from dsched.models.neml2_evaluate import as_neml2_value, evaluate, kind_of, numpy_storage
+from dsched.models.neml2_parameters import ParameterValues
+from dsched.models.neml2_surface import (
+    COTANGENT,
+    TANGENT,
+    ChunkOfOperation,
+    Operation,
+    check_names,
+    ordered_sum,
+    prefixed,
+    split_entries,
+)
+from dsched.models.row_blocks import BLOCK, padded_sizes
 
 __all__ = ["NEML2Model", "NEML2ConvergenceError", "NEML2Parameters", "neml2_chunk", "graph_parameters",
-           "as_recoverable"]
+           "as_recoverable", "compiled_graphs"]
 
 
 def _import_neml2():
@@ -56,8 +84,22 @@ def _load(path, name, overrides):
     return neml2.load_input(str(path), additional_args=list(overrides)).get_model(name)
 
 
+def _compile_options(compile):
+    """``neml2.compile``'s keywords for ``compile`` (``None``: not compiled); a ValueError naming the field."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return {}
+    if isinstance(compile, str):
+        return {"mode": compile}
+    if isinstance(compile, dict) and all(isinstance(k, str) for k in compile) and "dynamic" not in compile:
+        return dict(compile)
+    raise ValueError(f"compile: expected True, False, a torch.compile mode or a dict of torch.compile options "
+                     f"(but dynamic, which neml2.compile fixes), got {compile!r}")
+
+
 class NEML2Model:
-    """A model of a NEML2 input file, evaluated on batches of material points.
+    """A NEML2 model, evaluated on batches of material points.
 
     Parameters
     ----------
@@ -82,6 +124,14 @@ class NEML2Model:
         25,000): a larger chunk is evaluated block by block, each block's
         temporaries in the caches (:mod:`dsched.models.row_blocks`). ``None``
         calls NEML2 once per chunk. GPU chunks are never cut.
+    compile : bool, str or dict
+        Compile each worker thread's copy once with ``neml2.compile``
+        (``torch.compile`` with static shapes): ``True``, a ``torch.compile``
+        mode (``"max-autotune"``), or a dict of ``torch.compile`` options
+        (``{"backend": "aot_eager"}``). Chunks are evaluated in fixed pieces
+        of ``block`` rows, a short one padded to a size already compiled, so a
+        device compiles once per size it is given (:func:`compiled_graphs`
+        counts them).
 
     The file is read once here, so a wrong file, model or output name is a
     ``ValueError`` before any work starts. Each worker thread then loads
@@ -89,45 +139,134 @@ class NEML2Model:
     """
 
     def __init__(self, input, model, *, outputs=None, derivatives=False, overrides=(), keep_grad=False,
-                 block=BLOCK):
-        if block is not None:
-            check_positive_int(block, "block", integers=(int, np.integer), expected="an integer >= 1 or None",
-                               below=None)
-        self.block = None if block is None else int(block)
+                 block=BLOCK, compile=False):
+        self._options(block, derivatives, keep_grad)
+        self.compile = _compile_options(compile)
         self.input = Path(input).resolve()
         if not self.input.is_file():
             raise ValueError(f"input: no NEML2 input file at {input}")
-        self.model, self.overrides = str(model), tuple(overrides)
+        self.model, self.overrides, self.artifacts = str(model), tuple(overrides), None
         try:
             probe = _load(self.input, self.model, self.overrides)
         except (KeyError, ValueError, RuntimeError) as err:
             raise ValueError(f"model: cannot load {self.model!r} from {self.input}: {err}") from None
-        self.input_names = list(probe.input_spec)
-        self.output_names = list(probe.output_spec)
+        self._describe(probe.input_spec, probe.output_spec, dict(probe.named_parameters()), outputs)
+
+    @classmethod
+    def from_artifacts(cls, root, *, dtype="float64", outputs=None, derivatives=False, keep_grad=False,
+                       block=BLOCK) -> NEML2Model:
+        """A model of NEML2's AOTI artifacts under ``root`` (``neml2.export_model_for_aoti``'s output folder).
+
+        Each worker loads the leaf of its own device and ``dtype`` with
+        ``neml2.aoti.AOTIModel``: ``cpu`` on a CPU or an emulated GPU,
+        ``cuda`` on a real GPU. A run's device with no leaf, or a derivative
+        the artifacts were exported without, is a ``ValueError`` before any
+        work starts (the metadata and the leaves are read here: export every
+        leaf before making the model). The parameters are those promoted at
+        export (``promoted=[...]``). Other options as for the constructor.
+        """
+        import torch
+
+        artifacts = Artifacts(root, dtype)
+        self = cls.__new__(cls)
+        self._options(block, derivatives, keep_grad)
+        self.compile = None
+        self.input, self.model, self.overrides, self.artifacts = artifacts.root, artifacts.root.name, (), artifacts
+        types = _import_neml2().types
+        try:
+            specs = [{name: getattr(types, kind) for name, kind in variables.items()}
+                     for variables in (artifacts.inputs, artifacts.outputs)]
+        except AttributeError as err:
+            raise ValueError(f"root: {artifacts.root} names a variable type this neml2 lacks ({err})") from None
+        defaults = {name: torch.tensor(values, dtype=getattr(torch, dtype)).reshape(shape)
+                    for name, (shape, values) in artifacts.parameters.items()}
+        self._describe(*specs, defaults, outputs)
+        return self
+
+    def _options(self, block, derivatives, keep_grad):
+        if block is not None:
+            check_positive_int(block, "block", integers=(int, np.integer), expected="an integer >= 1 or None",
+                               below=None)
+        self.block = None if block is None else int(block)
+        self.derivatives, self.keep_grad = bool(derivatives), bool(keep_grad)
+
+    def _describe(self, input_spec, output_spec, parameters, outputs):
+        """The variables and parameters, from the model loaded on the client (or the artifacts' metadata)."""
+        self.input_names = list(input_spec)
+        self.output_names = list(output_spec)
         #: Every variable's base shape (``(6,)`` for an ``SR2``, ``()`` for a ``Scalar``), inputs and outputs.
         self.base_shapes = {name: tuple(getattr(kind, "BASE_SHAPE", ())) for spec in (
-            probe.input_spec, probe.output_spec) for name, kind in spec.items()}
+            input_spec, output_spec) for name, kind in spec.items()}
         self.all_output_names = list(self.output_names)
         if outputs is not None:
             unknown = [o for o in outputs if o not in self.output_names]
             if unknown:
                 raise ValueError(f"outputs: {unknown} are not outputs of {self.model!r} (it has {self.output_names})")
             self.output_names = list(outputs)
-        self.derivatives, self.keep_grad = bool(derivatives), bool(keep_grad)
+        #: The parameters as set on this object (:meth:`set_parameter`), sent with every call.
+        self.parameters = ParameterValues(parameters)
+        self._token = uuid.uuid4().hex  # this model's identity in every process (its padded sizes)
         self._per_thread = PerThread(self._build)
-        self._probes = {}  # what a one-item call returned, per kind and shapes of inputs (see probe_outputs)
+        self._probe_engines = PerThread(functools.partial(self._build, eager=True))
+        self._probes = {}  # what a one-item call returned, per operation, kind and shapes of inputs (see _probe)
+        self._operations = {}  # (operation, params) -> Operation, kept so that like calls reuse their dispatcher
+        self._checked = set()  # (client, scheduler) pairs whose devices were checked against the artifacts
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_probes"] = {}  # learned on the client, for the client
+        state["_probes"], state["_operations"], state["_checked"] = {}, {}, set()  # the client's, for the client
         return state
 
     #: dispatch() hands the inputs over as they are (NumPy stays NumPy on a GPU chunk): this model
     #: moves them to its torch device itself, so CuPy is never needed.
     moves_inputs = True
 
-    def _build(self, device):
-        return _load(self.input, self.model, self.overrides).to(device=backends.torch_device(device))
+    def _build(self, device, eager=False):
+        """This thread's engine on ``device`` (a probe's: eager, on the client)."""
+        torch_device = backends.torch_device(device)
+        if self.artifacts is not None:
+            from neml2.aoti import AOTIModel
+
+            return ArtifactEngine(AOTIModel(str(self.artifacts.root), device=str(torch_device),
+                                            dtype=self.artifacts.dtype))
+        model = _load(self.input, self.model, self.overrides).to(device=torch_device)
+        compiled = self.compile is not None and not eager
+        if compiled:
+            _import_neml2().compile(model, **self.compile)
+        return NativeEngine(model, compiled)
+
+    # --- parameters ------------------------------------------------------------------
+
+    def named_parameters(self) -> dict:
+        """``{qualified name: tensor}``: the parameters as the next call will use them (NEML2's names).
+
+        The tensors are this object's: change them in place (``.fill_(...)``,
+        ``.copy_(...)``) or with :meth:`set_parameter`; every device's copy
+        takes the values at the next call. An artifact's parameters are those
+        promoted at export.
+        """
+        return dict(self.parameters.values)
+
+    def set_parameter(self, name, value) -> None:
+        """Set parameter ``name`` (a key of :meth:`named_parameters`) to ``value``, for every device from the next
+        call on. A ValueError for an unknown name or a value of another shape."""
+        self.parameters.set(name, value)
+
+    @property
+    def parameter_base_shapes(self) -> dict:
+        """``{name: shape}`` of every parameter."""
+        return {name: tuple(value.shape) for name, value in self.parameters.values.items()}
+
+    @staticmethod
+    def compiled_graphs(client=None) -> dict:
+        """Graphs ``torch.compile`` has built, per process: ``{worker address: count}`` on ``client``'s workers,
+        ``{"client": count}`` in this process too (sync mode and in-process workers compile here)."""
+        counts = {"client": compiled_graphs()}
+        if client is not None:
+            counts.update(client.run(compiled_graphs))
+        return counts
+
+    # --- one chunk -----------------------------------------------------------------
 
     def check_inputs(self, inputs) -> None:
         """A ``ValueError`` naming missing or unknown variables of ``inputs`` (a mapping)."""
@@ -145,54 +284,58 @@ class NEML2Model:
         A number goes to every point and every component of its variable; a
         NumPy array of a tensor variable without a batch needs a leading axis
         of 1 (``(1, 6)`` for an ``SR2``), since NumPy cannot tell a ``(6,)``
-        tensor from six points.
+        tensor from six points. The parameters are this object's.
         """
+        return self._evaluate_entries(self._default_operation, inputs)
+
+    @property
+    def _default_operation(self):
+        return "jacobian" if self.derivatives else "values"
+
+    def _evaluate_entries(self, operation, entries, params=None, *, sent=False, probe=False):
+        """``operation`` on a chunk's entries (inputs, tangents or cotangents, parameters: see
+        :mod:`~dsched.models.neml2_surface`). ``sent``: the entries carry the parameters (a call's), else they are
+        this object's. ``probe``: evaluated eagerly, on the client."""
         import torch
 
+        inputs, parameters, tangents, cotangents = split_entries(entries)
+        if not sent:
+            parameters = self.parameters.changed()
         self.check_inputs(inputs)
         device = backends.torch_device()
-        model = self._per_thread.get()  # gives this thread the worker's share of torch threads, once
-        kind = _kind_of(inputs.values())
-        spec = model.input_spec
-        state = {name: _as_neml2_value(value, spec[name], device, torch) for name, value in inputs.items()}
+        engine = (self._probe_engines if probe else self._per_thread).get()  # gives this thread its torch threads
+        kind = kind_of(inputs.values())
+        state = {name: as_neml2_value(value, engine.input_spec[name], device, torch) for name, value in inputs.items()}
+        extra = {}
+        if operation == "jvp":
+            extra = {name: as_neml2_value(value, engine.input_spec[name], device, torch)
+                     for name, value in tangents.items()}
+        elif operation == "param_vjp":  # every output has a cotangent: zero where none was given
+            extra = {name: as_neml2_value(cotangents.get(name, 0.0), kind_, device, torch)
+                     for name, kind_ in engine.output_spec.items()}
         # NumPy's, not torch's: torch.broadcast_shapes imports torch._refs on its first call (a second, per worker)
-        batch = np.broadcast_shapes(*(tuple(value.dynamic_batch_shape) for value in state.values()))
+        batch = np.broadcast_shapes(*(tuple(value.dynamic_batch_shape) for value in (*state.values(), *extra.values())))
+        engine.use_parameters(parameters)
         neml2 = _import_neml2()
         try:
-            values, jacobian = self._evaluate(model, state, batch, device, kind)
+            values, second = evaluate(
+                engine, operation, state, extra, params, batch=batch, device=device, block=self.block,
+                sizes=padded_sizes((self._token, str(device))) if engine.compiled else None, outputs=self.output_names,
+                allocate=numpy_storage if kind == "numpy" else None, keep_grad=self.keep_grad)
         except neml2.solvers.ConvergenceError as err:
             raise NEML2ConvergenceError(f"NEML2 model {self.model!r} ({self.input.name}): {err}") from None
-        outputs = {name: self._returned(backends.NEML2.expanded(values[name], batch), kind)
-                   for name in self.output_names}
-        if jacobian is None:
+        return self._results(operation, values, second, batch, kind)
+
+    def _results(self, operation, values, second, batch, kind):
+        returned = functools.partial(self._returned, kind=kind)
+        if operation == "param_vjp":
+            return {name: returned(grad) for name, grad in second.items()}
+        outputs = {name: returned(backends.NEML2.expanded(values[name], batch)) for name in self.output_names}
+        if operation == "values":
             return outputs
-        derivatives = {
-            out: {inp: self._returned(block, kind) for inp, block in jacobian[out].items()}
-            for out in self.output_names
-        }
-        return outputs, derivatives
-
-    def _call(self, model, state):
-        if self.derivatives:
-            return model.jacobian(state)
-        return model.call_by_name(state), None
-
-    def _evaluate(self, model, state, batch, device, kind):
-        """NEML2's ``(values, jacobian)`` over ``state``, block by block on a CPU (:mod:`~dsched.models.row_blocks`)."""
-        bounds = spans(batch[0], self.block) if len(batch) == 1 and device.type == "cpu" else [None]
-        if len(bounds) == 1:
-            return self._call(model, state)
-        rows = batch[0]
-        parts = [self._call(model, {name: rows_of(value, start, stop, rows) for name, value in state.items()})
-                 for start, stop in bounds]
-        # NumPy results are allocated by NumPy, so that dsched can place them in the chunk's output rows.
-        allocate = _numpy_storage if kind == "numpy" else None
-        join = functools.partial(joined, bounds=bounds, allocate=allocate, keep_grad=self.keep_grad)
-        values = {name: join([part_values[name] for part_values, _ in parts]) for name in self.output_names}
-        if not self.derivatives:
-            return values, None
-        return values, {out: {inp: join([jacobian[out][inp] for _, jacobian in parts]) for inp in parts[0][1][out]}
-                        for out in self.output_names}
+        if operation == "jvp":
+            return outputs, {name: returned(backends.NEML2.expanded(second[name], batch)) for name in self.output_names}
+        return outputs, {out: {x: returned(block) for x, block in second[out].items()} for out in self.output_names}
 
     def _returned(self, value, kind):
         if not self.keep_grad:
@@ -203,65 +346,131 @@ class NEML2Model:
             return value.data
         return backends.host_view(backends.to_host(value.data))
 
+    # --- the outputs' layout, learned on the client ------------------------------------
+
     @property
     def probe_outputs(self):
         """What :func:`dsched.dispatch` calls on the client to learn the outputs' layout (one item).
 
-        NEML2's floor per call is paid once per input kind and shapes: the
-        outputs of that first one-item call are kept and returned again, so
-        a solver calling :meth:`dispatch` every step does not run NEML2 on
-        the client every step (263 ms for chaboche2). With ``derivatives``
-        the model itself is called.
+        NEML2's floor per call is paid once per operation, input kind and
+        shapes: the outputs of that first one-item call are kept and returned
+        again, so a solver calling :meth:`dispatch` every step does not run
+        NEML2 on the client every step (263 ms for chaboche2). The probe is
+        eager (a compiled model is not compiled on the client); an artifact
+        without a ``cpu`` leaf is not probed (its first chunks send their
+        results back instead).
         """
-        return True if self.derivatives else self._probe
+        return self._prober(self._default_operation, None)
 
-    def _probe(self, inputs):
-        key = (_kind_of(inputs.values()), tuple(sorted((name, tuple(np.shape(v))[1:]) for name, v in inputs.items()
-                                                       if backends.is_array(v))))
+    def _prober(self, operation, params):
+        if self.artifacts is not None and not self.artifacts.has_leaf("cpu"):
+            return False
+        return functools.partial(self._probe, operation, params)
+
+    def _probe(self, operation, params, entries):
+        key = (operation, params, kind_of(entries.values()),
+               tuple(sorted((name, tuple(np.shape(v))[1:]) for name, v in entries.items() if backends.is_array(v))))
         result = self._probes.get(key)
         if result is None:
-            result = self._probes[key] = self(inputs)
+            result = self._probes[key] = self._evaluate_entries(operation, entries, params, sent=True, probe=True)
         return result
 
-    def dispatch(self, inputs, *, scheduler, **options):
-        """:func:`dsched.dispatch` of this model over ``inputs``, its variable names checked first."""
+    # --- over a scheduler: NEML2's sensitivity surface -------------------------------
+
+    def _operation(self, operation, params=None) -> Operation:
+        key = (operation, params)
+        if key not in self._operations:
+            self._operations[key] = Operation(self, operation, params)
+        return self._operations[key]
+
+    def _prepare(self, operation, inputs, scheduler, options, *, tangents=(), params=()):
+        """Every check of a call, before any work: names, and the artifacts' devices and derivatives."""
         self.check_inputs(inputs)
-        return dispatch(self, dict(inputs), scheduler=scheduler, **options)
+        if self.artifacts is None:
+            return
+        self.artifacts.check_operation(operation, self.output_names, list(tangents) or self.input_names,
+                                       list(params or self.parameters.names()))
+        client, mode = options.get("client"), options.get("mode", "async")
+        key = (id(client), id(scheduler), mode)
+        if key in self._checked:
+            return
+        emulated = {}
+        if mode != "sync":
+            client = client or _default_client()
+            emulated = emulated_devices(client) if client is not None else {}
+        self.artifacts.check_devices(getattr(scheduler, "devices", ()), emulated)
+        self._checked.add(key)
+
+    def _params(self, params):
+        if params is None:
+            return None
+        params = tuple(params)
+        check_names(params, self.parameters.names(), "params", "parameters of this model")
+        return params
+
+    def dispatch(self, inputs, *, scheduler, **options):
+        """:func:`dsched.dispatch` of this model over ``inputs``: the outputs (and with ``derivatives`` the
+        Jacobian), its variable names checked first."""
+        return self._dispatch(self._default_operation, inputs, {}, None, scheduler, options)
+
+    def jacobian(self, inputs, *, scheduler, **options):
+        """``(outputs, {output: {input: block}})`` over ``inputs``: each block ``(batch, *output base, *input base)``,
+        joined along the batch."""
+        return self._dispatch("jacobian", inputs, {}, None, scheduler, options)
+
+    def jvp(self, inputs, tangents, *, scheduler, **options):
+        """``(outputs, {output: directional derivative})``: the Jacobian times ``tangents`` (``{input: array}``, an
+        input without one counts as zero), per point, joined along the batch."""
+        check_names(tangents, self.input_names, "tangents", "inputs of this model")
+        return self._dispatch("jvp", inputs, prefixed(TANGENT, tangents), None, scheduler, options, tangents=tangents)
+
+    def param_jacobian(self, inputs, params=None, *, scheduler, **options):
+        """``(outputs, {output: {parameter: block}})``: each block ``(batch, *output base, *parameter shape)``,
+        per point, joined along the batch. ``params``: the parameters (default all)."""
+        params = self._params(params)
+        return self._dispatch("param_jacobian", inputs, {}, params, scheduler, options)
+
+    def param_vjp(self, inputs, cotangents, params=None, *, scheduler, client=None, mode="async", timeout=None,
+                  trace_file=None):
+        """``{parameter: dL/dparameter}`` for ``L = sum over outputs of <cotangent, output>``.
+
+        ``cotangents`` maps outputs to arrays shaped like them (an output
+        without one counts as zero). Each chunk's gradient is NEML2's
+        ``param_vjp`` on its points; the chunks' are summed in chunk order,
+        whatever order they finished in, so a call gives the same bits every
+        time. ``params``: the parameters (default all).
+        """
+        check_names(cotangents, self.all_output_names, "cotangents", "outputs of this model")
+        params = self._params(params)
+        options = {"client": client, "mode": mode}
+        self._prepare("param_vjp", inputs, scheduler, options, params=params or ())
+        entries = {**inputs, **prefixed(COTANGENT, cotangents), **self.parameters.entries()}
+        dispatcher = WorkDispatcher(scheduler, ChunkOfOperation(self._operation("param_vjp", params)),
+                                    reduce=ordered_sum, mode=mode, client=client, timeout=timeout,
+                                    trace_file=trace_file)
+        with dispatcher:
+            grads = dispatcher.run(MappingLoader(entries))
+        # NumPy sums 0-d arrays into scalars: every gradient comes back an array, whatever the number of chunks.
+        return {name: np.asarray(g) if isinstance(g, np.generic) else g for name, g in grads.items()}
+
+    def _dispatch(self, operation, inputs, extra, params, scheduler, options, *, tangents=()):
+        self._prepare(operation, inputs, scheduler, options, tangents=tangents, params=params or ())
+        entries = {**inputs, **extra, **self.parameters.entries()}
+        return dispatch(self._operation(operation, params), entries, scheduler=scheduler, **options)
 
     def __repr__(self):
+        if self.artifacts is not None:
+            return f"NEML2Model.from_artifacts({str(self.input)!r})"
         return f"NEML2Model({str(self.input)!r}, {self.model!r})"
 
 
-def _numpy_storage(shape, dtype):
-    """A torch tensor in memory NumPy allocated (so that dsched can place it in a chunk's output rows)."""
-    import torch
+def _default_client():
+    try:
+        from distributed import default_client
 
-    if dtype != torch.float64:
-        return torch.empty(shape, dtype=dtype)
-    return backends.TORCH.from_host(np.empty(shape), None)
-
-
-def _kind_of(values) -> str:
-    kinds = {backends.backend_of(v).name for v in values if backends.backend_of(v) is not None}
-    if "neml2" in kinds:
-        return "neml2"
-    return "torch" if "torch" in kinds else "numpy"
-
-
-def _as_neml2_value(value, variable_type, device, torch):
-    """An input as NEML2 takes it on ``device``: typed tensors kept, arrays as float64 tensors, a number in every component."""
-    backend = backends.backend_of(value)
-    if backend is None:
-        base = tuple(getattr(variable_type, "BASE_SHAPE", ()))
-        return variable_type(torch.full(base, float(value), dtype=torch.float64, device=device))
-    if backend is backends.NEML2:
-        return value if value.device == device else value.to(device)
-    if backend.name == "numpy":  # any strides torch takes: a row slice of a history is not copied
-        value = np.asarray(value)
-        value = backends.TORCH.from_host(value if min(value.strides, default=0) >= 0 else value.copy(), None)
-    elif backend.name == "cupy":
-        value = torch.as_tensor(value, device=device)  # through __cuda_array_interface__, no host copy
-    return variable_type(value if value.device == device else value.to(device))
+        return default_client()
+    except (ImportError, ValueError):
+        return None
 
 
 # --- graph files ---------------------------------------------------------------

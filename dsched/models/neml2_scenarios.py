@@ -187,7 +187,8 @@ def model_overrides(scenario, points) -> tuple:
     return scenario.overrides + ((f"nbatch={points}",) if scenario.source != "dsched" else ())
 
 
-def run_neml2_driver(scenario, histories, *, chunks=None, threads=None, per_step=False):
+def run_neml2_driver(scenario, histories, *, chunks=None, threads=None, per_step=False, compile=None,
+                     artifacts=None):
     """NEML2's ``TransientDriver`` over ``histories``: ``{output: final value}`` (NumPy) and each chunk's seconds.
 
     ``chunks`` (a list of point counts) runs the driver once per chunk of
@@ -196,7 +197,11 @@ def run_neml2_driver(scenario, histories, *, chunks=None, threads=None, per_step
     time). ``threads`` sets torch's thread count for the call (restored
     after). The drivers are built before the clock starts, as NEML2 builds
     one from its input file. With ``per_step``, a third value lists each
-    chunk's seconds per step (the model's calls).
+    chunk's seconds per step (the model's calls). ``compile`` (a dict of
+    ``neml2.compile`` options) compiles the model first, as NEML2's users do
+    (the first call of each chunk size compiles: warm it up before timing);
+    ``artifacts`` drives an AOTI artifact root's ``cpu/float64`` leaf
+    (``neml2.aoti.AOTIModel``) instead of the input file's model.
     """
     import time
 
@@ -205,8 +210,15 @@ def run_neml2_driver(scenario, histories, *, chunks=None, threads=None, per_step
     from dsched.models.neml2 import _import_neml2
 
     neml2 = _import_neml2()
-    model = neml2.load_input(str(scenario.input), additional_args=list(
-        model_overrides(scenario, histories.points))).get_model(scenario.model)
+    if artifacts is not None:
+        from neml2.aoti import AOTIModel
+
+        model = AOTIModel(str(artifacts))
+    else:
+        model = neml2.load_input(str(scenario.input), additional_args=list(
+            model_overrides(scenario, histories.points))).get_model(scenario.model)
+    if compile is not None:
+        neml2.compile(model, **compile)
     bounds = np.cumsum([0, *(chunks or [histories.points])])
     pairs = list(zip(bounds[:-1], bounds[1:]))
     drivers = [_driver(neml2, torch, model, histories, a, b) for a, b in pairs]

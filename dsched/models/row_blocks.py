@@ -21,17 +21,26 @@ Since a call's Newton solve converges over its own points, a blocked chunk
 equals NEML2 run on the same blocks (as a chunked batch equals NEML2 run on
 the same chunks), and one whole call within the solver's tolerance.
 
+A compiled model (``neml2.compile``, ``torch.compile`` with static shapes)
+builds one graph per distinct batch size, so its chunks are cut in *fixed*
+pieces of ``block`` rows (:func:`pieces`) and a short piece is padded up to a
+size already compiled (:class:`PaddedSizes`, :func:`padded`): a device then
+sees its batch size and its block, not every size a short last chunk has.
+
 >>> spans(10, 4)
 [(0, 4), (4, 7), (7, 10)]
+>>> pieces(10, 4)
+[(0, 4), (4, 8), (8, 10)]
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 from dsched.devices.backends import NEML2
 
-__all__ = ["BLOCK", "spans", "rows_of", "joined"]
+__all__ = ["BLOCK", "spans", "pieces", "rows_of", "joined", "PaddedSizes", "padded", "unpadded"]
 
 #: Points per NEML2 call on a CPU (:class:`~dsched.models.neml2.NEML2Model`'s ``block``; see the module docs).
 BLOCK = 25_000
@@ -48,6 +57,72 @@ def spans(rows: int, block) -> list:
     for i in range(count):
         bounds.append(bounds[-1] + size + (i < extra))
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def pieces(rows: int, block) -> list:
+    """``rows`` cut into pieces of ``block`` rows, the last one short; one piece when ``block`` is ``None`` or not
+    smaller than ``rows``."""
+    if block is None or rows <= block:
+        return [(0, rows)]
+    return [(start, min(start + block, rows)) for start in range(0, rows, block)]
+
+
+class PaddedSizes:
+    """The batch sizes a compiled model has been called with, on one device of this process.
+
+    :meth:`size` gives the size to evaluate ``rows`` rows at: the smallest one
+    already used that holds them, else ``rows`` itself (a new size, one more
+    compilation). Shared by the threads of a process, as torch's compiled
+    graphs are.
+    """
+
+    def __init__(self):
+        self._sizes, self._lock = [], threading.Lock()
+
+    def size(self, rows: int) -> int:
+        with self._lock:
+            fits = [size for size in self._sizes if size >= rows]
+            if fits:
+                return min(fits)
+            self._sizes.append(rows)
+            return rows
+
+    @property
+    def sizes(self) -> list:
+        return sorted(self._sizes)
+
+
+_SIZES = {}  # (model token, device) -> PaddedSizes, per process
+_SIZES_LOCK = threading.Lock()
+
+
+def padded_sizes(key) -> PaddedSizes:
+    """This process's :class:`PaddedSizes` for ``key`` (a model's identity and a device)."""
+    with _SIZES_LOCK:
+        return _SIZES.setdefault(key, PaddedSizes())
+
+
+def padded(value, rows, size, zeros=False):
+    """A NEML2 value batched over ``rows`` points, padded to ``size`` rows: its last row repeated (a point whose
+    solve converges like its neighbour's), or ``zeros``; an unbatched value as it is."""
+    if size == rows or NEML2.batch_shape(value) != (rows,):
+        return value
+    import torch
+
+    data = value.data
+    axis = NEML2._data_axis(value, 0)
+    last = data.narrow(axis, rows - 1, 1)
+    shape = list(data.shape)
+    shape[axis] = size - rows
+    fill = torch.zeros(shape, dtype=data.dtype, device=data.device) if zeros else last.expand(*shape)
+    return NEML2._rewrap(value, torch.cat([data, fill], dim=axis))
+
+
+def unpadded(value, rows, size):
+    """The first ``rows`` rows of a result evaluated on ``size`` padded rows; an unbatched result as it is."""
+    if size == rows or NEML2.batch_shape(value)[:1] != (size,):
+        return value
+    return NEML2.take(value, 0, 0, rows)
 
 
 def rows_of(value, start, stop, rows):

@@ -56,6 +56,9 @@ Targets (ratios within the run): every scenario and form >= 0.8 x the limit;
 the median of all forms and scenarios >= 1.0 x NEML2 on 2 threads; the typed
 form within 1.2 x the NumPy form's time; a resident Batch at least as fast
 as dispatching every step.
+
+``--neml2-compile [MODE]`` and ``--neml2-aoti DIR`` add compiled and AOTI
+rows, and their targets (:mod:`dsched.apps.bench.neml2_compiled`).
 """
 
 from __future__ import annotations
@@ -67,109 +70,42 @@ import platform
 import statistics
 import time
 
-import numpy as np
-
 import dsched
-from dsched.models.row_blocks import BLOCK, spans
-from dsched.models.neml2 import NEML2Model
-from dsched.models.neml2_scenarios import (
-    SCENARIOS,
-    checkout_scenario,
-    model_overrides,
-    run_neml2_driver,
+from dsched.apps.bench.neml2_forms import (  # noqa: F401  (dispatch_steps, driver_steps: their old home)
+    FORM_TITLES,
+    FORMS,
+    dispatch_steps,
+    driver_steps,
+    errors,
+    forms as _forms,
+    halves as _halves,
+    side_by_side,
 )
-from dsched.resident.driver import TransientDriver, neml2_feedback
+from dsched.apps.bench.neml2_compiled import compile_options, compiled_verdicts, format_compiled, measure_compiled
 from dsched.apps.bench.scheduling import verdict
+from dsched.models.neml2 import NEML2Model
+from dsched.models.neml2_scenarios import SCENARIOS, checkout_scenario, model_overrides, run_neml2_driver
+from dsched.models.row_blocks import BLOCK, spans
 
 __all__ = ["FORMS", "TARGETS", "run_neml2_benchmarks", "measure_scenario", "lockstep_penalty", "format_neml2_table",
-           "main"]
+           "main", "dispatch_steps", "driver_steps"]
 
-FORMS = ("numpy", "typed", "batch", "driver")
-FORM_TITLES = {"numpy": "dispatch, NumPy", "typed": "dispatch, typed", "batch": "Batch", "driver": "driver"}
 TARGETS = {"limit": 0.8, "side_by_side": 0.9, "median_vs_neml2_2": 1.1, "typed_vs_numpy": 1.2,
            "batch_vs_numpy": 1.0}
 QUICK_DIVISOR = 10  # --quick: a tenth of the points
 REPEATS = 5  # measured rounds: the machine's noise is a tenth of a row's time, and every row takes its best
 
 
-# --- the dsched forms ---------------------------------------------------------------
-
-def dispatch_steps(model, histories, scheduler, client, *, typed=False):
-    """NEML2Model.dispatch once per step, the old state carried on the client as NEML2's driver carries it.
-
-    ``histories`` maps each prescribed input (``"t"``, ``"strain"``) to its
-    history ``(steps + 1, points, *base)``. Returns the last step's outputs.
-    """
-    wrap = _typed_wrappers(model) if typed else None
-    feedback = neml2_feedback(model.input_names, model.all_output_names)
-    prescribed = {name: h for name, h in histories.items() if name in model.input_names}
-    if wrap:
-        import torch
-
-        prescribed = {name: torch.from_numpy(h) for name, h in prescribed.items()}
-    before, outputs = {name: h[0] for name, h in prescribed.items()}, {}
-    steps = len(next(iter(prescribed.values()))) - 1
-    for step in range(1, steps + 1):
-        inputs = {}
-        for name in model.input_names:
-            if name in prescribed:
-                inputs[name] = prescribed[name][step]
-            else:  # the old state: an output of the step before, else an input of it, else zero (NEML2's rule)
-                source = feedback.get(name)
-                inputs[name] = outputs.get(source, before.get(source, 0.0))
-        if wrap:
-            inputs = {name: wrap[name](v) if not isinstance(v, float) and not hasattr(v, "base_shape") else v
-                      for name, v in inputs.items()}
-        outputs = model.dispatch(inputs, scheduler=scheduler, client=client)
-        before = inputs
-    return {name: _numpy(v) for name, v in outputs.items()}
-
-
-_WRAPPERS = {}  # (input, model, overrides) -> {input: NEML2 type}: read once, not in any timed run
-
-
-def _typed_wrappers(model):
-    from dsched.models.neml2 import _import_neml2
-
-    key = (str(model.input), model.model, model.overrides)
-    if key not in _WRAPPERS:
-        _WRAPPERS[key] = dict(_import_neml2().load_input(str(model.input), additional_args=list(
-            model.overrides)).get_model(model.model).input_spec)
-    return _WRAPPERS[key]
-
-
-def _numpy(value):
-    return value.data.detach().numpy() if hasattr(value, "base_shape") else np.asarray(value)
-
-
-def driver_steps(model, histories, scheduler, client, *, steps_per_update=None):
-    """A :class:`TransientDriver` over the histories; the last step's outputs."""
-    with TransientDriver(model, scheduler, client=client) as driver:
-        driver.run(histories, steps_per_update=steps_per_update)
-        return driver.get_many()
-
-
 # --- one scenario ----------------------------------------------------------------
-
-def _halves(points):
-    first = (points + 1) // 2
-    return [first, points - first]
-
-
-def _forms(model, histories, scheduler, client):
-    return {
-        "numpy": lambda: dispatch_steps(model, histories, scheduler, client),
-        "typed": lambda: dispatch_steps(model, histories, scheduler, client, typed=True),
-        "batch": lambda: driver_steps(model, histories, scheduler, client, steps_per_update=1),
-        "driver": lambda: driver_steps(model, histories, scheduler, client),
-    }
 
 
 def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS, forms=FORMS, progress=None,
-                     block=BLOCK) -> dict:
+                     block=BLOCK, compile=None, aoti=None) -> dict:
     """Every row of one scenario: ``{"rate": {row: points x steps / s}, "seconds", "error", ...}``.
 
-    ``block``: the dsched forms' :class:`NEML2Model` ``block`` (points per NEML2 call on a CPU).
+    ``block``: the dsched forms' :class:`NEML2Model` ``block`` (points per NEML2 call on a CPU). ``compile``
+    (``neml2.compile`` options) and ``aoti`` (a folder of artifact roots) add the compiled and AOTI rows
+    (:mod:`dsched.apps.bench.neml2_compiled`) under ``"compiled"`` and ``"aoti"``.
     """
     say = progress or (lambda line: None)
     histories = scenario.histories(points, steps, allocate=dsched.shared_empty)
@@ -186,7 +122,7 @@ def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS
         whole, [t1] = run_neml2_driver(scenario, histories, threads=1)
         _, [t2] = run_neml2_driver(scenario, histories, threads=2)
         halved, per_half, per_step = run_neml2_driver(scenario, histories, chunks=halves, threads=1, per_step=True)
-        side = _side_by_side(client, scenario, n, steps, halves)
+        side = side_by_side(client, scenario, n, steps, halves)
         if round_:
             seconds["neml2_1"].append(t1)
             seconds["neml2_2"].append(t2)
@@ -204,13 +140,15 @@ def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS
         halved, _ = run_neml2_driver(scenario, histories, chunks=blocks, threads=1)
     best = {row: min(values) for row, values in seconds.items()}
     rate = {row: n * steps / s for row, s in best.items()}
-    return {"scenario": scenario.name, "source": scenario.source, "points": n, "steps": steps, "repeats": repeats,
+    extra = measure_compiled(scenario, client, histories, halves, compile=compile, aoti=aoti, repeats=repeats,
+                             block=block, progress=progress)
+    return {**extra, "scenario": scenario.name, "source": scenario.source, "points": n, "steps": steps, "repeats": repeats,
             "halves": halves, "block": block, "seconds": best, "rate": rate,
             "efficiency": {form: rate[form] / rate["limit"] for form in runs},
             "vs_side_by_side": {form: rate[form] / rate["side_by_side"] for form in runs},
             "vs_lockstep": {form: rate[form] / rate["lockstep"] for form in runs},
             "vs_neml2_2": {form: rate[form] / rate["neml2_2"] for form in runs},
-            "error": {form: _errors(results[form], halved, whole) for form in runs}}
+            "error": {form: errors(results[form], halved, whole) for form in runs}}
 
 
 def _blocks(halves, block) -> list:
@@ -227,44 +165,6 @@ def lockstep_penalty(per_step) -> float:
     1.0
     """
     return sum(map(max, zip(*per_step))) - max(map(sum, per_step))
-
-
-def _side_by_side(client, scenario, points, steps, halves) -> float:
-    """Seconds of NEML2's driver on each half in the two workers at once (the slower half): what the hardware
-    gives two single-thread workers side by side (shared caches and memory bandwidth), measured."""
-    import uuid
-
-    from dsched.devices.device import device_resource
-
-    token = uuid.uuid4().hex
-    bounds = [(0, halves[0]), (halves[0], points)]
-    futures = [client.submit(_neml2_half, scenario, points, steps, a, b, f"{token}-{i}", f"{token}-{1 - i}",
-                             resources={device_resource(device): 1}, pure=False)
-               for i, (device, (a, b)) in enumerate(zip(["cpu", "cuda:0"], bounds))]
-    return max(client.gather(futures))
-
-
-def _neml2_half(scenario, points, steps, start, stop, mine, other):
-    """On a worker: NEML2's driver on points ``start:stop``, started when the other half's worker is ready too."""
-    from distributed import Event
-
-    whole = scenario.histories(points, steps)
-    part = dataclasses.replace(whole, time=whole.time[:, start:stop].copy(),
-                               prescribed={k: v[:, start:stop].copy() for k, v in whole.prescribed.items()})
-    del whole
-    run_neml2_driver(scenario, part, threads=1)  # this worker's first call: imports and loads
-    Event(mine).set()
-    Event(other).wait(timeout=600)
-    return run_neml2_driver(scenario, part, threads=1)[1][0]
-
-
-def _errors(result, halved, whole) -> dict:
-    """The largest difference from NEML2 on the same chunks (``same_chunks``: the halves, in blocks) and on the
-    whole batch."""
-    same = max(float(np.max(np.abs(result[k] - halved[k]), initial=0.0)) for k in result)
-    scale = max(float(np.max(np.abs(whole[k]), initial=0.0)) for k in result) or 1.0
-    full = max(float(np.max(np.abs(result[k] - whole[k]), initial=0.0)) for k in result)
-    return {"same_chunks": same, "whole_batch": full, "whole_batch_relative": full / scale}
 
 
 # --- the suite ---------------------------------------------------------------------
@@ -284,7 +184,7 @@ def _scenarios(names, benchmarks, quick, points=None):
 
 
 def run_neml2_benchmarks(*, quick=False, steps=10, repeats=None, scenarios=None, benchmarks=None,
-                         forms=FORMS, progress=None, block=BLOCK, points=None) -> dict:
+                         forms=FORMS, progress=None, block=BLOCK, points=None, compile=None, aoti=None) -> dict:
     """Every scenario on one cluster (two single-thread worker processes); the results and the targets' verdicts."""
     import torch
     from distributed import Client
@@ -298,10 +198,11 @@ def run_neml2_benchmarks(*, quick=False, steps=10, repeats=None, scenarios=None,
                                    dashboard_address=None) as cluster, Client(cluster) as client:
         for scenario in chosen:
             measured.append(measure_scenario(scenario, client, steps=steps, repeats=repeats, forms=forms,
-                                             progress=progress, block=block))
+                                             progress=progress, block=block, compile=compile, aoti=aoti))
     torch.set_num_threads(threads)
     return {"scenarios": measured, "steps": steps, "repeats": repeats, "quick": quick,
             "benchmarks": str(benchmarks) if benchmarks else None, "forms": list(forms), "block": block,
+            "compile": compile, "aoti": str(aoti) if aoti else None,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "load": {"before": load, "after": os.getloadavg() if load is not None else None},
             "targets": verdicts(measured, forms)}
@@ -328,6 +229,7 @@ def verdicts(measured, forms=FORMS) -> dict:
                 worst = min(s["rate"][form] / s["rate"]["numpy"] for s in measured)
                 out[f"{FORM_TITLES[form]} >= dispatch every step"] = (worst, TARGETS["batch_vs_numpy"],
                                                                        worst >= TARGETS["batch_vs_numpy"])
+    out.update(compiled_verdicts(measured))
     return out
 
 
@@ -365,8 +267,10 @@ def format_neml2_table(results) -> str:
                  + "; from the whole batch (relative): "
                  + ", ".join(f"{s['scenario']} {max(e['whole_batch_relative'] for e in s['error'].values()):.1e}"
                              for s in results["scenarios"]))
+    lines.extend(format_compiled(results, _rate))
     for name, (value, threshold, met) in results["targets"].items():
-        lines.append(f"target {name}: {value:.2f} (threshold {threshold}): {verdict(met)}")
+        shown = f"{value:.2f}" if value == 0 or abs(value) >= 0.01 else f"{value:.1e}"
+        lines.append(f"target {name}: {shown} (threshold {threshold}): {verdict(met)}")
     return "\n".join(lines)
 
 
@@ -391,6 +295,13 @@ def add_arguments(parser):
     parser.add_argument("--neml2-block", metavar="POINTS",
                         help=f"neml2 suite: points per NEML2 call on a CPU in the dsched forms (default {BLOCK}; "
                              "'none': one call per chunk)")
+    parser.add_argument("--neml2-compile", metavar="MODE", nargs="?", const="default",
+                        help="neml2 suite: add compiled rows (neml2.compile with torch.compile's MODE, 'default' "
+                             "when none is given, or backend=NAME): NEML2 compiled against dsched's forms with "
+                             "compile=True")
+    parser.add_argument("--neml2-aoti", metavar="DIR",
+                        help="neml2 suite: add AOTI rows from the artifact roots DIR/<scenario> (exported there "
+                             "with neml2.export_model_for_aoti when missing: minutes per scenario)")
 
 
 def options(args) -> dict:
@@ -405,8 +316,12 @@ def options(args) -> dict:
         raise ValueError(f"--neml2-points: expected at least 2 points (two halves), got {args.neml2_points}")
     if args.neml2_repeats is not None and args.neml2_repeats < 1:
         raise ValueError(f"--neml2-repeats: expected at least 1 round, got {args.neml2_repeats}")
+    aoti = args.neml2_aoti
+    if aoti is not None and not os.path.isdir(os.path.dirname(os.path.abspath(aoti))):
+        raise ValueError(f"--neml2-aoti: the folder holding {aoti} does not exist")
     return {"quick": args.quick, "steps": args.neml2_steps, "repeats": args.neml2_repeats, "scenarios": names,
-            "benchmarks": benchmarks, "block": _block(args.neml2_block), "points": args.neml2_points}
+            "benchmarks": benchmarks, "block": _block(args.neml2_block), "points": args.neml2_points,
+            "compile": compile_options(args.neml2_compile), "aoti": aoti}
 
 
 def _block(text):

@@ -1,0 +1,135 @@
+"""The forms the NEML2 bench measures, and NEML2 itself on two workers side by side.
+
+Each form steps a :class:`~dsched.models.NEML2Model` through prescribed
+histories (time leading, NEML2's layout) the way a user would: a dispatch per
+step on NumPy or on NEML2's typed tensors, a resident :class:`dsched.Batch`
+with one update per step, or a :class:`~dsched.resident.driver.TransientDriver`
+with every step in one update. :func:`side_by_side` runs NEML2's own driver on
+each half of the points in the two workers at once: what the hardware gives
+two single-thread workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dsched.models.neml2_scenarios import run_neml2_driver
+from dsched.resident.driver import TransientDriver, neml2_feedback
+
+__all__ = ["FORMS", "FORM_TITLES", "dispatch_steps", "driver_steps", "halves", "forms", "side_by_side", "errors"]
+
+FORMS = ("numpy", "typed", "batch", "driver")
+FORM_TITLES = {"numpy": "dispatch, NumPy", "typed": "dispatch, typed", "batch": "Batch", "driver": "driver"}
+
+
+def dispatch_steps(model, histories, scheduler, client, *, typed=False):
+    """NEML2Model.dispatch once per step, the old state carried on the client as NEML2's driver carries it.
+
+    ``histories`` maps each prescribed input (``"t"``, ``"strain"``) to its
+    history ``(steps + 1, points, *base)``. Returns the last step's outputs.
+    """
+    wrap = _typed_wrappers(model) if typed else None
+    feedback = neml2_feedback(model.input_names, model.all_output_names)
+    prescribed = {name: h for name, h in histories.items() if name in model.input_names}
+    if wrap:
+        import torch
+
+        prescribed = {name: torch.from_numpy(h) for name, h in prescribed.items()}
+    before, outputs = {name: h[0] for name, h in prescribed.items()}, {}
+    steps = len(next(iter(prescribed.values()))) - 1
+    for step in range(1, steps + 1):
+        inputs = {}
+        for name in model.input_names:
+            if name in prescribed:
+                inputs[name] = prescribed[name][step]
+            else:  # the old state: an output of the step before, else an input of it, else zero (NEML2's rule)
+                source = feedback.get(name)
+                inputs[name] = outputs.get(source, before.get(source, 0.0))
+        if wrap:
+            inputs = {name: wrap[name](v) if not isinstance(v, float) and not hasattr(v, "base_shape") else v
+                      for name, v in inputs.items()}
+        outputs = model.dispatch(inputs, scheduler=scheduler, client=client)
+        before = inputs
+    return {name: _numpy(v) for name, v in outputs.items()}
+
+
+_WRAPPERS = {}  # (input, model, overrides) -> {input: NEML2 type}: read once, not in any timed run
+
+
+def _typed_wrappers(model):
+    from dsched.models.neml2 import _import_neml2
+
+    key = (str(model.input), model.model, model.overrides)
+    if key not in _WRAPPERS:
+        _WRAPPERS[key] = dict(_import_neml2().load_input(str(model.input), additional_args=list(
+            model.overrides)).get_model(model.model).input_spec)
+    return _WRAPPERS[key]
+
+
+def _numpy(value):
+    return value.data.detach().numpy() if hasattr(value, "base_shape") else np.asarray(value)
+
+
+def driver_steps(model, histories, scheduler, client, *, steps_per_update=None):
+    """A :class:`TransientDriver` over the histories; the last step's outputs."""
+    with TransientDriver(model, scheduler, client=client) as driver:
+        driver.run(histories, steps_per_update=steps_per_update)
+        return driver.get_many()
+
+
+def halves(points):
+    first = (points + 1) // 2
+    return [first, points - first]
+
+
+def forms(model, histories, scheduler, client):
+    return {
+        "numpy": lambda: dispatch_steps(model, histories, scheduler, client),
+        "typed": lambda: dispatch_steps(model, histories, scheduler, client, typed=True),
+        "batch": lambda: driver_steps(model, histories, scheduler, client, steps_per_update=1),
+        "driver": lambda: driver_steps(model, histories, scheduler, client),
+    }
+
+
+
+def side_by_side(client, scenario, points, steps, halves, **model) -> float:
+    """Seconds of NEML2's driver on each half in the two workers at once (the slower half): what the hardware
+    gives two single-thread workers side by side (shared caches and memory bandwidth), measured. ``model``:
+    :func:`~dsched.models.neml2_scenarios.run_neml2_driver`'s ``compile`` or ``artifacts``."""
+    import uuid
+
+    from dsched.devices.device import device_resource
+
+    token = uuid.uuid4().hex
+    bounds = [(0, halves[0]), (halves[0], points)]
+    futures = [client.submit(_neml2_half, scenario, points, steps, a, b, f"{token}-{i}", f"{token}-{1 - i}",
+                             model, resources={device_resource(device): 1}, pure=False)
+               for i, (device, (a, b)) in enumerate(zip(["cpu", "cuda:0"], bounds))]
+    return max(client.gather(futures))
+
+
+def _neml2_half(scenario, points, steps, start, stop, mine, other, model=None):
+    """On a worker: NEML2's driver on points ``start:stop``, started when the other half's worker is ready too."""
+    from distributed import Event
+
+    whole = scenario.histories(points, steps)
+    part = dataclasses.replace(whole, time=whole.time[:, start:stop].copy(),
+                               prescribed={k: v[:, start:stop].copy() for k, v in whole.prescribed.items()})
+    del whole
+    run_neml2_driver(scenario, part, threads=1, **(model or {}))  # this worker's first call: imports, loads, compiles
+    Event(mine).set()
+    Event(other).wait(timeout=600)
+    return run_neml2_driver(scenario, part, threads=1, **(model or {}))[1][0]
+
+
+def errors(result, halved, whole) -> dict:
+    """The largest difference from NEML2 on the same chunks (``same_chunks``: the halves, in blocks) and on the
+    whole batch, absolute and relative to the largest value of the whole batch's outputs."""
+    same = max(float(np.max(np.abs(result[k] - halved[k]), initial=0.0)) for k in result)
+    scale = max(float(np.max(np.abs(whole[k]), initial=0.0)) for k in result) or 1.0
+    full = max(float(np.max(np.abs(result[k] - whole[k]), initial=0.0)) for k in result)
+    return {"same_chunks": same, "same_chunks_relative": same / scale, "whole_batch": full,
+            "whole_batch_relative": full / scale}
+

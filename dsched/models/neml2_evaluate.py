@@ -1,0 +1,110 @@
+"""One chunk of a NEML2 model: its inputs as NEML2 takes them, evaluated block by block, the results joined.
+
+On a CPU, a chunk is evaluated in blocks of rows (:mod:`dsched.models.row_blocks`):
+equal blocks for an eager model, fixed pieces padded to a size already
+compiled for a compiled one. Per-item results are joined along the batch;
+``param_vjp`` is summed over the blocks in block order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from dsched.devices import backends
+from dsched.models.neml2_surface import ordered_sum
+from dsched.models.row_blocks import joined, padded, pieces, rows_of, spans, unpadded
+
+__all__ = ["evaluate", "as_neml2_value", "kind_of", "numpy_storage"]
+
+
+def kind_of(values) -> str:
+    """``"neml2"``, ``"torch"`` or ``"numpy"``: the kind of arrays among ``values``, which the results come back as."""
+    kinds = {backends.backend_of(v).name for v in values if backends.backend_of(v) is not None}
+    if "neml2" in kinds:
+        return "neml2"
+    return "torch" if "torch" in kinds else "numpy"
+
+
+def numpy_storage(shape, dtype):
+    """A torch tensor in memory NumPy allocated (so that dsched can place it in a chunk's output rows)."""
+    import torch
+
+    if dtype != torch.float64:
+        return torch.empty(shape, dtype=dtype)
+    return backends.TORCH.from_host(np.empty(shape), None)
+
+
+def as_neml2_value(value, variable_type, device, torch):
+    """An input as NEML2 takes it on ``device``: typed tensors kept, arrays as float64 tensors, a number in every component."""
+    backend = backends.backend_of(value)
+    if backend is None:
+        base = tuple(getattr(variable_type, "BASE_SHAPE", ()))
+        return variable_type(torch.full(base, float(value), dtype=torch.float64, device=device))
+    if backend is backends.NEML2:
+        return value if value.device == device else value.to(device)
+    if backend.name == "numpy":  # any strides torch takes: a row slice of a history is not copied
+        value = np.asarray(value)
+        value = backends.TORCH.from_host(value if min(value.strides, default=0) >= 0 else value.copy(), None)
+    elif backend.name == "cupy":
+        value = torch.as_tensor(value, device=device)  # through __cuda_array_interface__, no host copy
+    return variable_type(value if value.device == device else value.to(device))
+
+
+def _bounds(engine, rows, device, block):
+    if engine.compiled:  # fixed pieces on a CPU, the whole chunk elsewhere: padded to few sizes
+        return pieces(rows, block if device.type == "cpu" else None)
+    return spans(rows, block) if device.type == "cpu" else [(0, rows)]
+
+
+def evaluate(engine, operation, state, extra, params, *, batch, device, block, sizes, outputs, allocate=None,
+             keep_grad=False):
+    """``(values, second)`` of ``operation`` over the chunk's points, as the engine returns them for one call.
+
+    ``state`` and ``extra`` (tangents or cotangents) are NEML2 values on
+    ``device``; ``batch`` is their broadcast batch shape. ``sizes`` is the
+    :class:`~dsched.models.row_blocks.PaddedSizes` of a compiled engine.
+    ``outputs``: the outputs joined across blocks; ``allocate(shape, dtype)``
+    makes the joined storage.
+    """
+    if len(batch) != 1:
+        return engine.run(operation, state, extra, params)
+    rows = batch[0]
+    bounds = _bounds(engine, rows, device, block)
+    if len(bounds) == 1 and not engine.compiled:
+        return engine.run(operation, state, extra, params)
+    parts = []
+    for start, stop in bounds:
+        n = stop - start
+        size = sizes.size(n) if engine.compiled else n
+        # Padded rows repeat the last point (a solve that converges like it); padded cotangents and tangents are
+        # zero, so the padding adds nothing to a parameter gradient.
+        part_state = {k: padded(rows_of(v, start, stop, rows), n, size) for k, v in state.items()}
+        part_extra = {k: padded(rows_of(v, start, stop, rows), n, size, zeros=True) for k, v in extra.items()}
+        values, second = engine.run(operation, part_state, part_extra, params)
+        parts.append(_unpadded(operation, values, second, n, size))
+    if len(parts) == 1:
+        return parts[0]
+    if operation == "param_vjp":
+        return None, ordered_sum(second for _, second in parts)
+    join = functools.partial(joined, bounds=bounds, allocate=allocate, keep_grad=keep_grad)
+    values = {name: join([part_values[name] for part_values, _ in parts]) for name in outputs}
+    if operation == "values":
+        return values, None
+    if operation == "jvp":
+        return values, {name: join([second[name] for _, second in parts]) for name in outputs}
+    return values, {out: {x: join([second[out][x] for _, second in parts]) for x in parts[0][1][out]}
+                    for out in outputs}
+
+
+def _unpadded(operation, values, second, rows, size):
+    """A padded block's results cut back to its ``rows`` points."""
+    if size == rows or operation == "param_vjp":  # the padding's cotangents are zero: nothing to cut from a sum
+        return values, second
+    values = {name: unpadded(value, rows, size) for name, value in values.items()}
+    if operation == "values":
+        return values, None
+    if operation == "jvp":
+        return values, {name: unpadded(value, rows, size) for name, value in second.items()}
+    return values, {out: {x: unpadded(block, rows, size) for x, block in row.items()} for out, row in second.items()}
