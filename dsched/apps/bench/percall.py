@@ -28,8 +28,8 @@ dashboard but for the row that says so) (``cpu`` and an **emulated**
   ``ray.get``.
 
 Beside them, the overlap a future gives (:func:`overlap_with_a_future`: the
-caller's own work while a submitted call's chunks run, from one Chrome trace of
-both), and ``/dev/shm`` over many ``Batch.set`` calls of a 5.5 MiB field (each
+caller's own work while a submitted call's chunks run, from the run's report,
+written with it to one Chrome trace), and ``/dev/shm`` over many ``Batch.set`` calls of a 5.5 MiB field (each
 followed by an update that reads it), which must stay flat.
 
 Medians over many calls after a warm-up; the ratio is to the pipe round trip.
@@ -232,36 +232,39 @@ def _busy(x, seconds):
 
 
 def overlap_with_a_future(client, seconds=0.05, path=None) -> dict:
-    """A submitted call's chunks (``seconds`` of work each, one per device) and the caller's own work of as long,
-    traced to one Chrome trace (``path``, default a temporary file): how long they ran at the same time, and the
-    wall time against the same two one after the other."""
+    """A submitted call's chunks (``seconds`` of work each, one per device) and the caller's own work of as long:
+    how long they ran at the same time, and the wall time against the same two one after the other. Both are
+    written to one Chrome trace (``path``, default a temporary file): the chunks from the run's report, the
+    caller's work as a span of its own."""
     import os
     import tempfile
 
-    from dsched.observe.trace import read_trace, trace_writer
+    from dsched.observe.trace import trace_writer
 
     scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=ROWS)
     x = np.zeros((2 * ROWS, 3))
-    folder = tempfile.mkdtemp(prefix="dsched-overlap-")
-    path = path or os.path.join(folder, "overlap.trace.json")
+    path = path or os.path.join(tempfile.mkdtemp(prefix="dsched-overlap-"), "overlap.trace.json")
     # Submitted calls run on a thread of the scheduler's, whose feeds the first one starts.
     dsched.submit(_busy, x, scheduler=scheduler, client=client, seconds=seconds).result()
     start = time.perf_counter()
     dsched.submit(_busy, x, scheduler=scheduler, client=client, seconds=seconds).result()
     _busy(x, seconds)
     one_after_the_other = time.perf_counter() - start
-    with trace_writer(path) as writer:  # shared by path: the run's events and the caller's span in one file
+    with dsched.run_reports() as reports:
         start = time.perf_counter()
-        future = dsched.submit(_busy, x, scheduler=scheduler, client=client, seconds=seconds, trace_file=path)
+        future = dsched.submit(_busy, x, scheduler=scheduler, client=client, seconds=seconds)
         began = time.time()
         _busy(x, seconds)
-        writer.span("caller's own work", "solver", began, time.time(), track="caller")
+        caller = (began, time.time())
         future.result()
         overlapped = time.perf_counter() - start
-    events = read_trace(path)
-    caller = _spans(events, "caller's own work")[0]
-    tasks = _spans(events, "task")
-    together = sum(max(0.0, min(stop, caller[1]) - max(start, caller[0])) for start, stop in _union(tasks))
+    chunks = [(record.start, record.stop, str(record.device)) for record in reports[-1].records]
+    with trace_writer(path) as writer:
+        writer.span("caller's own work", "solver", *caller, track="caller")
+        for chunk_start, chunk_stop, device in chunks:
+            writer.span("task", "WorkDispatcher", chunk_start, chunk_stop, track=device)
+    together = sum(max(0.0, min(stop, caller[1]) - max(begin, caller[0]))
+                   for begin, stop in _union([(a, b) for a, b, _ in chunks]))
     return {"trace": path, "work seconds": seconds, "overlap": together / (caller[1] - caller[0]),
             "one after the other": one_after_the_other, "with submit": overlapped}
 
@@ -275,19 +278,6 @@ def _union(spans) -> list:
         else:
             merged.append((start, stop))
     return merged
-
-
-def _spans(events, name) -> list:
-    """``(start, stop)`` in microseconds of the spans called ``name`` (begin/end pairs per track, in order)."""
-    open_, spans = {}, []
-    for event in events:
-        if event.get("name") != name:
-            continue
-        if event["ph"] == "B":
-            open_[event["tid"]] = event["ts"]
-        elif event["ph"] == "E" and event["tid"] in open_:
-            spans.append((open_.pop(event["tid"]), event["ts"]))
-    return spans
 
 
 def time_dask(client, calls, warmup) -> float:
