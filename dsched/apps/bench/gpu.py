@@ -32,12 +32,12 @@ first measurements.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import numpy as np
 
 import dsched
+from dsched.apps.bench.percall import median_us
 from dsched.dataplane.loaders import MappingLoader
 from dsched.devices import backends
 from dsched.models.j2 import j2_update, loading_strain
@@ -320,14 +320,7 @@ def _noop(x):
 
 
 def _median_us(fn, calls) -> float:
-    for _ in range(max(3, calls // 10)):
-        fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return median_us(fn, calls, warmup=max(3, calls // 10))
 
 
 def measure_percall(client, quick) -> dict:

@@ -79,7 +79,8 @@ def _pipe_server(connection):
         connection.send_bytes(b"r" * 64)
 
 
-def _median_us(call, calls, warmup) -> float:
+def median_us(call, calls, warmup) -> float:
+    """Median microseconds of ``call()`` over ``calls`` calls, after ``warmup`` calls."""
     for _ in range(warmup):
         call()
     times = []
@@ -109,7 +110,7 @@ def time_pipe(calls, warmup) -> float:
             end.recv_bytes()
 
     try:
-        return _median_us(round_trip, calls, warmup)
+        return median_us(round_trip, calls, warmup)
     finally:
         for end in ends:
             end.send_bytes(b"stop")
@@ -121,19 +122,19 @@ def time_dsched(client, calls, warmup) -> dict:
     """Median microseconds per call of each dsched form, on ``client``'s two device workers."""
     scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=ROWS)
     x = np.zeros((2 * ROWS, 3))
-    out = {"dsched.dispatch": _median_us(lambda: dsched.dispatch(_echo, x, scheduler=scheduler, client=client),
+    out = {"dsched.dispatch": median_us(lambda: dsched.dispatch(_echo, x, scheduler=scheduler, client=client),
                                          calls, warmup)}
     from dsched.dataplane.loaders import MappingLoader
 
     dispatcher = dsched.WorkDispatcher(scheduler, lambda work, device: {"x": work["x"]}, join="concat",
                                        output_spec={"x": ((3,), "f8")}, client=client)
-    out["WorkDispatcher.run"] = _median_us(lambda: dispatcher.run(MappingLoader({"x": x})), calls, warmup)
+    out["WorkDispatcher.run"] = median_us(lambda: dispatcher.run(MappingLoader({"x": x})), calls, warmup)
     timeline = Timeline()
     watched = dsched.WorkDispatcher(scheduler, lambda work, device: {"x": work["x"]}, join="concat",
                                     output_spec={"x": ((3,), "f8")}, client=client, observers=[timeline])
-    _median_us(lambda: watched.run(MappingLoader({"x": x})), calls, warmup)
+    median_us(lambda: watched.run(MappingLoader({"x": x})), calls, warmup)
     out["timeline"] = timeline.medians()
-    out["dsched.submit + result"] = _median_us(
+    out["dsched.submit + result"] = median_us(
         lambda: dsched.submit(_echo, x, scheduler=scheduler, client=client).result(), calls, warmup)
     state = dsched.TrialState({"x": x})
 
@@ -141,14 +142,14 @@ def time_dsched(client, calls, warmup) -> dict:
         state.trial(_trial, x, scheduler=scheduler, client=client)
         state.commit()
 
-    out["TrialState trial + commit"] = _median_us(newton_step, calls, warmup)
+    out["TrialState trial + commit"] = median_us(newton_step, calls, warmup)
     batch = dsched.Batch({"x": x}, scheduler, client=client)
     try:
         def step():
             batch.update(_step, reads=["x"], writes=["x"])
             batch.get("x")
 
-        out["Batch update + get"] = _median_us(step, max(10, calls // 10), max(3, warmup // 10))
+        out["Batch update + get"] = median_us(step, max(10, calls // 10), max(3, warmup // 10))
     finally:
         batch.close()
     return out
@@ -288,7 +289,7 @@ def time_dask(client, calls, warmup) -> float:
         futures = [client.submit(_noop, i, workers=[w], pure=False) for i, w in enumerate(workers[:2])]
         client.gather(futures)
 
-    return _median_us(call, max(10, calls // 5), max(3, warmup // 5))
+    return median_us(call, max(10, calls // 5), max(3, warmup // 5))
 
 
 def time_ray(calls, warmup):
@@ -300,7 +301,7 @@ def time_ray(calls, warmup):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     try:
         noop = ray.remote(_noop)
-        return _median_us(lambda: ray.get([noop.remote(i) for i in range(2)]), max(10, calls // 5),
+        return median_us(lambda: ray.get([noop.remote(i) for i in range(2)]), max(10, calls // 5),
                           max(3, warmup // 5))
     finally:
         ray.shutdown()
@@ -334,7 +335,7 @@ def run_percall_benchmarks(*, quick=False, calls=None, sets=None, say=print) -> 
             Client(cluster, set_as_default=False) as client:
         scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=ROWS)
         x = np.zeros((2 * ROWS, 3))
-        rows["dsched.dispatch, dashboard on"] = _median_us(
+        rows["dsched.dispatch, dashboard on"] = median_us(
             lambda: dsched.dispatch(_echo, x, scheduler=scheduler, client=client), max(10, calls // 2), warmup)
     ray = time_ray(calls, warmup)
     if ray is not None:
