@@ -132,7 +132,10 @@ def _runner_of(scheduler) -> queue.SimpleQueue:
         if inbox is None:
             inbox = _runners[key] = queue.SimpleQueue()
             threading.Thread(target=_serve, args=(inbox,), name="dsched-submit", daemon=True).start()
-            weakref.finalize(scheduler, _stop, key)
+            try:
+                weakref.finalize(scheduler, _stop, key)  # the thread ends with its scheduler
+            except TypeError:  # a scheduler that cannot be referenced weakly keeps its thread (a daemon)
+                pass
     return inbox
 
 
