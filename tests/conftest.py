@@ -1,12 +1,19 @@
 """Shared fixtures: one emulated CPU + CUDA cluster per test module, and GPU detection."""
 
 import os
+import signal
 import tempfile
 
 import pytest
 
 # Tests must not read (or write) a user's measured profiles: plan() would follow them.
 os.environ["DSCHED_PROFILE_DIR"] = tempfile.mkdtemp(prefix="dsched-test-profiles-")
+
+
+# A test run started in the background of a non-interactive shell inherits SIGINT ignored, and so would the
+# processes the Ctrl-C tests start (they would never see their Ctrl-C): give them the terminal's default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _have_gpu() -> bool:

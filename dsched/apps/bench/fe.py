@@ -16,7 +16,8 @@ row is the best of interleaved repeats; every dsched row is checked against FElu
 ``material share`` is the part of FElupe's own solve spent in its material.
 
 The FE code is FElupe (GPL-3.0), which the dsched package does not import: the solves are those of
-``examples/fe_plasticity.py``, loaded from the checkout this package runs from. The suite is skipped,
+``examples/fe_plasticity.py``, loaded from the checkout this package runs from (or, installed, from the
+checkout in the current folder). The suite is skipped,
 with its reason, where FElupe or the example is missing. Nothing here measures a GPU.
 """
 
@@ -34,7 +35,7 @@ from dsched.apps.bench.scheduling import verdict
 
 __all__ = ["CASES", "TARGETS", "format_fe_table", "load_example", "run_fe_benchmarks", "skip_reason"]
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[3] / "examples" / "fe_plasticity.py"
+EXAMPLE = pathlib.PurePath("examples", "fe_plasticity.py")
 #: case name -> (example case, cells per edge, quick cells per edge, J2 layers)
 CASES = {"J2 plate": ("plate", 100, 20, 1), "16 J2 layers": ("plate", 40, 12, 16)}
 #: case name -> the ratio to FElupe alone that the best dsched row should reach
@@ -42,8 +43,17 @@ TARGETS = {"J2 plate": 1.0, "16 J2 layers": 1.5}
 FORMS = ("FElupe alone", "through dsched", "through dsched, one call")
 
 
-def skip_reason(example=EXAMPLE):
+def find_example() -> pathlib.Path:
+    """``examples/fe_plasticity.py`` of the checkout this package runs from (an editable install), else of the
+    checkout in the current folder (an installed package run from its checkout)."""
+    beside = pathlib.Path(__file__).resolve().parents[3] / EXAMPLE
+    here = pathlib.Path.cwd() / EXAMPLE
+    return here if here.is_file() and not beside.is_file() else beside
+
+
+def skip_reason(example=None):
     """Why the suite cannot run here (FElupe or the example missing), or ``None``."""
+    example = example or find_example()
     if importlib.util.find_spec("felupe") is None:
         return "felupe is not installed (pip install 'dsched[fe]')"
     if not pathlib.Path(example).is_file():
@@ -51,10 +61,11 @@ def skip_reason(example=EXAMPLE):
     return None
 
 
-def load_example(path=EXAMPLE):
+def load_example(path=None):
     """``examples/fe_plasticity.py`` as a module, pickled by value (worker processes cannot import it by name)."""
     import cloudpickle
 
+    path = path or find_example()
     name = "dsched_fe_example"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
