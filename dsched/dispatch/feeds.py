@@ -76,6 +76,7 @@ from dsched.devices.ownership import device_owners
 from dsched.dispatch.completion import ask_worker, notify_when_done, until_done, watch_worker
 from dsched.dispatch.lanes import FastLanes, lanes_enabled, open_lane
 from dsched.dispatch.parking import (
+    ANSWER_WAIT,
     _is_gone,
     _new_feed_id,
     _park,
@@ -100,7 +101,6 @@ MAX_BATCH = 64  # chunks in one message at most, where the backlog is deep (``ds
 BATCH_SECONDS = 0.002  # a message's chunks run this long at most: their outcomes wait for the last one
 LINGER = 2.0  # seconds a feed waits, parked, for the same client's next run on that thread (``dsched.feed-linger``)
 PARK_DELAY = 0.25  # seconds before a lane's feed is told it is parked, if no run took it (``dsched.feed-park-delay``)
-_ANSWER_WAIT = 5.0  # seconds a worker has to answer a stop or park (a frozen worker never does)
 _END_WAIT = 10.0  # with the dashboard, seconds a run's end waits for its stopped feeds' tasks to end
 
 
@@ -532,7 +532,7 @@ class Feeds(FastLanes):
             now = [m for f, m in zip(parked, messages) if f.lane is None]
             later = [(f, m) for f, m in zip(parked, messages) if f.lane is not None]
             if now:
-                self.client.loop.add_callback(self._send_park, now, self._linger)
+                self.client.loop.add_callback(send_parks, self.client, now, self._linger)
             if later:  # told only if no run takes them meanwhile (the usual case of a solver's loop)
                 delay = float(dask.config.get("dsched.feed-park-delay", PARK_DELAY))
                 tell_parked_later(self.client, later, self._linger, delay)
@@ -557,15 +557,12 @@ class Feeds(FastLanes):
         self.program, self._by_key = None, {}
         return feeds
 
-    async def _send_park(self, messages, linger):
-        await send_parks(self.client, messages, linger)
-
     async def _stop(self, feeds, release=True):
         async def stop(feed):
             if not feed.lost and not feed.stopped:
                 feed.stopped = True
                 try:
-                    await self._ask(feed.address, STOP_OP, _ANSWER_WAIT, feed=feed.id)
+                    await self._ask(feed.address, STOP_OP, ANSWER_WAIT, feed=feed.id)
                 except Exception as err:  # noqa: BLE001  its worker is gone, and the feed with it
                     _worker_left(self.client, feed.address, err)
             if feed.lane is not None:  # a stopped feed is never taken again

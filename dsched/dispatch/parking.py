@@ -24,7 +24,7 @@ from dsched.worker.feed import PARK_OP, FeedPlugin
 
 __all__ = ["release_parked", "register_plugin"]
 
-_ANSWER_WAIT = 5.0  # seconds a worker has to answer a park (a frozen worker never does)
+ANSWER_WAIT = 5.0  # seconds a worker has to answer a stop or park (a frozen worker never does)
 PARK_CHECK = 0.05  # seconds between the event loop's looks at the parks waiting to be told
 _REUSE_MARGIN = 0.5  # a parked feed is reused only this long before its worker would end it
 _GONE_FOR = 30.0  # seconds a worker that failed a feed's message is avoided (a restarted one has a new address)
@@ -105,7 +105,7 @@ async def send_parks(client, messages, linger):
     """Tell feeds ``(address, feed id, epoch)`` that they are parked, over Dask's comms (on the event loop)."""
     async def park(address, feed_id, epoch):
         try:
-            await ask_worker(client, address, PARK_OP, _ANSWER_WAIT, functools.partial(_is_gone, address),
+            await ask_worker(client, address, PARK_OP, ANSWER_WAIT, functools.partial(_is_gone, address),
                              feed=feed_id, linger=linger, epoch=epoch)
         except Exception as err:  # noqa: BLE001  its worker is gone: its parked feeds with it
             _worker_left(client, address, err)
