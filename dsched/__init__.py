@@ -21,7 +21,7 @@ from dsched.dataplane.store import shared_copy, shared_empty
 from dsched.devices import Device, array_module, current_device, torch_device, visible_gpus
 from dsched.devices.per_thread import PerThread
 from dsched.dispatch import DispatchFuture, WorkDispatcher, dispatch, submit
-from dsched.dispatch.reduce import concat_reduce, derivative_reduce
+from dsched.dataplane.reduce import concat_reduce, derivative_reduce
 from dsched.errors import AggregateError, ChunkTimeoutError, DispatchError, RecoverableError
 from dsched.observe.collect import RunReports, run_reports
 from dsched.models.fe_material import FEMaterial

@@ -19,7 +19,7 @@ from distributed import Client
 import dsched
 from dsched.dispatch import front
 from dsched.dispatch.feeds import Feeds
-from dsched.dispatch.lanes import FastLanes
+from dsched.dispatch.lanes import Lane
 from dsched.worker import lane as wire
 
 
@@ -47,19 +47,20 @@ def sent(monkeypatch):
     """Chunks sent per path: ``lane`` (the fast lane) and ``comms`` (Dask's comms), and each lane message's
     rearm."""
     seen = {"lane": 0, "comms": 0, "rearms": []}
-    lane_send, comms_send = FastLanes._send_lane, Feeds._call_all
+    lane_send, comms_send = Lane.send, Feeds._call_all
 
-    def on_lane(self, feed, items):
-        seen["lane"] += len(items)
-        if feed.rearm:
-            seen["rearms"].append(self.program if feed.program_id != self.program.dispatcher_id else None)
-        return lane_send(self, feed, items)
+    def on_lane(self, message):  # a full run's and a steady run's messages alike (dsched.dispatch.steady)
+        if message[0] == wire.CHUNKS:
+            seen["lane"] += len(message[2])
+            if message[1] is not None:
+                seen["rearms"].append(message[1][0])  # the program, or None where the feed holds it
+        return lane_send(self, message)
 
     def on_comms(self, calls):
         seen["comms"] += len(calls)
         return comms_send(self, calls)
 
-    monkeypatch.setattr(FastLanes, "_send_lane", on_lane)
+    monkeypatch.setattr(Lane, "send", on_lane)
     monkeypatch.setattr(Feeds, "_call_all", on_comms)
     return seen
 

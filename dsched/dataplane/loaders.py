@@ -13,7 +13,7 @@ import numpy as np
 from dsched.dataplane.sources import as_streamed
 from dsched.devices.backends import UnsupportedArrayError, backend_of, batch_shape, take
 
-__all__ = ["uncovered", "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader"]
+__all__ = ["uncovered", "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader", "items_signature"]
 
 
 class WorkGenerator(ABC):
@@ -261,3 +261,15 @@ def uncovered(ranges, done):
         if position < stop:
             left.append((position, stop))
     return left
+
+
+def items_signature(mapping, axes) -> tuple:
+    """What the layout of a result depends on: each input's type, batch axis, its shape but for the batch's length
+    (only whether it is 1, broadcast) and its dtype."""
+    out = []
+    for key, value in mapping.items():
+        shape, axis = tuple(batch_shape(value)), axes.get(key)
+        items = shape[axis] if axis is not None and -len(shape) <= axis < len(shape) else None
+        shape = shape[:axis % len(shape)] + shape[axis % len(shape) + 1:] if items is not None else shape
+        out.append((key, type(value), axis, shape, items == 1, str(getattr(value, "dtype", None))))
+    return tuple(out)

@@ -158,6 +158,10 @@ class RunData:
         return self.axis is not None and self.targets is not None and device not in self.remote and all(
             isinstance(t, (ZarrTarget, ArrayRef)) or t is BY_VALUE for t in self.targets)
 
+    def writes_in_place_everywhere(self) -> bool:
+        """Whether every output is written in place in shared memory (none travels back, none goes to Zarr)."""
+        return self.targets is not None and all(isinstance(t, ArrayRef) and t.shared for t in self.targets)
+
     def slot(self, device, start, stop, index):
         """The chunk's :class:`OutputSlot` when its worker can write in place; ``None`` to return the result."""
         if not self.writes_in_place(device):

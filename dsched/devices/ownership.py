@@ -88,6 +88,12 @@ def _serves(client, scheduler, workers) -> bool:
     return all(capacities.get(placement_device(s.device), 0) >= s.batch_size for s in scheduler.status())
 
 
+def cluster_generation(client):
+    """An object that stays the same until ``client``'s cluster answer is forgotten (:func:`forget_cluster_info`:
+    a worker left, or a run failed): what a run may keep of the cluster holds while it is."""
+    return client.__dict__.setdefault(_GENERATION, object())
+
+
 def forget_cluster_info(client) -> None:
     """The next run asks the scheduler again (a worker left, or a run failed)."""
     client.__dict__[_GENERATION] = object()

@@ -30,6 +30,7 @@ from dsched.devices.device import Device
 from dsched.devices.ownership import device_owners, forget_cluster_info, recent_cluster_info, wait_for_devices
 from dsched.dispatch.async_run import AsyncRun
 from dsched.dispatch.completion import current_cancellation
+from dsched.dispatch.steady import SteadyPath, SteadyRun
 from dsched.errors import AggregateError, ChunkTimeoutError
 from dsched.observe.collect import open_collectors
 from dsched.observe.dashboard.client import RunTotal
@@ -183,6 +184,7 @@ class WorkDispatcher:
         self._initialised_sync = set()
         self.last_run: RunReport | None = None
         self._last_generator = None  # for run_failed
+        self._steady = None  # what the last run left for the next one's short way (dsched.dispatch.steady)
 
     @staticmethod
     def _check_join(join, reduce, axis, out, output_spec):
@@ -242,7 +244,7 @@ class WorkDispatcher:
         total = _items(generator)
         self.last_run = report = RunReport(self.mode, wall_start=time.time())
         observers = self._run_observers()
-        data, ended, client = None, False, None
+        data, ended, client, undone = None, False, None, []
         try:
             if self.mode == "sync":
                 data = self._open_data(generator, out)
@@ -250,22 +252,31 @@ class WorkDispatcher:
                 self._run_sync(data, report, observers)
             else:
                 client = self.client
-                cluster = recent_cluster_info(client, self.scheduler)  # read once: it answers every question below
-                # A device whose worker is restarting is waited for (dsched.lost-device-timeout), not refused.
-                cluster = wait_for_devices(client, self.scheduler, cluster)
-                if hasattr(self.scheduler, "bind"):  # a policy that learns per host binds to the cluster
-                    self.scheduler.bind(client)
-                data = self._open_data(generator, out, client, cluster["workers"])
-                self._run_async(client, data, report, cluster, observers)
+                steady = self._steady if self._steady is not None and self._steady.holds(client, generator) else None
+                feeds = steady.take_feeds() if steady is not None else None
+                if feeds is not None:  # like the last run, which went over fast lanes alone: its feeds again
+                    data = self._open_data(generator, out, client, owners=steady.owners, layout=steady.layout)
+                    undone = self._run_steady(client, data, report, feeds, observers)
+                else:
+                    self._steady = None
+                    cluster = recent_cluster_info(client, self.scheduler)  # read once: it answers every question
+                    # A device whose worker is restarting is waited for (dsched.lost-device-timeout), not refused.
+                    cluster = wait_for_devices(client, self.scheduler, cluster)
+                    if hasattr(self.scheduler, "bind"):  # a policy that learns per host binds to the cluster
+                        self.scheduler.bind(client)
+                    data = self._open_data(generator, out, client, cluster["workers"])
+                    self._run_async(client, data, report, cluster, observers)
             ended = True
         finally:
             report.wall_stop = time.time()
-            clean = ended and all(r.error is None for r in report.records)
+            clean = ended and not undone and all(r.error is None for r in report.records)
             if data is not None:
                 self._close_data(data, report, clean=clean)
             if client is not None and not clean:  # a worker may have left: the next run asks the scheduler
                 forget_cluster_info(client)
             observers.run_finished(report)  # even after a failure, so a trace file stays balanced
+        if undone and not any(r.error is not None for r in report.records):
+            return self._run_again(generator, undone, report.output)
         return self._result(report, total)
 
     @staticmethod
@@ -352,12 +363,14 @@ class WorkDispatcher:
         finally:
             self.out = saved
 
-    def _open_data(self, generator, out, client=None, workers=None):
+    def _open_data(self, generator, out, client=None, workers=None, owners=None, layout=None):
         """The run's data plane: inputs by reference (async), outputs in place (``join="concat"``)."""
-        owners = None if client is None else device_owners(client, self.scheduler.devices, workers)
+        if owners is None and client is not None:
+            owners = device_owners(client, self.scheduler.devices, workers)
         sizes = [s.batch_size for s in self.scheduler.status()]
         return RunData(generator, client=client, owners=owners, concat_axis=None if self.join is None else self.axis,
-                       layout=self._layout, out=out, chunk_items=zarr_chunk_items(sizes), probe=self._layout_probe)
+                       layout=self._layout or layout, out=out, chunk_items=zarr_chunk_items(sizes),
+                       probe=self._layout_probe)
 
     def _next_chunk(self, generator, observers):
         """``(device, m, work, offset)`` for the policy's next chunk, or ``None`` when it has no room."""
@@ -444,6 +457,38 @@ class WorkDispatcher:
             raise
         finally:
             run.close()
+        if self.join is not None and not any(r.error is not None for r in report.records):
+            self._steady = SteadyPath.after(run, data, self._last_generator, cluster, self.timeout)  # the next run's short way, if it has one
+
+    def _run_steady(self, client, data, report, feeds, observers) -> list:
+        """A run on the steady path (:mod:`dsched.dispatch.steady`); the ranges of the chunks it could not run."""
+        self._begin(data.generator, observers, client=client)
+        run = SteadyRun(client, data, report, feeds, scheduler=self.scheduler, program=self._program,
+                        next_chunk=lambda: self._next_chunk(data.generator, observers), observers=observers)
+        try:
+            run.loop()
+        except BaseException:
+            run.abandon()
+            self._steady = None
+            raise
+        finally:
+            run.close()
+        if not run.undone:
+            return []
+        # A lane lost: the full run (which looks at the cluster again) takes its chunks and what was not scheduled.
+        self._steady = None
+        generator = data.generator
+        left = [(generator.offset, generator.total)] if generator.has_more() else []
+        return sorted((r.offset, r.offset + r.size) for r in run.undone) + left
+
+    def _run_again(self, generator, ranges, output):
+        """The rows of ``ranges`` that the steady path could not run, through the full run, into ``output``."""
+        saved = self.out
+        self.out = output
+        try:
+            return self.run(Ranges(generator, ranges), _overwrite_out=True)
+        finally:
+            self.out = saved
 
 
 def _items(generator) -> int:

@@ -205,6 +205,7 @@ class Feeds(FastLanes):
         self._by_key = {}  # task key -> feed, for the tasks not yet ended
         self._fast_lane = lanes_enabled()
         self._chunk_events = []  # the dashboard's events of lane chunks not yet sent (FastLanes.flush_events)
+        self._over_comms = False  # a chunk went over Dask's comms (FastLanes.lanes_only)
         # A feed's task ending (the dispatcher's thread) and its renewal (the event loop) swap its task.
         self._tasks_lock = threading.Lock()
         register_plugin(client, cluster.get("id"))
@@ -247,6 +248,7 @@ class Feeds(FastLanes):
         for feed, items in by_lane.items():
             self._send_lane(feed, items)
         if calls:
+            self._over_comms = True
             self.client.loop.add_callback(self._call_all, calls)
         return tickets
 
@@ -484,6 +486,7 @@ class Feeds(FastLanes):
         elif new.lane is not None:
             self._send_lane(new, [call[1:] for call in moved])
         else:
+            self._over_comms = True
             self.client.loop.add_callback(self._call_all, moved)
 
     def _rearming(self, feed) -> dict:
@@ -491,13 +494,9 @@ class Feeds(FastLanes):
         return {"rearm": ToPickle((self.program, feed.epoch))} if feed.rearm else {}
 
     def _submit(self, feed, key):
-        feed.program_id = self.program.dispatcher_id
-        feed.future = self.client.submit(run_feed, self.program, feed.device, feed.id, key=key,
-                                         workers=[feed.address], allow_other_workers=False,
-                                         resources={device_resource(feed.device): feed.holds}, pure=False)
         self._by_key[key] = feed
         feed.owner = self
-        notify_when_done(self.client, [feed.future], feed.task_ended)
+        submit_feed(self.client, self.program, feed, key)
 
     def ended(self, future):
         """A feed's task ended: one that retired (gave its thread to others) gets a successor on its inbox."""
@@ -577,6 +576,16 @@ class Feeds(FastLanes):
         ends the wait for it, and no wait is longer than :data:`_END_WAIT`."""
         await self._stop(feeds, release=False)
         await until_done([f.future for f in feeds if not f.lost], _END_WAIT)
+
+
+def submit_feed(client, program, feed, key):
+    """Start ``feed``'s task ``key`` with ``program`` (its first, or a successor on its inbox after it retired),
+    pinned to its worker and holding its share of the device; its end is told to the feed's owner."""
+    feed.program_id = program.dispatcher_id
+    feed.future = client.submit(run_feed, program, feed.device, feed.id, key=key, workers=[feed.address],
+                                allow_other_workers=False, resources={device_resource(feed.device): feed.holds},
+                                pure=False)
+    notify_when_done(client, [feed.future], feed.task_ended)
 
 
 def _lost_outcome(feed, ticket, index) -> FeedOutcome:

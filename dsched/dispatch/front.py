@@ -30,7 +30,7 @@ from dsched.dispatch.arguments import (ArgsLayout, argument_name, check_keywords
                                        out_axis_of)
 from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.dispatch.reuse import RecentCalls
-from dsched.dispatch.reduce import concat_reduce
+from dsched.dataplane.reduce import concat_reduce
 from dsched.errors import as_recoverable
 
 __all__ = ["dispatch"]

@@ -158,6 +158,11 @@ class FastLanes:
         """Whether ``device``'s feeds (started) have a lane: its chunks go out one by one as they are scheduled."""
         return any(f.lane is not None and not f.lost for f in self._feeds.get(device, ()))
 
+    def lanes_only(self) -> bool:
+        """Whether every chunk of the run went over a fast lane, and every feed of the run still has one."""
+        feeds = [f for fs in self._feeds.values() for f in fs]
+        return bool(feeds) and not self._over_comms and all(f.lane is not None and not f.lost for f in feeds)
+
     def waiting_lanes(self) -> dict:
         """``{connection: feed}`` of the lanes with chunks not yet answered: the run's loop waits on them."""
         return {f.lane.connection: f for fs in self._feeds.values() for f in fs

@@ -24,7 +24,7 @@ import copy
 import threading
 import weakref
 
-from dsched.devices import backends
+from dsched.dataplane.loaders import items_signature
 from dsched.dispatch.dispatcher import WorkDispatcher
 
 __all__ = ["RecentCalls", "MAX_KEPT"]
@@ -69,7 +69,7 @@ class _Recent:
         """Run the call of ``fn`` on the kept dispatcher; the joined result."""
         dispatcher = self.dispatcher
         self.call.fn = fn
-        signature = _signature(layout.mapping, layout.axes)
+        signature = items_signature(layout.mapping, layout.axes)
         known = self.layouts.get(signature)
         dispatcher.out, dispatcher.overwrite = out, bool(overwrite)
         dispatcher._layout = known
@@ -88,18 +88,6 @@ class _Recent:
             return found
 
         return learn
-
-
-def _signature(mapping, axes) -> tuple:
-    """What the layout of a result depends on: each input's type, batch axis, its shape but for the batch's length
-    (only whether it is 1, broadcast) and its dtype."""
-    out = []
-    for key, value in mapping.items():
-        shape, axis = tuple(backends.batch_shape(value)), axes.get(key)
-        items = shape[axis] if axis is not None and -len(shape) <= axis < len(shape) else None
-        shape = shape[:axis % len(shape)] + shape[axis % len(shape) + 1:] if items is not None else shape
-        out.append((key, type(value), axis, shape, items == 1, str(getattr(value, "dtype", None))))
-    return tuple(out)
 
 
 class RecentCalls:

@@ -1,0 +1,340 @@
+"""The steady path: a dispatcher's next run, when its last one went over fast lanes alone.
+
+A solver calls the same function on arrays of the same shapes at every Newton
+iteration (:mod:`dsched.dispatch.reuse` keeps the dispatcher). Once a run of a
+dispatcher ended cleanly with every chunk sent over a fast lane
+(:mod:`dsched.dispatch.lanes`), the dispatcher keeps a :class:`SteadyPath`:
+which parked feeds served which device, and the cluster's identity. Its next
+run takes those feeds back from the parked ones and runs the policy's loop
+(:class:`SteadyRun`) straight on their lanes: no look at the cluster, no
+per-run transport objects, no task sender, no ticks. One call then costs the
+policy's loop, one message per chunk each way, and the data plane's copies.
+
+Whatever is out of the ordinary leaves the steady path:
+
+- before the run: a cluster whose identity changed (a worker left, a run
+  failed), a dashboard registered since, a feed no longer parked (it ended,
+  or another run took it): the full run
+  (:class:`~dsched.dispatch.async_run.AsyncRun`), and the path is dropped;
+- during the run: a chunk whose lane broke, whose worker left, or whose
+  parked feed had ended unnoticed, is not run here; once the others are in,
+  the dispatcher runs those chunks' rows again through the full run, into the
+  same outputs (``WorkDispatcher._run_again``).
+
+A failed chunk is a failed chunk, as on the full path (its rows NaN, the
+others' results kept, the error raised); Ctrl-C and a submitted call's
+``cancel()`` cancel the run's feeds and give their loads back.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import select
+import time
+
+import dask
+
+from dsched.dataplane.loaders import ArrayLoader, MappingLoader, items_signature
+from dsched.devices.ownership import cluster_generation, has_dashboard
+from dsched.dispatch.completion import current_cancellation
+from dsched.dispatch.feeds import LINGER, PARK_DELAY, FeedTicket, submit_feed
+from dsched.dispatch.lanes import WINDOW
+from dsched.dispatch.parking import _park, _running, _state, _take_parked, tell_parked_later
+from dsched.names import is_feed_key
+from dsched.observe.report import ChunkRecord
+from dsched.worker import lane as wire
+from dsched.worker.lane import Bell
+
+__all__ = ["SteadyPath", "SteadyRun"]
+
+_LOST = "lost"  # a mailbox notice: a worker left (:meth:`SteadyRun.lose_worker`)
+
+
+class SteadyPath:
+    """What a clean run over fast lanes left for the next run of its dispatcher.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    cluster : dict
+        The cluster's identity as that run saw it (:func:`~dsched.devices.ownership.cluster_info`).
+    owners : dict
+        ``{Device: [address]}`` of the run's devices.
+    feeds : dict
+        ``{Device: [(address, items held)]}``: the feeds that served each device, parked now.
+    """
+
+    def __init__(self, client, cluster, owners, feeds, layout, signature):
+        self.client, self.cluster, self.owners, self.feeds = client, cluster, owners, feeds
+        self.layout, self.signature = layout, signature
+        self.generation = cluster_generation(client)
+
+    @classmethod
+    def after(cls, run, data, generator, cluster, timeout):
+        """The path a clean run leaves, or ``None`` if its next run must be a full one: a chunk went as a task
+        or over Dask's comms, the outputs are not all written in place in shared memory, feeds are not parked
+        between runs, or the run has a timeout or a dashboard to tell."""
+        feeds = run.feeds
+        if feeds is None or timeout is not None or cluster.get("dsched-dashboard") or data.remote:
+            return None
+        if float(dask.config.get("dsched.feed-linger", LINGER)) <= 0:
+            return None
+        if not data.store.shared or not data.writes_in_place_everywhere():
+            return None
+        signature = inputs_signature(generator)
+        if signature is None or not feeds.lanes_only() or not all(isinstance(f, FeedTicket) for f in run.futures):
+            return None
+        served = {device: [(f.address, f.holds) for f in fs] for device, fs in feeds._feeds.items() if fs}
+        return cls(run.client, cluster, data.owners, served, data.layout, signature)
+
+    def holds(self, client, generator) -> bool:
+        """Whether the next run may take the path: the same client, running, on a cluster nothing changed, over
+        inputs of the same layout (so the results keep theirs)."""
+        return (client is self.client and getattr(client, "status", None) == "running"
+                and cluster_generation(client) is self.generation and not has_dashboard(client)
+                and inputs_signature(generator) == self.signature)
+
+    def take_feeds(self):
+        """``{Device: [feed]}``, the parked feeds this path names, taken for a run; ``None`` (and nothing
+        taken) if one of them is no longer parked with its lane."""
+        taken, by_device = [], {}
+        for device, keys in self.feeds.items():
+            for address, holds in keys:
+                feed = _take_parked(self.client, address, device, holds)
+                if feed is not None:
+                    taken.append(feed)
+                if feed is None or feed.lane is None or feed.lost:
+                    _repark(self.client, taken)
+                    return None
+                by_device.setdefault(device, []).append(feed)
+        return by_device
+
+
+class SteadyRun:
+    """One run on the steady path: the policy's loop over the lanes of feeds taken from the parked ones.
+
+    Parameters
+    ----------
+    client, data, report
+        The run's Dask client, data plane (:class:`~dsched.dataplane.rundata.RunData`) and report being filled.
+    feeds : dict
+        ``{Device: [feed]}`` from :meth:`SteadyPath.take_feeds`.
+    scheduler, program, next_chunk, observers
+        As for :class:`~dsched.dispatch.async_run.AsyncRun`: ``next_chunk()`` gives the policy's next
+        ``(device, m, work, offset)``.
+    """
+
+    def __init__(self, client, data, report, feeds, *, scheduler, program, next_chunk, observers):
+        self.client, self.data, self.report, self.feeds = client, data, report, feeds
+        self.scheduler, self.program, self.next_chunk, self.observers = scheduler, program, next_chunk, observers
+        self.observe = getattr(scheduler, "observe", None)  # a policy that learns from chunk timings
+        self.in_flight = {}  # record index -> (record, feed), sent and not yet answered
+        self.undone = []  # records of chunks not run here: the full run takes their rows
+        self.failed = False
+        self.notices = queue.SimpleQueue()  # from the event loop: feed tasks that ended, workers that left
+        self.bell = _bell()
+        self.poller = select.poll()
+        self.poller.register(self.bell.waitable, select.POLLIN)
+        self.by_fd = {}  # lane file descriptor -> feed
+        for fs in feeds.values():
+            for feed in fs:
+                feed.sent, feed.backlog, feed.owner, feed.rearm = 0, collections.deque(), self, True
+                fd = feed.lane.connection.fileno()
+                self.by_fd[fd] = feed
+                self.poller.register(fd, select.POLLIN)
+        with _state.parked_lock:
+            _running(client).add(self)  # told when a worker leaves (lose_worker)
+        self.cancellation = current_cancellation()
+        if self.cancellation is not None:
+            self.cancellation.bind(self.bell.ring)
+
+    # --- the loop -----------------------------------------------------------
+
+    def loop(self):
+        """Schedule while the policy has room, send each chunk on its lane at once, account for each reply."""
+        generator = self.data.generator
+        while True:
+            while not (self.failed or self.undone) and generator.has_more():  # a lost lane: the full run goes on
+                chunk = self.next_chunk()
+                if chunk is None:
+                    break
+                self._send(*chunk)
+            if not self.in_flight:
+                if not (self.failed or self.undone) and generator.has_more():
+                    raise RuntimeError(
+                        f"{self.scheduler!r} has no room for the next chunk and this run has none in flight; "
+                        "a scheduler cannot be shared by dispatchers running at the same time")
+                return
+            self._wait()
+
+    def _send(self, device, m, work, offset):
+        start = time.time()
+        self.scheduler.dispatched_work(device, m)
+        if self.observers:
+            self.observers.work_dispatched(device, m, start, time.time())
+        record = ChunkRecord(len(self.report.records), device, m, offset=offset)
+        self.report.records.append(record)
+        self.report.results.append(None)
+        feed = min(self.feeds[device], key=lambda f: (f.lane is None, f.sent))
+        feed.sent += 1
+        self.in_flight[record.index] = (record, feed)
+        feed.backlog.append((record.index, work, self.data.slot(device, offset, offset + m, record.index)))
+        if feed.lane is None:  # every feed of the device is lost: left to the full run with the others
+            self._lane_ended(feed, lost=True)
+        self._pump(feed)
+
+    def _pump(self, feed):
+        """Write what waits for ``feed``'s lane, in one message, while fewer than :data:`WINDOW` chunks are
+        unanswered on it (neither side may fill the socket and block the other)."""
+        room = WINDOW - (feed.sent - len(feed.backlog))
+        if feed.lane is None or room <= 0 or not feed.backlog:
+            return
+        chunks = [feed.backlog.popleft() for _ in range(min(room, len(feed.backlog)))]
+        rearm = None
+        if feed.rearm:  # its first message of the run takes it on, with the run's program if it holds another
+            program = self.program if feed.program_id != self.program.dispatcher_id else None
+            rearm, feed.rearm, feed.program_id = (program, feed.epoch), False, self.program.dispatcher_id
+        if not feed.lane.send((wire.CHUNKS, rearm, chunks)):
+            self._lane_ended(feed)
+
+    def _wait(self):
+        """Wait for replies (or a notice), and account for what came."""
+        for fd, _ in self.poller.poll():
+            if fd == self.bell.waitable.fileno():
+                self.bell.clear()
+                if self.cancellation is not None:
+                    self.cancellation.check()
+                continue
+            feed = self.by_fd.get(fd)
+            if feed is not None and feed.lane is not None:
+                self._receive(feed)
+        while not self.notices.empty():
+            self._notice(self.notices.get())
+
+    def _receive(self, feed):
+        try:
+            message = feed.lane.receive()
+        except (EOFError, OSError):
+            message = (wire.ENDED,)
+        if message[0] != wire.DONE:  # its lane ended, or its parked feed had ended before the run took it
+            self._lane_ended(feed)
+            return
+        _, index, ok, value, start, stop = message
+        entry = self.in_flight.pop(index, None)
+        if entry is None:
+            return
+        record = entry[0]
+        feed.sent -= 1
+        self.scheduler.completed_work(record.device, record.size)
+        record.start, record.stop, record.worker = start, stop, feed.address
+        if not ok:
+            record.error, self.failed = value, True
+            self.data.failed(record)
+        elif self.observe is not None and stop > start:
+            self.observe(record.device, record.size, stop - start)
+        self.observers.chunk_completed(record)
+        self._pump(feed)
+
+    # --- what is out of the ordinary ------------------------------------------
+
+    def put(self, item):
+        """A notice from the event loop (a feed's task ended): handled on the run's thread."""
+        self.notices.put(item)
+        self.bell.ring()
+
+    def lose_worker(self, address, error):
+        """The worker at ``address`` left (on the event loop): its feeds' chunks are not run here."""
+        self.put((_LOST, address))
+
+    def _notice(self, notice):
+        if isinstance(notice, tuple) and notice[0] == _LOST:
+            for feed in [f for fs in self.feeds.values() for f in fs if f.address == notice[1]]:
+                self._lane_ended(feed)
+            return
+        feed = next((f for fs in self.feeds.values() for f in fs if f.future is notice), None)
+        if feed is not None and feed.lane is not None and is_feed_key(str(notice.key)):
+            if notice.status == "finished":  # it retired: others wait for its worker; a successor queues
+                feed.tasks += 1
+                submit_feed(self.client, self.program, feed, f"{feed.id}-{feed.tasks}")
+            else:  # cancelled or failed: nothing runs its chunks
+                self._lane_ended(feed)
+
+    def _lane_ended(self, feed, lost=False):
+        """``feed``'s lane ended (or had, if ``lost``): its chunks not answered are left to the full run, and the
+        feed is let go."""
+        if feed.lane is None and not lost:
+            return
+        if feed.lane is not None:
+            self.poller.unregister(feed.lane.connection.fileno())
+            feed.lost, feed.error = True, ConnectionError(f"feed {feed.id} on {feed.address} ended during the run")
+            feed.let_go()
+        feed.lane, feed.backlog = None, collections.deque()
+        for index, (record, owner) in list(self.in_flight.items()):
+            if owner is feed:
+                del self.in_flight[index]
+                self.scheduler.completed_work(record.device, record.size)
+                self.undone.append(record)
+
+    # --- the end ------------------------------------------------------------
+
+    def abandon(self):
+        """Interrupted: cancel the feeds (their queued chunks are refused) and give the loads back."""
+        feeds = [f for fs in self.feeds.values() for f in fs if f.lane is not None]
+        if feeds:
+            self.client.cancel([f.future for f in feeds])
+        for feed in feeds:
+            feed.lost = True
+            feed.let_go()
+            feed.lane = None
+        for record, _ in self.in_flight.values():
+            self.scheduler.completed_work(record.device, record.size)
+        self.in_flight.clear()
+
+    def close(self):
+        """Park the feeds for the next run, and drop from the report the chunks not run here."""
+        if self.cancellation is not None:
+            self.cancellation.bind(None)
+        with _state.parked_lock:
+            _running(self.client).discard(self)
+        _repark(self.client, [f for fs in self.feeds.values() for f in fs if f.lane is not None])
+        _idle_bells.append(self.bell)
+        if self.undone:
+            lost = {r.index for r in self.undone}
+            kept = [(r, v) for r, v in zip(self.report.records, self.report.results) if r.index not in lost]
+            self.report.records[:] = [r for r, _ in kept]
+            self.report.results[:] = [v for _, v in kept]
+
+
+def inputs_signature(generator):
+    """What the layout of a run's results depends on, for array and mapping loaders (each input's type, batch
+    axis, item shape and dtype); ``None`` for any other generator, whose runs take the full way."""
+    if isinstance(generator, ArrayLoader):
+        return items_signature({None: generator.array}, {None: generator.axis})
+    if isinstance(generator, MappingLoader):
+        return items_signature(generator.mapping, generator.axes)
+    return None
+
+
+def _repark(client, feeds):
+    """Park ``feeds`` again for the client's next run; their workers are told only if no run takes them first."""
+    if not feeds:
+        return
+    for feed in feeds:
+        feed.owner = None
+    linger = float(dask.config.get("dsched.feed-linger", LINGER))
+    messages = _park(client, feeds, linger)
+    delay = float(dask.config.get("dsched.feed-park-delay", PARK_DELAY))
+    tell_parked_later(client, list(zip(feeds, messages)), linger, delay)
+
+
+_idle_bells = []  # bells of ended steady runs, for the next (a socket pair costs a few system calls)
+
+
+def _bell() -> Bell:
+    try:
+        bell = _idle_bells.pop()
+    except IndexError:
+        return Bell()
+    bell.clear()
+    return bell
