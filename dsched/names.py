@@ -14,7 +14,7 @@ __all__ = [
     "DASHBOARD_PLUGIN", "PLACEMENT_PLUGIN", "DEVICE_WORKER_PLUGIN", "FEED_WORKER_PLUGIN", "WORKER_METRICS_PLUGIN",
     "CHUNK_EVENT_TOPIC", "PLACEMENT_EVENT_TOPIC", "PREDICTION_EVENT_TOPIC", "RUN_EVENT_TOPIC",
     "ITEMS_ANNOTATION", "DEVICE_ANNOTATION", "RELAXED_ANNOTATION",
-    "FEED_KEY_MARK", "is_feed_key", "SEGMENT_PREFIX", "CHUNK_BATCH_TOPIC",
+    "FEED_KEY_MARK", "is_feed_key", "SEGMENT_PREFIX", "CHUNK_BATCH_TOPIC", "RUN_TOTAL",
 ]
 
 # --- Dask resources ----------------------------------------------------------
@@ -34,11 +34,14 @@ WORKER_METRICS_PLUGIN = "dsched-metrics"
 # --- event topics (``Worker.log_event`` / ``Client.subscribe_topic``) -----------
 #: a feed's or a pack's chunk finished on its worker (read by the dashboard)
 CHUNK_EVENT_TOPIC = "dsched-chunks"
-#: the same events, a list of them at once: the client's, for chunks that ran on a feed's fast lane
+#: the same events, a list of them at once: the client's, for chunks that ran on a feed's fast lane, and the
+#: ``(RUN_TOTAL, client id, total items, run id)`` of its runs, in the order they happened
 CHUNK_BATCH_TOPIC = "dsched-chunk-batch"
+#: the first field of a run's total among a batch's events
+RUN_TOTAL = "run-total"
 #: a planned block was placed, or placed elsewhere than planned
 PLACEMENT_EVENT_TOPIC = "dsched-placement"
-#: (client id, total items) of a run about to start, sent by the client: the page's progress and ETA
+#: (client id, total items[, run id]) of a run about to start, sent by the client: the page's progress and ETA
 RUN_EVENT_TOPIC = "dsched-runs"
 #: (device, worker, predicted, measured) chunk times of a performance-model run, sent by the client
 PREDICTION_EVENT_TOPIC = "dsched-predictions"

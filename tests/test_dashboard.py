@@ -39,6 +39,7 @@ def _mpi_program():
     with Client() as client:
         out = dispatch(np.square, np.arange(100.0), scheduler=SimpleScheduler("cuda:0", 10, 20), client=client)
         assert out.tolist() == (np.arange(100.0) ** 2).tolist()
+        dsched.dashboard.flush_page(client)
         port = client.scheduler_info()["services"]["dashboard"]
         status = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/dsched/status.json", timeout=10))
         plots = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/individual-plots.json", timeout=10))
@@ -55,7 +56,7 @@ import pytest  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
 
 from dsched import LocalHybridCluster, StaticHybridScheduler, dispatch  # noqa: E402
-from dsched.dashboard import COLUMNS, JSON_ROUTE, PAGE_ROUTE, PLOT_ROUTES, register  # noqa: E402
+from dsched.dashboard import COLUMNS, JSON_ROUTE, PAGE_ROUTE, PLOT_ROUTES, flush_page, register  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
@@ -94,6 +95,7 @@ def _gated(x):
 
 def test_json_route_over_http_while_a_dispatch_runs(dashboard_cluster):
     client, base = dashboard_cluster
+    flush_page(client)  # earlier tests' chunks counted before this one's
     before = by_device(get_json(base + JSON_ROUTE))
     scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[4, 8], capacities=[8, 16], priorities=[1, 2])
     GATE.clear()
@@ -132,6 +134,7 @@ def test_json_route_over_http_while_a_dispatch_runs(dashboard_cluster):
         for device, row in rows.items():
             assert 0 <= row["load"] <= row["capacity"] == CAPACITY[device], (device, row)
 
+    flush_page(client)  # the lanes' chunk events reach the page off the call's path
     after = by_device(get_json(base + JSON_ROUTE))
     done = {}
     for device in CAPACITY:
@@ -224,6 +227,7 @@ def test_page_renders_one_row_per_device_in_headless_chromium(dashboard_cluster,
     client, base = dashboard_cluster
     scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[4, 8], capacities=[8, 16])
     dispatch(np.negative, np.arange(64.0), scheduler=scheduler, client=client)
+    flush_page(client)
     expected = by_device(get_json(base + JSON_ROUTE))
     fields = [f for f, _ in COLUMNS]
 
@@ -294,6 +298,7 @@ def test_register_on_a_running_scheduler_serves_the_json_route():
         register(client)
         out = dispatch(np.sqrt, np.arange(40.0), scheduler=StaticHybridScheduler(["cpu"], 4), client=client)
         np.testing.assert_allclose(out, np.sqrt(np.arange(40.0)))
+        flush_page(client)
         rows = get_json(f"http://127.0.0.1:{port}{JSON_ROUTE}")["devices"]
         assert [(r["device"], r["capacity"], r["chunks_done"], r["items_done"], r["emulated"]) for r in rows] == [
             ("cpu", 4, 10, 40, False)
@@ -336,6 +341,7 @@ def test_command_line_cluster_with_the_preload_module(tmp_path, preload):
             scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[3, 5], capacities=[6, 10])
             out = dispatch(np.negative, np.arange(50.0), scheduler=scheduler, client=client)
             np.testing.assert_array_equal(out, -np.arange(50.0))
+            flush_page(client)
             rows = by_device(get_json(f"http://127.0.0.1:{http}{JSON_ROUTE}"))
             plots = get_json(f"http://127.0.0.1:{http}/individual-plots.json")
     finally:
@@ -426,6 +432,7 @@ def test_rows_per_device_and_host_agree_with_the_run_report(two_hosts):
     from dsched.reduce import concat_reduce
 
     client, base = two_hosts
+    flush_page(client)  # earlier tests' chunks counted before this one's
     before = {row["label"]: row for row in get_json(base + JSON_ROUTE)["devices"]}
     dispatcher = WorkDispatcher(_two_host_scheduler(), lambda x, device: -x, reduce=concat_reduce, client=client)
     with track_run(client, total=1000, name="four devices on two hosts"):
@@ -802,6 +809,7 @@ def test_the_page_updates_again_and_again_on_a_long_run(dashboard_cluster):
     scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[2, 4], capacities=[8, 16])
     for n in (120, 60):
         dispatch(np.negative, np.arange(float(n)), scheduler=scheduler, client=client)
+        flush_page(client)
         plots.update()
         plots.update()  # nothing changed: compares NumPy columns with lists
         timeline = plots.sources["timeline"].data
@@ -820,6 +828,7 @@ def test_a_task_annotated_with_its_items_counts_them_rather_than_its_request(das
     from dsched.dashboard import ITEMS_ANNOTATION
 
     client, base = dashboard_cluster
+    flush_page(client)  # earlier tests' chunks counted before this one's
     before = by_device(get_json(base + JSON_ROUTE))["cpu"]
     with dask.annotate(**{ITEMS_ANNOTATION: 7}):
         future = client.submit(sum, [1, 2], key="dsched-0123abcd-0-0-pack3", resources={"dsched-cpu": 2})

@@ -24,7 +24,7 @@ from dsched import (
     StaticHybridScheduler,
     WorkDispatcher,
 )
-from dsched.observe.dashboard import JSON_ROUTE
+from dsched.observe.dashboard import JSON_ROUTE, flush_page
 from dsched.observe.report import ChunkRecord, RunReport
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -74,10 +74,12 @@ def _sleep_in_proportion(work, device):
 
 def test_after_a_dispatch_every_device_has_its_families_and_counts(metrics_cluster):
     client, base = metrics_cluster
+    flush_page(client)  # earlier tests' chunks counted before this one's
     before = scrape(base)
     dispatcher = WorkDispatcher(StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[4, 8], capacities=[8, 16]),
                                 _sizes, reduce=sum, client=client)
     assert dispatcher.run(SliceGenerator(0, 300)) == 300
+    flush_page(client)  # the lanes' chunk events reach the scheduler off the call's path
     after = scrape(base)
     report = dispatcher.last_run
     rows = {str(key.device): row for key, row in report.by_device().items()}
@@ -136,11 +138,13 @@ def test_after_a_dispatch_every_device_has_its_families_and_counts(metrics_clust
 
 def test_performance_model_predictions_reach_the_report_the_page_data_and_metrics(metrics_cluster):
     client, base = metrics_cluster
+    flush_page(client)  # earlier tests' chunks counted before this one's
     before = scrape(base)
     scheduler = PerformanceModelScheduler(["cpu", "cuda:0"], costs=COSTS, chunk_seconds=0.005, client=False)
     dispatcher = WorkDispatcher(scheduler, _sleep_in_proportion, reduce=sum, client=client)
     total = 20_000
     assert dispatcher.run(SliceGenerator(0, total)) == total
+    flush_page(client)
     after = scrape(base)
     status = json.load(urllib.request.urlopen(base + JSON_ROUTE, timeout=10))
 

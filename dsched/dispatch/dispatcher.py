@@ -462,8 +462,8 @@ class WorkDispatcher:
 
     def _run_steady(self, client, data, report, feeds, observers) -> list:
         """A run on the steady path (:mod:`dsched.dispatch.steady`); the ranges of the chunks it could not run."""
-        self._begin(data.generator, observers, client=client)
-        run = SteadyRun(client, data, report, feeds, scheduler=self.scheduler, program=self._program,
+        run_id = self._begin(data.generator, observers, client=client)
+        run = SteadyRun(client, data, report, feeds, run_id=run_id, scheduler=self.scheduler, program=self._program,
                         next_chunk=lambda: self._next_chunk(data.generator, observers), observers=observers)
         try:
             run.loop()

@@ -513,15 +513,16 @@ class Feeds(FastLanes):
         """The run is over (its feeds' inboxes are empty): park its feeds for the client's next run, or stop
         them and release their tasks. Feeds whose worker is gone were released already.
 
-        With the dashboard, the page hears of every chunk before the run returns:
-        the lanes' events in one message the scheduler answers; for feeds without a
-        lane, by stopping them and waiting for their tasks to end.
+        With the dashboard, the page hears of the lanes' chunks off the run's path (queued
+        for the client's timer, :func:`~dsched.observe.dashboard.client.tell_page`); of
+        the chunks of feeds without a lane before the run returns, by stopping them and
+        waiting for their tasks to end.
         """
         feeds = [f for f in self._forget() if not f.lost]
         if not feeds:
             return
-        if self._events:  # the page counts this run's lane chunks before it returns
-            self.flush_events(wait=True)
+        if self._events:  # the page hears of this run's lane chunks off its path
+            self.flush_events()
         if self._events and any(f.lane is None for f in feeds):  # chunks over Dask's comms: their events too
             self.client.sync(self._stop_and_wait, feeds)
         elif self._linger > 0:  # parked for the client's next run; the others stop

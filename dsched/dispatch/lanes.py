@@ -21,7 +21,7 @@ from multiprocessing.connection import Client as connect_to
 import dask
 
 from dsched.dispatch.completion import ask_worker
-from dsched.names import CHUNK_BATCH_TOPIC
+from dsched.observe.dashboard.client import tell_page
 from dsched.worker import lane as wire
 from dsched.worker.feed import LANE_OP
 
@@ -136,23 +136,12 @@ class FastLanes:
         if not lane.send((wire.CHUNKS, rearm, [(index, work, slot) for _, index, work, slot, _ in items])):
             self._lane_broken(feed)
 
-    def flush_events(self, wait=False):
-        """Send the dashboard the events of this run's lane chunks heard since the last flush, in one message
-        (each tick of the run, and at its end). ``wait``: until the scheduler has them, so that a run that returns
-        is counted on the page."""
+    def flush_events(self):
+        """Queue for the page the events of this run's lane chunks heard since the last flush (each tick of the
+        run, and at its end): sent off the run's path (:func:`~dsched.observe.dashboard.client.tell_page`)."""
         events, self._chunk_events = self._chunk_events, []
-        if not events:
-            return
-        if wait:
-            self.client.log_event(CHUNK_BATCH_TOPIC, events)
-        else:
-            self.client.loop.add_callback(self._log_events, events)
-
-    async def _log_events(self, events):
-        try:
-            await self.client.scheduler.log_event(topic=CHUNK_BATCH_TOPIC, msg=events)
-        except Exception:  # noqa: BLE001  the scheduler is gone: so is its page
-            pass
+        if events:
+            tell_page(self.client, events)
 
     def on_lane(self, device) -> bool:
         """Whether ``device``'s feeds (started) have a lane: its chunks go out one by one as they are scheduled."""

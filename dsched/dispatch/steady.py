@@ -13,7 +13,7 @@ policy's loop, one message per chunk each way, and the data plane's copies.
 Whatever is out of the ordinary leaves the steady path:
 
 - before the run: a cluster whose identity changed (a worker left, a run
-  failed), a dashboard registered since, a feed no longer parked (it ended,
+  failed), inputs of another layout, a feed no longer parked (it ended,
   or another run took it): the full run
   (:class:`~dsched.dispatch.async_run.AsyncRun`), and the path is dropped;
 - during the run: a chunk whose lane broke, whose worker left, or whose
@@ -36,12 +36,14 @@ import time
 import dask
 
 from dsched.dataplane.loaders import ArrayLoader, MappingLoader, items_signature
+from dsched.devices.device import placement_device
 from dsched.devices.ownership import cluster_generation, has_dashboard
 from dsched.dispatch.completion import current_cancellation
 from dsched.dispatch.feeds import LINGER, PARK_DELAY, FeedTicket, submit_feed
 from dsched.dispatch.lanes import WINDOW
 from dsched.dispatch.parking import _park, _running, _state, _take_parked, tell_parked_later
 from dsched.names import is_feed_key
+from dsched.observe.dashboard.client import tell_page
 from dsched.observe.report import ChunkRecord
 from dsched.worker import lane as wire
 from dsched.worker.lane import Bell
@@ -74,9 +76,9 @@ class SteadyPath:
     def after(cls, run, data, generator, cluster, timeout):
         """The path a clean run leaves, or ``None`` if its next run must be a full one: a chunk went as a task
         or over Dask's comms, the outputs are not all written in place in shared memory, feeds are not parked
-        between runs, or the run has a timeout or a dashboard to tell."""
+        between runs, or the run has a timeout."""
         feeds = run.feeds
-        if feeds is None or timeout is not None or cluster.get("dsched-dashboard") or data.remote:
+        if feeds is None or timeout is not None or data.remote:
             return None
         if float(dask.config.get("dsched.feed-linger", LINGER)) <= 0:
             return None
@@ -92,8 +94,7 @@ class SteadyPath:
         """Whether the next run may take the path: the same client, running, on a cluster nothing changed, over
         inputs of the same layout (so the results keep theirs)."""
         return (client is self.client and getattr(client, "status", None) == "running"
-                and cluster_generation(client) is self.generation and not has_dashboard(client)
-                and inputs_signature(generator) == self.signature)
+                and cluster_generation(client) is self.generation and inputs_signature(generator) == self.signature)
 
     def take_feeds(self):
         """``{Device: [feed]}``, the parked feeds this path names, taken for a run; ``None`` (and nothing
@@ -125,8 +126,9 @@ class SteadyRun:
         ``(device, m, work, offset)``.
     """
 
-    def __init__(self, client, data, report, feeds, *, scheduler, program, next_chunk, observers):
-        self.client, self.data, self.report, self.feeds = client, data, report, feeds
+    def __init__(self, client, data, report, feeds, *, run_id, scheduler, program, next_chunk, observers):
+        self.client, self.data, self.report, self.feeds, self.run_id = client, data, report, feeds, run_id
+        self.events = [] if has_dashboard(client) else None  # the page's chunk events, sent off the path at close
         self.scheduler, self.program, self.next_chunk, self.observers = scheduler, program, next_chunk, observers
         self.observe = getattr(scheduler, "observe", None)  # a policy that learns from chunk timings
         self.in_flight = {}  # record index -> (record, feed), sent and not yet answered
@@ -180,6 +182,8 @@ class SteadyRun:
         feed.sent += 1
         self.in_flight[record.index] = (record, feed)
         feed.backlog.append((record.index, work, self.data.slot(device, offset, offset + m, record.index)))
+        if self.events is not None:
+            self.events.append(self._event("start", record, feed))
         if feed.lane is None:  # every feed of the device is lost: left to the full run with the others
             self._lane_ended(feed, lost=True)
         self._pump(feed)
@@ -228,6 +232,8 @@ class SteadyRun:
         feed.sent -= 1
         self.scheduler.completed_work(record.device, record.size)
         record.start, record.stop, record.worker = start, stop, feed.address
+        if self.events is not None:
+            self.events.append(self._event("done" if ok else "failed", record, feed))
         if not ok:
             record.error, self.failed = value, True
             self.data.failed(record)
@@ -235,6 +241,12 @@ class SteadyRun:
             self.observe(record.device, record.size, stop - start)
         self.observers.chunk_completed(record)
         self._pump(feed)
+
+    def _event(self, phase, record, feed) -> tuple:
+        """A chunk event for the page (:data:`~dsched.names.CHUNK_EVENT_TOPIC`'s fields)."""
+        start, stop = (record.start, record.stop) if phase != "start" else (None, None)
+        return (phase, self.run_id, self.client.id, str(placement_device(record.device)), record.size, feed.address,
+                f"{feed.id}-{record.index}", start, stop)
 
     # --- what is out of the ordinary ------------------------------------------
 
@@ -298,6 +310,8 @@ class SteadyRun:
         with _state.parked_lock:
             _running(self.client).discard(self)
         _repark(self.client, [f for fs in self.feeds.values() for f in fs if f.lane is not None])
+        if self.events:
+            tell_page(self.client, self.events)
         _idle_bells.append(self.bell)
         if self.undone:
             lost = {r.index for r in self.undone}

@@ -7,7 +7,8 @@ module          holds
                 :func:`install`, :func:`register`, :func:`dask_setup`
 ``routes``      where the page is served; the JSON route and the plain HTML page
 ``plots``       the Bokeh page and plots; :func:`register_page` lists them
-``client``      :func:`track_run` (a run's total), :func:`dashboard_link`
+``client``      :func:`track_run` (a run's total), :func:`dashboard_link`,
+                :func:`flush_page` (the page has heard of every call so far)
 ``metrics``     the ``dsched_`` Prometheus families of the scheduler's ``/metrics``,
                 read from the plugin when scraped
 ``gpu``         the worker side of ``/metrics``: a GPU worker's memory (NVML)
@@ -36,7 +37,7 @@ calls its ``dask_setup`` only after.
 """
 
 from dsched.names import ITEMS_ANNOTATION
-from dsched.observe.dashboard.client import dashboard_link, track_run
+from dsched.observe.dashboard.client import dashboard_link, flush_page, track_run
 from dsched.observe.dashboard.plots import register_page
 from dsched.observe.dashboard.plugin import PLUGIN_NAME, DashboardPlugin, dask_setup, install, register
 from dsched.observe.dashboard.routes import (
@@ -48,6 +49,6 @@ from dsched.observe.dashboard.routes import (
                                              scheduler_page_link,
 )
 
-__all__ = ["DashboardPlugin", "install", "register", "register_page", "track_run", "dashboard_link",
+__all__ = ["DashboardPlugin", "install", "register", "register_page", "track_run", "dashboard_link", "flush_page",
            "scheduler_page_link", "dask_setup", "PLUGIN_NAME", "JSON_ROUTE", "PAGE_ROUTE", "HTML_ROUTE", "PLOT_ROUTES",
            "ITEMS_ANNOTATION", "COLUMNS"]

@@ -50,6 +50,7 @@ from dsched.names import (
     ITEMS_ANNOTATION,
     RESOURCE_PREFIX,
     RUN_EVENT_TOPIC,
+    RUN_TOTAL,
     is_feed_key,
 )
 from dsched.observe.dashboard.gpu import WORKER_METRICS_PLUGIN, add_to_workers
@@ -227,6 +228,7 @@ class DashboardPlugin(SchedulerPlugin):
         self._fed = {}  # (Device, host) -> {chunk key: (items, worker address)} of chunks running on device feeds
         self._runs = collections.OrderedDict()  # run id -> _Run, oldest first
         self._announced = {}  # client id -> (name, total, time): the next run of that client
+        self._totals = collections.OrderedDict()  # run id -> total of a run told before its first chunk
         self._numbers = itertools.count(1)
         self._lock = threading.Lock()  # the JSON route and the pages may read from other threads
 
@@ -278,14 +280,14 @@ class DashboardPlugin(SchedulerPlugin):
             self.predictions_heard(*msg)
             return
         if topic == RUN_EVENT_TOPIC:  # a run's total, from its dispatcher: unless track_run announced it already
-            client, total = msg
-            with self._lock:
-                if client not in self._announced:
-                    self._announced[client] = (None, total, time.time())
+            self._run_total(*msg)
             return
-        if topic == CHUNK_BATCH_TOPIC:  # a client's events of chunks on fast lanes, batched off the hot path
+        if topic == CHUNK_BATCH_TOPIC:  # a client's page events (chunks on fast lanes, totals), off the hot path
             for event in msg:
-                self.log_event(CHUNK_EVENT_TOPIC, event)
+                if event[0] == RUN_TOTAL:
+                    self._run_total(*event[1:])
+                else:
+                    self.log_event(CHUNK_EVENT_TOPIC, event)
             return
         if topic != CHUNK_EVENT_TOPIC:
             return
@@ -302,6 +304,21 @@ class DashboardPlugin(SchedulerPlugin):
             if phase == "done":
                 self._stats.setdefault((device, host), _DeviceStats()).add(start, stop, int(items))
                 run.add(_label(device, host), str(device), start, stop, int(items))
+
+    def _run_total(self, client, total, run_id=None):
+        """A run's total from its client: for the run ``run_id``, whenever it comes (before or after the run's
+        first chunk); without a run id (older clients), for the client's next run."""
+        with self._lock:
+            if run_id is None:
+                self._announced.setdefault(client, (None, total, time.time()))
+                return
+            run = self._runs.get(run_id)
+            if run is None:
+                self._totals[run_id] = total
+                while len(self._totals) > HISTORY:
+                    self._totals.popitem(last=False)
+            elif run.total is None:
+                run.total = total
 
     def predictions_heard(self, run_id, client, pairs):
         """Predicted against measured seconds of chunks of a run: ``[(device, worker address, predicted, measured)]``."""
@@ -342,6 +359,8 @@ class DashboardPlugin(SchedulerPlugin):
         run = self._runs.get(run_id)
         if run is None:
             name, total, announced = self._announced.pop(client, (None, None, None))
+            told = self._totals.pop(run_id, None)  # the run's own total, heard before its first chunk
+            total = total if total is not None else told
             run = self._runs[run_id] = _Run(run_id, next(self._numbers), client, name, total, announced)
             while len(self._runs) > HISTORY:
                 self._runs.popitem(last=False)
