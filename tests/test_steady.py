@@ -3,7 +3,7 @@
 On worker processes (cpu and an emulated cuda:0, a CPU process claiming the device), without the dashboard so
 that runs park their feeds. Each test first runs a call the full way, then checks what the next like call does
 on the steady path: the same chunks and results, a failed chunk, a worker killed mid-run, Ctrl-C, a cancel, and
-the cases that send a run back the full way.
+the cases that send a run back the full way; with the dashboard on, the page counting every steady call.
 """
 
 import os
@@ -219,3 +219,42 @@ def test_a_worker_killed_in_a_steady_run_costs_only_its_chunks(client, steady_ru
     np.testing.assert_array_equal(out, 2 * (x + 1))
     assert d._steady is None or d._steady.generation is not steady_runs[0]  # dropped: a lane was lost
     assert [s.load for s in d.scheduler.status()] == [0, 0]
+
+
+@pytest.fixture(scope="module")
+def dashboard_client():
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                                   dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as c:
+        yield c
+
+
+def _page(client) -> dict:
+    import json
+    import urllib.request
+
+    from dsched.dashboard import JSON_ROUTE
+
+    port = client.scheduler_info()["services"]["dashboard"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{JSON_ROUTE}", timeout=10) as response:
+        return json.load(response)
+
+
+def test_with_the_dashboard_on_the_page_counts_every_steady_call(dashboard_client, steady_runs):
+    """The page hears of each call's chunks and total off the call's path; flush_page waits until it has."""
+    from dsched.dashboard import flush_page
+
+    client = dashboard_client
+    s = scheduler()
+    step = lambda v: v + 1.0  # noqa: E731
+    state = np.arange(1000.0)
+    flush_page(client)
+    before = {row["device"]: row["items_done"] for row in _page(client)["devices"]}
+    for _ in range(5):
+        state = dsched.dispatch(step, state, scheduler=s, client=client)
+    np.testing.assert_array_equal(state, np.arange(1000.0) + 5)
+    assert len(steady_runs) == 4
+    flush_page(client)
+    page = _page(client)
+    done = {row["device"]: row["items_done"] - before[row["device"]] for row in page["devices"]}
+    assert sum(done.values()) == 5000 and all(row["chunks_in_flight"] == 0 for row in page["devices"])
+    assert (page["run"]["total"], page["run"]["items_done"]) == (1000, 1000)  # the last call's, its own total
