@@ -26,7 +26,7 @@ from dsched.names import is_feed_key
 from dsched.observe.report import ChunkRecord
 from dsched.worker.chunk import InFlight, PackError
 
-__all__ = ["AsyncRun", "TICK_SECONDS"]
+__all__ = ["AsyncRun", "TICK_SECONDS", "record_dispatch"]
 
 _CANCEL = object()  # the mailbox notice of a cancel() from another thread
 TICK_SECONDS = 1.0  # how often an async run looks for chunks past their timeout and devices without workers
@@ -170,14 +170,8 @@ class AsyncRun:
         return self._complete(item)
 
     def _dispatched(self, device, m, work, offset):
-        start = time.time()
-        self.scheduler.dispatched_work(device, m)
-        if self.observers:
-            self.observers.work_dispatched(device, m, start, time.time())
-        record = ChunkRecord(len(self.report.records), device, m, offset=offset)
+        record = record_dispatch(self.scheduler, self.observers, self.report, device, m, offset)
         self.outstanding[record.index] = record
-        self.report.records.append(record)
-        self.report.results.append(None)
         self.futures.append(None)
         return record, work
 
@@ -403,3 +397,16 @@ class AsyncRun:
     def members_of(self, future):
         """The record indexes of a task's chunks, in its order."""
         return self.members[future.key]
+
+
+def record_dispatch(scheduler, observers, report, device, m, offset) -> ChunkRecord:
+    """A chunk of ``m`` items at ``offset`` is sent to ``device``: the policy's ``dispatched_work``, the observers'
+    ``work_dispatched``, and its record at the end of the run's report."""
+    start = time.time()
+    scheduler.dispatched_work(device, m)
+    if observers:
+        observers.work_dispatched(device, m, start, time.time())
+    record = ChunkRecord(len(report.records), device, m, offset=offset)
+    report.records.append(record)
+    report.results.append(None)
+    return record

@@ -31,20 +31,19 @@ from __future__ import annotations
 import collections
 import queue
 import select
-import time
 
 import dask
 
 from dsched.dataplane.loaders import ArrayLoader, MappingLoader, items_signature
 from dsched.devices.device import placement_device
 from dsched.devices.ownership import cluster_generation, has_dashboard
+from dsched.dispatch.async_run import record_dispatch
 from dsched.dispatch.completion import current_cancellation
 from dsched.dispatch.feeds import LINGER, PARK_DELAY, FeedTicket, submit_feed
 from dsched.dispatch.lanes import WINDOW
 from dsched.dispatch.parking import _park, _running, _state, _take_parked, tell_parked_later
 from dsched.names import is_feed_key
 from dsched.observe.dashboard.client import tell_page
-from dsched.observe.report import ChunkRecord
 from dsched.worker import lane as wire
 from dsched.worker.lane import Bell
 
@@ -171,13 +170,7 @@ class SteadyRun:
             self._wait()
 
     def _send(self, device, m, work, offset):
-        start = time.time()
-        self.scheduler.dispatched_work(device, m)
-        if self.observers:
-            self.observers.work_dispatched(device, m, start, time.time())
-        record = ChunkRecord(len(self.report.records), device, m, offset=offset)
-        self.report.records.append(record)
-        self.report.results.append(None)
+        record = record_dispatch(self.scheduler, self.observers, self.report, device, m, offset)
         feed = min(self.feeds[device], key=lambda f: (f.lane is None, f.sent))
         feed.sent += 1
         self.in_flight[record.index] = (record, feed)
