@@ -4,7 +4,8 @@
   processes, in a segment of the field's own that the next ``set`` writes again,
   so ``/dev/shm`` stays flat over a long run;
 - :class:`_Kept`: an update's inputs and ``out`` arrays, kept until its tasks end;
-- :func:`share_inputs`, :func:`out_refs`: where workers read an update's inputs and write its ``out`` arrays.
+- :func:`share_inputs`, :func:`out_refs`: where workers read an update's inputs and write its ``out`` arrays;
+  :func:`out_arrays`: the same ``out`` arrays checked for a batch in host memory.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 from dsched.dataplane.store import ArrayRef, RunStore, find_shared
 
-__all__ = ["SetSegment", "out_refs", "share_inputs"]
+__all__ = ["SetSegment", "out_refs", "out_arrays", "share_inputs"]
 
 
 class SetSegment:
@@ -78,6 +79,26 @@ def out_refs(out, taken, n, store=None) -> dict:
             raise ValueError(f"out[{name!r}]: shape {ref.shape} has no {n} items along axis 0")
         refs[name] = ref
     return refs
+
+
+def out_arrays(out, taken, n, shared) -> dict:
+    """An update's ``out`` arrays (``{name: array}``, ``n`` items each) for a batch in host memory, checked as
+    :func:`out_refs` checks them; ``shared``: worker processes write them, so they must lie in shared memory."""
+    if out is None:
+        return {}
+    if not isinstance(out, dict):
+        raise ValueError(f"out: expected a dict of name -> array, got {type(out).__name__}")
+    for name, value in out.items():
+        if not isinstance(name, str) or name in taken:
+            raise ValueError(f"out: {name!r} is not a name of its own (a string naming no field read, no input)")
+        if not isinstance(value, np.ndarray):
+            raise ValueError(f"out[{name!r}]: expected a NumPy array, got {type(value).__name__}")
+        if shared and find_shared(value) is None:
+            raise ValueError(f"out[{name!r}]: worker processes write only into shared memory; "
+                             f"allocate it with dsched.shared_empty")
+        if not value.shape or value.shape[0] != n:
+            raise ValueError(f"out[{name!r}]: shape {value.shape} has no {n} items along axis 0")
+    return dict(out)
 
 
 def share_inputs(arrays, shared):

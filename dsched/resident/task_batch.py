@@ -1,15 +1,13 @@
-"""Resident batches: named arrays that stay on their devices across repeated updates.
+"""A resident batch in device memory: each chunk's fields stay on its device, updated by Dask tasks.
 
-A finite-element solver calls its material model at every iteration of every
-step on the same points, with state carried from one call to the next.
-:class:`Batch` places each chunk of each field once, on the device
-:func:`dsched.plan` gives it, and keeps it there. Updates name the fields they
-read and the fields they write; a :class:`~dsched.engine.Engine` orders them
-per chunk and per field (reads together, a write after the earlier reads and
-write, a read after the write), and Dask runs each chunk's task as soon as its
-own inputs are ready. There is no barrier across chunks or updates:
-:meth:`Batch.reduce` and :meth:`Batch.get` are the only points where the
-client waits.
+:class:`~dsched.Batch` uses this engine (``memory="device"``) where a chunk's
+fields must stay where it computes: on a real GPU, between updates. Updates
+name the fields they read and the fields they write; a
+:class:`~dsched.resident.engine.Engine` orders them per chunk and per field
+(reads together, a write after the earlier reads and write, a read after the
+write), and Dask runs each chunk's task as soon as its own inputs are ready.
+There is no barrier across chunks or updates: :meth:`TaskBatch.reduce` and
+:meth:`TaskBatch.get` are the only points where the client waits.
 
 How it maps onto Dask:
 
@@ -22,9 +20,9 @@ How it maps onto Dask:
   reads of the fields it writes;
 - new versions replace the old ones in the client's table, and Dask frees a
   superseded version once no pending task needs it (memory recycling);
-- initial values and :meth:`Batch.set` values travel through the data plane
+- initial values and :meth:`TaskBatch.set` values travel through the data plane
   (:mod:`dsched.store`): shared memory that worker processes on this host map,
-  read by reference. They stay until :meth:`Batch.close`, so a lost worker's
+  read by reference. They stay until :meth:`TaskBatch.close`, so a lost worker's
   chunks are rebuilt from lineage (those values plus the updates applied) on
   the worker that takes over its device. On the host a chunk's first version
   *is* that memory (a read-only view, copied by an in-place update on its first
@@ -37,6 +35,8 @@ How it maps onto Dask:
   chunk back to its version before the burst's task;
 - what an update returns stays as it is where it lives (torch tensors stay
   tensors, on their device, between updates).
+
+Arguments reach it checked (:class:`~dsched.Batch` checks them, naming the field at fault).
 """
 
 from __future__ import annotations
@@ -49,23 +49,13 @@ import threading
 
 import numpy as np
 
-from dsched.blocks.planning import plan
-from dsched.checks import check_positive_int
-from dsched.dataplane.outputs import ChunkResultError, ZarrTarget, check_out_path
-from dsched.dataplane.store import (
-    RunStore,
-    SliceRef,
-    classify_workers,
-)
+from dsched.dataplane.outputs import ChunkResultError, ZarrTarget
+from dsched.dataplane.store import RunStore, SliceRef
 from dsched.devices.device import device_resource
-from dsched.devices.ownership import check_devices_owned, cluster_info, device_owners
 from dsched.resident.engine import Engine
-from dsched.resident.fields import _check_fields, _check_inputs, _names
 from dsched.resident.hostdata import SetSegment, _Kept, out_refs, share_inputs
 from dsched.resident.tasks import (
     Update,
-    _Chunk,
-    _client,
     _fused_call,
     _handed,
     _item_layout,
@@ -78,7 +68,6 @@ from dsched.resident.tasks import (
     _resolve,
     _Task,
     _update,
-    _UpdateSpec,
     _Version,
     _wait,
     _wait_all,
@@ -87,7 +76,7 @@ from dsched.resident.tasks import (
     _write_many,
 )
 
-__all__ = ["Batch", "Update"]
+__all__ = ["TaskBatch", "Update"]
 
 _batch_ids = itertools.count()
 MAX_FUSED = 64  # updates of one chunk handed to Dask as one task, at most
@@ -95,57 +84,29 @@ MAX_FUSED = 64  # updates of one chunk handed to Dask as one task, at most
 _FUSABLE = (_update,)
 
 
-class Batch:
-    """Named arrays placed once on their devices, updated where they live.
+class TaskBatch:
+    """A :class:`~dsched.Batch`'s fields in its devices' memory: one Dask task per chunk and operation.
 
     Parameters
     ----------
-    fields : dict
-        ``{name: array}``, NumPy arrays of one length along axis 0 (the items).
-        May be empty with ``n``: the updates' outputs are then the fields.
-    scheduler : WorkScheduler
-        Cuts the items into chunks and places them (:func:`dsched.plan`).
-    n : int, optional
-        The number of items: needed only without fields (else it must equal their length). A batch
-        without initial values starts computing with its first update's task, with nothing to load before.
-    client : distributed.Client, optional
-        The cluster; by default the current Dask client. Its workers must own the scheduler's devices.
+    arrays : dict
+        The initial fields, checked (``{name: NumPy array}``, ``n`` items each; may be empty).
+    n : int
+        The number of items.
+    chunks : list of _Chunk
+        The batch's chunks, as :func:`dsched.plan` cut them.
+    client : distributed.Client
+        A cluster whose workers own the chunks' devices (checked).
+    shared : bool
+        Whether worker processes read this process's shared memory (else every worker is in this process).
     lookahead : int
-        Operations per chunk handed to Dask ahead of the one running (the rest wait in the engine). Two
-        keep a device busy while the client hears of a completion, and bound the versions alive per chunk.
-
-    Examples
-    --------
-    >>> batch = Batch({"x": np.arange(10.0)}, dsched.SimpleScheduler("cpu", 4), client=client)  # doctest: +SKIP
-    >>> batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])  # doctest: +SKIP
-    >>> batch.reduce(np.sum, "x")  # doctest: +SKIP
-    55.0
+        Operations per chunk handed to Dask ahead of the one running.
     """
 
-    def __init__(self, fields, scheduler, *, n=None, client=None, lookahead=2):
-        if n is not None:
-            n = check_positive_int(n, "n")
-        arrays = _check_fields(fields, n=n, empty_ok=n is not None)
-        self.n = n if n is not None else len(next(iter(arrays.values())))
-        self.scheduler = scheduler
-        self.client = _client(client)
-        check_positive_int(lookahead, "lookahead", integers=int, below=None)
-        self.lookahead = lookahead
-        workers = cluster_info(self.client)["workers"]  # one question to the scheduler for both checks
-        check_devices_owned(self.client, scheduler, workers)
-        self.chunks = []
-        start = 0
-        for index, (device, size) in enumerate(plan(self.n, scheduler)):
-            self.chunks.append(_Chunk(index, device, start, start + size))
-            start += size
-        self.devices = list(dict.fromkeys(c.device for c in self.chunks))
-        owners = device_owners(self.client, self.devices, workers)
-        kinds = classify_workers(self.client, {a for addrs in owners.values() for a in addrs})
-        if any(kind == "remote" for kind in kinds.values()):
-            raise ValueError("client: a worker owning one of the devices is on another host; resident batches "
-                             "need workers that map this host's shared memory (or run in this process)")
+    def __init__(self, arrays, *, n, chunks, client, shared, lookahead=2):
+        self.n, self.chunks, self.client, self.lookahead = n, list(chunks), client, lookahead
         # Worker processes map shared memory; in-process workers read registered arrays.
-        self._shared = any(kind == "host" for kind in kinds.values())
+        self._shared = shared
         self._store = RunStore(shared=self._shared)  # initial and set() values: the lineage, kept until close()
         self._engine = Engine(queue_ready=False)  # Dask does the waiting
         self._vars = {}  # (field, chunk index) -> engine Variable; its last write holds the current version
@@ -165,59 +126,14 @@ class Batch:
         self._held = True
         self._load_values(arrays, "init")
 
-    # --- the public API -----------------------------------------------------------
-
     @property
     def fields(self) -> list:
         return sorted({field for field, _ in self._vars})
 
-    def update(self, fn, reads=(), writes=(), outputs=(), *, label=None, inplace=False, kwargs=None, inputs=None,
-               axis=0, out=None) -> Update:
-        """Run ``fn`` on every chunk where it lives; returns at once with an :class:`Update` handle.
-
-        ``fn(**{field: chunk array for field in reads}, **kwargs)`` returns a
-        dict with one array per field in ``writes`` and ``outputs``, each with
-        the chunk's length along axis 0. ``writes`` are existing fields
-        (replaced by the returned arrays); ``outputs`` may also name new
-        fields. Fields read arrive read-only unless ``inplace`` is true: then a
-        field both read and written arrives writable and ``fn`` may mutate it in
-        place and return it (the engine runs it only after the earlier reads of
-        that field finished). A failed in-place update may leave what ``fn``
-        wrote before it failed.
-
-        ``inputs`` are arrays of this update only, ``{name: array}`` with the
-        batch's items along ``axis``: each chunk's ``fn`` gets its own items as
-        the keyword ``name`` (read-only), and nothing of them is kept once the
-        update ran. They are read by reference where they lie in shared memory
-        (:func:`dsched.shared_empty`, or a run's outputs), held until the update
-        ran, else copied there once for all chunks.
-        A history of ``(steps, items, ...)`` goes whole with ``axis=1``: a
-        chunk then reads step ``k`` of its items as ``name[k]``, without a copy.
-
-        ``out`` are arrays in shared memory (:func:`dsched.shared_empty`, or
-        with in-process workers any array), ``{name: array}`` of the batch's
-        items along axis 0: each chunk's ``fn`` gets its own rows, writable, as
-        the keyword ``name``, and what it writes there is in the array once the
-        update is done (results straight to the client, no :meth:`get` after).
-        """
-        self._check_open(flush=False)  # the first values go with this update
-        if not callable(fn):
-            raise ValueError(f"fn: expected a callable, got {fn!r}")
-        reads, writes, outputs = (_names(v, n) for v, n in ((reads, "reads"), (writes, "writes"),
-                                                             (outputs, "outputs")))
-        known = set(self.fields)
-        for field_name, names in (("reads", reads), ("writes", writes)):
-            for name in names:
-                if name not in known:
-                    raise ValueError(f"{field_name}: no field {name!r} in this batch "
-                                     f"(fields: {', '.join(sorted(known))})")
-        written = tuple(dict.fromkeys(writes + outputs))
-        if not written and not out:
-            raise ValueError("writes: an update must write at least one field or out= array "
-                             "(reduce() computes values)")
-        label = label or getattr(fn, "__name__", "update")
-        spec = _UpdateSpec(fn, label, reads, written, bool(inplace), dict(kwargs or {}))
-        arrays = _check_inputs(inputs, axis, self.n, reads)
+    def update(self, spec, arrays, axis, out) -> Update:
+        """:meth:`dsched.Batch.update`: ``spec`` (fn, label, reads, writes and outputs, inplace, kwargs) checked,
+        ``arrays`` its own inputs along ``axis``, ``out`` its out= arrays."""
+        reads, written, label = spec.reads, spec.writes, spec.label
         targets = self._out_refs(out, set(reads) | set(arrays))
         tasks = []
         with self._lock:
@@ -236,17 +152,14 @@ class Batch:
         self._flush(everywhere=True)
         return Update(label, tasks)
 
-    def set(self, field, values) -> Update:
-        """New values of ``field`` (a new field too) from the host, streamed to where each chunk lives.
+    def set(self, field, array) -> Update:
+        """:meth:`dsched.Batch.set`, ``array`` checked.
 
         On worker processes the values go into the field's own segment of shared memory, written again by
         the next ``set`` of the same shape and dtype (once the previous values were loaded where the chunks
         live): a solver that sets a field at every step keeps ``/dev/shm`` flat.
         """
-        self._check_open()
-        if not isinstance(field, str):
-            raise ValueError(f"field: expected a field name, got {field!r}")
-        [array] = _check_fields({field: values}, n=self.n).values()
+        self._flush()
         if self._shared and array.dtype.kind in "biufc":
             return self._set_shared(field, array)
         with self._lock:
@@ -273,13 +186,13 @@ class Batch:
         return Update(f"set-{field}", tasks)
 
     def get(self, field) -> np.ndarray:
-        """``field`` for every item, in dispatch order (waits for the updates that write it).
+        """:meth:`dsched.Batch.get`.
 
         The field's item shape and dtype are taken from the last ``get`` of it, so a step's ``get`` costs
         one round trip through Dask, not two; should an update have changed them since, the chunks refuse
         that layout, and ``get`` asks chunk 0 for the new one and writes again.
         """
-        self._check_open()
+        self._flush()
         guess = self._seen_layouts.pop(field, None)
         try:
             return self._get(field, guess)
@@ -296,20 +209,8 @@ class Batch:
         return view
 
     def get_many(self, fields, layouts=None) -> dict:
-        """Several fields at once, ``{field: array}``: one task per chunk writes them all.
-
-        ``layouts`` (``{field: (item_shape, dtype)}``) saves the round trip that
-        learns them, for a caller that knows what its updates make.
-
-        Examples
-        --------
-        >>> batch.get_many(["stress", "alpha"], layouts={"stress": ((6,), "f8")})  # doctest: +SKIP
-        {'stress': array(...), 'alpha': array(...)}
-        """
-        self._check_open()
-        fields = _names(fields, "fields")
-        for field in fields:
-            self._check_field(field)
+        """:meth:`dsched.Batch.get_many`: one task per chunk writes them all."""
+        self._flush()
         known = {f: (tuple(shape), np.dtype(dtype).str) for f, (shape, dtype) in dict(layouts or {}).items()}
         missing = [f for f in fields if f not in known]
         if missing:
@@ -343,14 +244,8 @@ class Batch:
         return future.result()
 
     def reduce(self, fn, field, combine=sum):
-        """``combine([fn(chunk) for each chunk of field])``, in dispatch order: the batch's one global synchronisation.
-
-        ``fn`` runs where each chunk lives and returns something small (a
-        scalar, a short array); ``combine`` joins the per-chunk values on the
-        client (default: their sum; ``max``, ``list``...).
-        """
-        self._check_open()
-        self._check_field(field)
+        """:meth:`dsched.Batch.reduce`: ``fn`` runs where each chunk lives."""
+        self._flush()
         with self._lock:
             self._rollback_failed()
             tasks, step = [], next(self._ops)
@@ -360,15 +255,12 @@ class Batch:
         _wait_tasks(tasks)
         return combine(self.client.gather([task.future for task in tasks], direct=True))
 
-    def to_zarr(self, path, fields=None, *, overwrite=False) -> str:
-        """Stream ``fields`` (default: all) to a new Zarr store at ``path``, written by the workers; returns it."""
+    def to_zarr(self, path, fields, overwrite=False) -> str:
+        """:meth:`dsched.Batch.to_zarr` into ``path`` (checked, ``overwrite`` with it), written by the workers."""
         import zarr
 
-        self._check_open()
-        path = check_out_path(path, overwrite, field="path")
-        fields = self.fields if fields is None else _names(fields, "fields")
-        for field in fields:
-            self._check_field(field)
+        del overwrite  # the store is created anew (mode "w")
+        self._flush()
         group = zarr.open_group(store=path, mode="w")
         # Zarr chunks never straddle two batch chunks: no two workers write one Zarr chunk.
         rows = math.gcd(*[c.size for c in self.chunks[:-1]]) if len(self.chunks) > 1 else self.chunks[0].size
@@ -412,16 +304,6 @@ class Batch:
         self._store.close()
         for store in self._set_stores:
             store.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __repr__(self):
-        devices = ", ".join(f"{d}: {sum(c.device == d for c in self.chunks)}" for d in self.devices)
-        return f"<Batch {self.n} items, fields {self.fields}, chunks per device {{{devices}}}>"
 
     # --- internals ----------------------------------------------------------------
 
@@ -586,9 +468,3 @@ class Batch:
     def _check_field(self, field):
         if field not in self.fields:
             raise ValueError(f"field: no field {field!r} in this batch (fields: {', '.join(self.fields)})")
-
-    def _check_open(self, flush=True):
-        if self._closed:
-            raise RuntimeError("this Batch is closed")
-        if flush:
-            self._flush()
