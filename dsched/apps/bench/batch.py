@@ -108,11 +108,13 @@ def run_dispatch(client, scheduler, strain, steps, tangent=False):
     return out
 
 
-def run_batch(client, scheduler, strain, steps, tangent=False, on_step=None, lookahead=None, in_place=False):
-    """The steps on a resident batch: pushed at once, ordered per chunk by the engine; ``get`` waits at the end.
+def run_batch(client, scheduler, strain, steps, tangent=False, on_step=None, lookahead=None, in_place=False,
+              memory="auto"):
+    """The steps on a resident batch: pushed at once, run in order per chunk; ``get`` waits at the end.
 
     ``in_place``: every step overwrites the chunk's state and stress (:func:`j2_load_step_in_place`), which
-    start as zeros; otherwise each step makes new versions (:func:`j2_load_step`).
+    start as zeros; otherwise each step makes new versions (:func:`j2_load_step`). ``memory``: where the
+    batch keeps its fields (``Batch(memory=...)``).
     """
     fields = {"final_strain": strain, "plastic_strain": np.zeros_like(strain), "alpha": np.zeros(len(strain))}
     written = ["plastic_strain", "alpha", "stress"] + (["tangent"] if tangent else [])
@@ -120,8 +122,8 @@ def run_batch(client, scheduler, strain, steps, tangent=False, on_step=None, loo
         fields["stress"] = np.zeros_like(strain)
         if tangent:
             fields["tangent"] = np.zeros((len(strain), 6, 6))
-    with dsched.Batch(fields, scheduler, client=client, **({} if lookahead is None else {"lookahead": lookahead})) \
-            as batch:
+    with dsched.Batch(fields, scheduler, client=client, memory=memory,
+                      **({} if lookahead is None else {"lookahead": lookahead})) as batch:
         for step in range(steps):
             if in_place:
                 batch.update(j2_load_step_in_place, reads=["final_strain"] + written, writes=written,
