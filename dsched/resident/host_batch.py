@@ -244,7 +244,7 @@ class HostBatch:
             failed.update(c.index for c in self.chunks[first:reached] if self._marks[c.start] != 1)
             if error is None:
                 break
-            errors += list(error.errors) if isinstance(error, AggregateError) else [error]
+            errors += _without_run_notes(list(error.errors) if isinstance(error, AggregateError) else [error])
             if reached == first or isinstance(error, CancelledError) or \
                     any(isinstance(e, LayoutChanged) for e in errors):
                 failed.update(c.index for c in self.chunks[reached:])
@@ -398,6 +398,16 @@ class HostBatch:
         for array in arrays:
             if array is not None:
                 free_shared(array)
+
+
+def _without_run_notes(errors) -> list:
+    """``errors`` without the note dispatch adds to a failed chunk (its index and items count from where the run
+    started, part-way through the batch); :class:`ChunkUpdate` notes the batch's chunk instead."""
+    for error in errors:
+        notes = getattr(error, "__notes__", None)
+        if notes:
+            notes[:] = [note for note in notes if not note.startswith("dsched: chunk ")]
+    return errors
 
 
 def _nothing(job):

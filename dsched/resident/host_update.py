@@ -75,7 +75,12 @@ class ChunkUpdate:
         # The out rows as they are, writable: what fn leaves unwritten keeps its value.
         outs = {name: np.array(array) for name, array in zip(self.outs, rest[len(self.inputs):])}
         given.update(outs)
-        result = spec.fn(**given, **spec.kwargs)
+        try:
+            result = spec.fn(**given, **spec.kwargs)
+        except Exception as err:
+            # The batch's chunk, not dispatch's: a run that starts part-way through the plan counts from there.
+            err.add_note(f"dsched: update {spec.label!r} failed on {chunk}")
+            raise
         fields = {field: _to_host(value) for field, value in checked_result(spec, chunk, result).items()}
         if self.layouts is not None:
             for field, value in fields.items():
