@@ -132,6 +132,31 @@ def test_a_worker_killed_mid_update_has_its_chunks_run_again(process_client, tmp
         assert process_client.run(os.getpid, workers=[owner])[owner] != pid
 
 
+def _held_until(x, *, go):
+    """Holds its chunk until the test creates the file ``go`` (so that the next update waits behind it)."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go):
+        assert time.monotonic() < deadline, "never told to go"
+        time.sleep(0.005)
+    return {"x": x}
+
+
+def _add_load(x, load):
+    return {"x": x + load}
+
+
+def test_an_updates_inputs_are_read_as_they_were_when_it_was_pushed(process_client, tmp_path):
+    go = str(tmp_path / "go")
+    with Batch({"x": np.zeros(30)}, hybrid(), client=process_client, memory="host") as batch:
+        batch.update(_held_until, reads=["x"], writes=["x"], kwargs={"go": go})
+        load = np.ones(30)
+        added = batch.update(_add_load, reads=["x"], writes=["x"], inputs={"load": load})
+        load[:] = 7.0  # the caller's array changes before the update runs: the update read it when pushed
+        assert not added.done()
+        open(go, "w").close()
+        np.testing.assert_array_equal(batch.get("x"), np.ones(30))
+
+
 def _step(x, strain):
     return {"x": x + strain}
 

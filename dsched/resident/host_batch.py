@@ -48,7 +48,7 @@ from dsched.dataplane.segments import free_shared, shared_empty
 from dsched.dispatch import WorkDispatcher, dispatch
 from dsched.errors import AggregateError
 from dsched.resident.host_update import ChunkUpdate, LayoutChanged, layout_of
-from dsched.resident.hostdata import out_arrays
+from dsched.resident.hostdata import inputs_in_shared_memory, out_arrays
 from dsched.resident.lane import Job, Lane
 from dsched.schedulers.planned import PlannedChunks
 
@@ -147,6 +147,8 @@ class HostBatch:
         """:meth:`dsched.Batch.update`: ``spec`` (fn, label, reads, writes and outputs, inplace, kwargs) checked,
         ``arrays`` its own inputs along ``axis``, ``out`` its out= arrays (checked here)."""
         outs = out_arrays(out, set(spec.reads) | set(arrays), self.n, self._shared)
+        if self._shared:  # as they are now: the update runs later
+            arrays = inputs_in_shared_memory(arrays)
         job = Job(spec.label, spec.reads, spec.writes, functools.partial(self._apply, spec, arrays, axis, outs))
         self._push(job)
         return HostUpdate(self, job)
