@@ -125,10 +125,12 @@ class HostBatch:
         self._programs = collections.OrderedDict()
         self._closed = False
         self._lane = Lane()
-        self._stop_lane = weakref.finalize(self, self._lane.stop)  # a batch never closed ends its thread
+        # A batch never closed ends its thread when it is collected (or at exit, its update cancelled).
+        self._stop_lane = weakref.finalize(self, self._lane.stop, 30.0, True)
         try:
-            self._rows = self._empty((n,), np.int64)  # each item's index: tells a chunk's program which it runs
-            self._rows[:] = np.arange(n)
+            # Each item's chunk: tells a chunk's program which one it runs (a few bytes per item).
+            self._rows = self._empty((n,), np.uint16 if len(self.chunks) < 2**16 else np.uint32)
+            self._rows[:] = np.repeat(np.arange(len(self.chunks)), [c.size for c in self.chunks])
             self._marks = self._empty((n,), np.uint8)  # 1 at a chunk's first row once it succeeded
             for name, array in arrays.items():
                 self._fields[name] = _Field(self._copy(array))

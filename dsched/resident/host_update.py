@@ -1,7 +1,7 @@
 """One update of a batch in host memory, as :func:`dsched.dispatch` calls it on each chunk.
 
 :class:`~dsched.resident.host_batch.HostBatch` runs an update as one
-``dispatch(ChunkUpdate(...), rows, *fields read, *inputs, *out arrays, out=...)``:
+``dispatch(ChunkUpdate(...), chunk of each item, *fields read, *inputs, *out arrays, out=...)``:
 every array is split into the batch's chunks, and each chunk's rows reach
 :class:`ChunkUpdate` as views of the batch's memory. It calls the update's
 ``fn`` with them as keywords, as the task engine does (fields read-only, a field
@@ -18,8 +18,6 @@ again without ``out=`` (dispatch then allocates arrays of the new layout).
 """
 
 from __future__ import annotations
-
-import bisect
 
 import numpy as np
 
@@ -51,7 +49,7 @@ class ChunkUpdate:
         ``{field: (item shape, dtype)}`` each written field must keep; ``None`` where they are learned (a new
         field, a changed layout).
     chunks : tuple of _Chunk
-        The batch's chunks: ``rows`` (each item's index) tells which one a call runs, for the messages.
+        The batch's chunks: ``rows`` (each item's chunk index) tells which one a call runs, for the messages.
     """
 
     probe_outputs = False  # dispatch never calls it on the client: fn runs where the chunks run, as with tasks
@@ -60,7 +58,6 @@ class ChunkUpdate:
         self.spec, self.inputs, self.outs = spec, tuple(inputs), tuple(outs)
         self.layouts = None if layouts is None else dict(layouts)
         self.chunks = tuple(chunks)
-        self._starts = [c.start for c in self.chunks]
         self.__name__ = spec.label
 
     def __call__(self, rows, *arrays):
@@ -92,11 +89,9 @@ class ChunkUpdate:
         return fields, outs, np.ones(len(rows), np.uint8)
 
     def _chunk(self, rows):
-        """The batch's chunk whose rows these are (a run's first item tells)."""
-        start = int(rows[0])
-        index = bisect.bisect_right(self._starts, start) - 1
-        chunk = self.chunks[index]
-        if chunk.start != start or chunk.size != len(rows):  # dispatch cut another chunk: never, but say so
-            raise RuntimeError(f"update {self.spec.label!r}: items {start}:{start + len(rows)} are not a chunk of "
-                               f"the batch ({chunk})")
+        """The batch's chunk whose rows these are (``rows``: each item's chunk index)."""
+        chunk = self.chunks[int(rows[0])]
+        if chunk.size != len(rows) or rows[-1] != rows[0]:  # dispatch cut another chunk: never, but say so
+            raise RuntimeError(f"update {self.spec.label!r}: {len(rows)} items from {chunk} on are not a chunk "
+                               "of the batch")
         return chunk

@@ -69,6 +69,7 @@ class Lane:
     def __init__(self, name="dsched-batch"):
         self.name = name
         self._inbox = queue.SimpleQueue()
+        self._running = [None]  # the job the thread runs now
         self._thread = None
         self._lock = threading.Lock()
         self._stopped = False
@@ -78,23 +79,29 @@ class Lane:
             if self._stopped:
                 raise RuntimeError("this Batch is closed")
             if self._thread is None:
-                self._thread = threading.Thread(target=_serve, args=(self._inbox,), name=self.name, daemon=True)
+                self._thread = threading.Thread(target=_serve, args=(self._inbox, self._running), name=self.name,
+                                                daemon=True)
                 self._thread.start()
         self._inbox.put(job)
 
-    def stop(self, timeout=None):
-        """No more jobs; wait (at most ``timeout`` seconds) for the thread to end the ones it has."""
+    def stop(self, timeout=None, cancel=False):
+        """No more jobs; wait (at most ``timeout`` seconds) for the thread to end the ones it has (``cancel``: the
+        one it runs is cancelled first)."""
         with self._lock:
             self._stopped, thread = True, self._thread
+        running = self._running[0]
+        if cancel and running is not None:
+            running.cancel()
         self._inbox.put(None)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
 
-def _serve(inbox):
+def _serve(inbox, running):
     while True:
         job = inbox.get()
         if job is None:
             return
+        running[0] = job
         job.run()
-        job = None  # an idle lane keeps no job (nor its arrays) alive
+        running[0] = job = None  # an idle lane keeps no job (nor its arrays) alive
