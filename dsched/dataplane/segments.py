@@ -442,8 +442,8 @@ def on_free(token, release):
 
 
 def free_shared(array) -> bool:
-    """Unlink now the segment under ``array`` (a :func:`shared_empty` array or a run's output), rather than when its
-    last array is collected; whether there was one.
+    """Unlink now the segment under ``array`` (a :func:`shared_empty` array or a run's output; or the segment's
+    name), rather than when its last array is collected; whether there was one.
 
     Its arrays in this process stay readable and writable; worker processes can no longer open the segment by
     name, and drop their mappings of it at their next chunk. For an owner that knows no one uses the arrays any
@@ -455,11 +455,15 @@ def free_shared(array) -> bool:
     >>> free_shared(x), free_shared(x), free_shared(np.zeros(4))
     (True, False, False)
     """
-    found = _shared_location(array) if isinstance(array, np.ndarray) else None
-    if found is None:
-        return False
+    if isinstance(array, str):
+        token = array
+    else:
+        found = _shared_location(array) if isinstance(array, np.ndarray) else None
+        if found is None:
+            return False
+        token = found[0]
     with _user_lock:
-        release = _releasers.pop(found[0], None)
+        release = _releasers.pop(token, None)
     if release is None:
         return False
     release()

@@ -26,7 +26,7 @@ chunk and field.
   ``reduce`` and ``set`` wait for the last update that uses the field.
 - **Layouts.** A field keeps its item shape and dtype; an update whose results
   change them (or that makes a new field) runs without ``out=``, and the arrays
-  dispatch makes become the fields.
+  dispatch makes are copied into new arrays of the fields'.
 - **Memory.** ``set`` writes into the field's array (a new one only for a new
   shape or dtype), ``get`` copies the rows out; :meth:`HostBatch.close`
   unlinks every segment at once.
@@ -45,11 +45,13 @@ import numpy as np
 
 from dsched.dataplane.loaders import MappingLoader
 from dsched.dataplane.segments import free_shared, shared_empty
+from dsched.dataplane.store import find_shared
 from dsched.dispatch import WorkDispatcher, dispatch
 from dsched.errors import AggregateError
 from dsched.resident.host_update import ChunkUpdate, LayoutChanged, layout_of
 from dsched.resident.hostdata import inputs_in_shared_memory, out_arrays
 from dsched.resident.lane import Job, Lane
+from dsched.resident.tasks import Update
 from dsched.schedulers.planned import PlannedChunks
 
 __all__ = ["HostBatch", "HostUpdate"]
@@ -65,12 +67,12 @@ class _Field:
     spare: np.ndarray | None = None
 
 
-class HostUpdate:
+class HostUpdate(Update):
     """The handle of an update in host memory: ``wait()`` blocks until it ran and raises its failure (several
     chunks: :class:`~dsched.AggregateError`); ``done()`` tells without blocking."""
 
     def __init__(self, batch, job):
-        self.label = job.label
+        super().__init__(job.label, [])
         self._batch, self._job = batch, job
 
     @property
@@ -123,6 +125,7 @@ class HostBatch:
         self._jobs = []  # pushed jobs not known to have succeeded, in push order
         self._last_use, self._last_write = {}, {}  # field -> the last job pushed that reads or writes it, writes it
         self._programs = collections.OrderedDict()
+        self._segments = set()  # the names of every segment the batch made: unlinked at close
         self._closed = False
         self._lane = Lane()
         # A batch never closed ends its thread when it is collected (or at exit, its update cancelled).
@@ -256,6 +259,9 @@ class HostBatch:
             first = reached
         if any(isinstance(e, LayoutChanged) for e in errors):
             raise LayoutChanged(str(next(e for e in errors if isinstance(e, LayoutChanged))))
+        if any(isinstance(e, CancelledError) for e in errors):
+            self._forget_writes(targets)
+            raise next(e for e in errors if isinstance(e, CancelledError))
         self._commit(targets, failed)
         if errors:
             raise errors[0] if len(errors) == 1 else AggregateError.of(errors, dispatched=len(self.chunks))
@@ -295,20 +301,30 @@ class HostBatch:
                         target[chunk.start:chunk.stop] = kept.current[chunk.start:chunk.stop]
                 kept.current, kept.spare = target, kept.current
 
+    def _forget_writes(self, targets):
+        """A cancelled update changes no field. Its chunks may still be running, to write their rows late: the
+        spare arrays and the marks they write into are dropped (unlinked once nothing holds them), not reused."""
+        with self._lock:
+            for field in targets:
+                self._fields[field].spare = None
+            self._marks = self._empty(self._marks.shape, np.uint8)  # the old ones are unlinked at close
+
     def _run_learning(self, spec, inputs, axis, outs):
         """The update with a layout to learn (a new field, or one whose items changed): dispatch makes the arrays,
-        which become the fields; a failure changes nothing."""
+        copied into the fields' own; a failure changes nothing."""
         program = self._program(spec, inputs, outs, None)
         reads = [self._fields[f].current for f in spec.reads]
         self._planned.start_at(0)
         fields, rows_out, _ = self._dispatch(program, 0, reads, inputs, axis, outs, None)
+        for name, array in rows_out.items():
+            np.copyto(outs[name], array)
         with self._lock:
             for field, array in fields.items():
                 kept = self._fields.get(field)
                 spare = kept.current if kept is not None and layout_of(kept.current) == layout_of(array) else None
-                self._fields[field] = _Field(array, spare)
-        for name, array in rows_out.items():
-            np.copyto(outs[name], array)
+                self._fields[field] = _Field(self._copy(array), spare)
+        for array in fields.values():  # dispatch's arrays, copied into the batch's own: unlinked now, not pooled
+            free_shared(array)
 
     def _spare(self, field):
         kept = self._fields[field]
@@ -385,7 +401,11 @@ class HostBatch:
     # --- memory ---------------------------------------------------------------------------
 
     def _empty(self, shape, dtype):
-        return shared_empty(shape, dtype) if self._shared else np.empty(shape, dtype)
+        if not self._shared:
+            return np.empty(shape, dtype)
+        array = shared_empty(shape, dtype)
+        self._segments.add(find_shared(array).token)
+        return array
 
     def _copy(self, array):
         copy = self._empty(array.shape, array.dtype)
@@ -393,15 +413,14 @@ class HostBatch:
         return copy
 
     def _free_all(self):
-        """Unlink every segment of the batch now (its arrays in this process stay valid while referenced)."""
+        """Unlink every segment of the batch now, also those of arrays it let go of that something still holds (a
+        cancelled update's traceback); its arrays in this process stay valid while referenced."""
         with self._lock:
-            arrays = [a for kept in self._fields.values() for a in (kept.current, kept.spare) if a is not None]
-            arrays += [getattr(self, "_rows", None), getattr(self, "_marks", None)]
+            segments, self._segments = self._segments, set()
             self._fields.clear()
             self._programs.clear()
-        for array in arrays:
-            if array is not None:
-                free_shared(array)
+        for token in segments:
+            free_shared(token)  # those unlinked already (their arrays collected) are passed over
 
 
 def _without_run_notes(errors) -> list:
