@@ -185,7 +185,7 @@ def test_every_segment_is_unlinked_at_close_and_after_an_exception(process_clien
     batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])
     batch.set("z", np.ones((40, 3)))
     np.testing.assert_array_equal(batch.get("x"), np.arange(40.0) + 2)
-    assert len(_segments() - before) >= 5  # x (two arrays), y, z, the rows and marks
+    assert len(_segments() - before) >= 5  # x (two arrays), y, z, and each item's chunk
     batch.close()
     assert _segments() - before == set()
     with pytest.raises(RuntimeError, match="this Batch is closed"):

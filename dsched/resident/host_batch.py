@@ -48,7 +48,7 @@ from dsched.dataplane.segments import free_shared, shared_empty
 from dsched.dataplane.store import find_shared
 from dsched.dispatch import WorkDispatcher, dispatch
 from dsched.errors import AggregateError
-from dsched.resident.host_update import ChunkUpdate, LayoutChanged, layout_of
+from dsched.resident.host_update import CHUNK_ATTRIBUTE, ChunkUpdate, LayoutChanged, layout_of
 from dsched.resident.hostdata import inputs_in_shared_memory, out_arrays
 from dsched.resident.lane import Job, Lane
 from dsched.resident.tasks import Update
@@ -128,13 +128,12 @@ class HostBatch:
         self._segments = set()  # the names of every segment the batch made: unlinked at close
         self._closed = False
         self._lane = Lane()
-        # A batch never closed ends its thread when it is collected (or at exit, its update cancelled).
+        # A batch never closed ends its thread when it is collected (or at exit, its updates cancelled).
         self._stop_lane = weakref.finalize(self, self._lane.stop, 30.0, True)
         try:
             # Each item's chunk: tells a chunk's program which one it runs (a few bytes per item).
             self._rows = self._empty((n,), np.uint16 if len(self.chunks) < 2**16 else np.uint32)
             self._rows[:] = np.repeat(np.arange(len(self.chunks)), [c.size for c in self.chunks])
-            self._marks = self._empty((n,), np.uint8)  # 1 at a chunk's first row once it succeeded
             for name, array in arrays.items():
                 self._fields[name] = _Field(self._copy(array))
                 self._names[name] = None
@@ -211,9 +210,7 @@ class HostBatch:
             return
         self._closed = True
         try:
-            for job in list(self._jobs):
-                job.cancel()
-            self._lane.stop()
+            self._lane.stop(cancel=True)
         finally:
             self._free_all()
 
@@ -247,11 +244,16 @@ class HostBatch:
         failed, errors = set(), []
         first = 0
         while first < len(self.chunks):  # a failure stops a run's dispatching: the chunks it never sent go again
-            reached, error = self._run_from(first, program, reads, inputs, axis, outs, targets)
-            failed.update(c.index for c in self.chunks[first:reached] if self._marks[c.start] != 1)
+            try:
+                reached, error = self._run_from(first, program, reads, inputs, axis, outs, targets)
+            except BaseException:  # a Ctrl-C on the thread that runs it: as a cancel
+                self._forget_writes(targets)
+                raise
             if error is None:
                 break
-            errors += _without_run_notes(list(error.errors) if isinstance(error, AggregateError) else [error])
+            found = _without_run_notes(list(error.errors) if isinstance(error, AggregateError) else [error])
+            failed.update(_failed_chunks(found, range(first, reached)))
+            errors += found
             if reached == first or isinstance(error, CancelledError) or \
                     any(isinstance(e, LayoutChanged) for e in errors):
                 failed.update(c.index for c in self.chunks[reached:])
@@ -268,13 +270,11 @@ class HostBatch:
 
     def _run_from(self, first, program, reads, inputs, axis, outs, targets):
         """One dispatch of the chunks from ``first`` on; ``(index past the last chunk dispatched, its error)``."""
-        for chunk in self.chunks[first:]:
-            self._marks[chunk.start] = 0
         self._planned.start_at(first)
         try:
             self._dispatch(program, self.chunks[first].start, reads, inputs, axis, outs, targets)
             error = None
-        except Exception as err:  # noqa: BLE001  its chunks' outcomes are read from the marks
+        except Exception as err:  # noqa: BLE001  its chunks' outcomes are read from it
             error = err
         return self._planned.dispatched, error
 
@@ -285,7 +285,7 @@ class HostBatch:
                 *(a[start:] for a in outs.values())]
         axes = (0,) * (1 + len(reads)) + (axis,) * len(inputs) + (0,) * len(outs)
         out = None if targets is None else ({f: t[start:] for f, t in targets.items()},
-                                            {n: o[start:] for n, o in outs.items()}, self._marks[start:])
+                                            {n: o[start:] for n, o in outs.items()})
         return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
                         out=out, host_arrays=True)
 
@@ -303,11 +303,10 @@ class HostBatch:
 
     def _forget_writes(self, targets):
         """A cancelled update changes no field. Its chunks may still be running, to write their rows late: the
-        spare arrays and the marks they write into are dropped (unlinked once nothing holds them), not reused."""
+        spare arrays they write into are dropped (unlinked once nothing holds them, or at close), not reused."""
         with self._lock:
             for field in targets:
                 self._fields[field].spare = None
-            self._marks = self._empty(self._marks.shape, np.uint8)  # the old ones are unlinked at close
 
     def _run_learning(self, spec, inputs, axis, outs):
         """The update with a layout to learn (a new field, or one whose items changed): dispatch makes the arrays,
@@ -315,7 +314,7 @@ class HostBatch:
         program = self._program(spec, inputs, outs, None)
         reads = [self._fields[f].current for f in spec.reads]
         self._planned.start_at(0)
-        fields, rows_out, _ = self._dispatch(program, 0, reads, inputs, axis, outs, None)
+        fields, rows_out = self._dispatch(program, 0, reads, inputs, axis, outs, None)
         for name, array in rows_out.items():
             np.copyto(outs[name], array)
         with self._lock:
@@ -366,7 +365,7 @@ class HostBatch:
         if job is None:
             return
         try:
-            job.wait()
+            self._lane.help(job)  # run here what the lane's thread has not started: no hand-off per step
         except KeyboardInterrupt:
             for pending in list(self._jobs):
                 pending.cancel()
@@ -421,6 +420,16 @@ class HostBatch:
             self._programs.clear()
         for token in segments:
             free_shared(token)  # those unlinked already (their arrays collected) are passed over
+
+
+def _failed_chunks(errors, dispatched) -> set:
+    """The indexes of the chunks that failed, of those a run dispatched: each error :class:`ChunkUpdate` raised
+    names its chunk; an error that names none (dispatch's own, or one whose pickling lost the name) fails them
+    all, so that no chunk is taken for done that was not."""
+    named = [getattr(error, CHUNK_ATTRIBUTE, None) for error in errors]
+    if any(index is None for index in named):
+        return set(dispatched)
+    return set(named)
 
 
 def _without_run_notes(errors) -> list:

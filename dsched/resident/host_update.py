@@ -8,9 +8,10 @@ every array is split into the batch's chunks, and each chunk's rows reach
 both read and written writable with ``inplace``, the update's ``out`` rows
 writable), checks what ``fn`` returned with the same messages
 (:func:`~dsched.resident.tasks.checked_result`), and returns
-``(fields written, out rows, done marks)``, which dispatch writes in place:
-into the spare arrays of the fields written, the caller's ``out`` arrays, and a
-row of ones per item that tells the batch which chunks succeeded.
+``(fields written, out rows)``, which dispatch writes in place: into the spare
+arrays of the fields written and the caller's ``out`` arrays. What it raises
+names the batch's chunk (an attribute, and a note), so the batch knows which
+chunks failed.
 
 A field keeps its item shape and dtype from one update to the next. A result
 that changes them raises :class:`LayoutChanged`, and the batch runs the update
@@ -24,7 +25,9 @@ import numpy as np
 from dsched.dataplane.outputs import ChunkResultError
 from dsched.resident.tasks import _to_host, checked_result
 
-__all__ = ["ChunkUpdate", "LayoutChanged", "layout_of"]
+__all__ = ["ChunkUpdate", "LayoutChanged", "layout_of", "CHUNK_ATTRIBUTE"]
+
+CHUNK_ATTRIBUTE = "dsched_batch_chunk"  # on an error a chunk raised: the index of the batch's chunk
 
 
 class LayoutChanged(ChunkResultError):
@@ -61,8 +64,17 @@ class ChunkUpdate:
         self.__name__ = spec.label
 
     def __call__(self, rows, *arrays):
-        spec = self.spec
         chunk = self._chunk(rows)
+        try:
+            return self._call(chunk, arrays)
+        except Exception as err:
+            setattr(err, CHUNK_ATTRIBUTE, chunk.index)
+            # The batch's chunk, not dispatch's: a run that starts part-way through the plan counts from there.
+            err.add_note(f"dsched: update {self.spec.label!r} failed on {chunk}")
+            raise
+
+    def _call(self, chunk, arrays):
+        spec = self.spec
         given = {}
         for field, array in zip(spec.reads, arrays):
             # A field written in place is the chunk's own copy: its rows in the batch change only when fn succeeds.
@@ -72,12 +84,7 @@ class ChunkUpdate:
         # The out rows as they are, writable: what fn leaves unwritten keeps its value.
         outs = {name: np.array(array) for name, array in zip(self.outs, rest[len(self.inputs):])}
         given.update(outs)
-        try:
-            result = spec.fn(**given, **spec.kwargs)
-        except Exception as err:
-            # The batch's chunk, not dispatch's: a run that starts part-way through the plan counts from there.
-            err.add_note(f"dsched: update {spec.label!r} failed on {chunk}")
-            raise
+        result = spec.fn(**given, **spec.kwargs)
         fields = {field: _to_host(value) for field, value in checked_result(spec, chunk, result).items()}
         if self.layouts is not None:
             for field, value in fields.items():
@@ -86,7 +93,7 @@ class ChunkUpdate:
                     raise LayoutChanged(f"update {spec.label!r}: {chunk}: field {field!r} has items of shape "
                                         f"{found[0]} and dtype {np.dtype(found[1])}; the field's are {kept[0]}, "
                                         f"{np.dtype(kept[1])}")
-        return fields, outs, np.ones(len(rows), np.uint8)
+        return fields, outs
 
     def _chunk(self, rows):
         """The batch's chunk whose rows these are (``rows``: each item's chunk index)."""

@@ -1,4 +1,4 @@
-"""A batch's updates, run one after another on a thread of their own, in the order they were pushed.
+"""A batch's updates, run one after another in the order they were pushed, on a thread of their own.
 
 :meth:`Batch.update <dsched.Batch.update>` returns at once. In host memory
 (:class:`~dsched.resident.host_batch.HostBatch`) an update is a :class:`Job`:
@@ -8,11 +8,15 @@ push order, each after the one before has ended, so every update sees the fields
 as the updates pushed before it left them; a job can be cancelled, before it
 starts or while its dispatch runs (:class:`~dsched.dispatch.completion.Cancellation`,
 as :meth:`dsched.DispatchFuture.cancel` does).
+
+A caller that waits for a job the lane's thread has not started runs it itself
+(:meth:`Lane.help`): a solver's ``update`` then ``get`` costs one call, with no
+hand-off to another thread and back.
 """
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 from concurrent.futures import CancelledError
 
@@ -24,8 +28,9 @@ __all__ = ["Job", "Lane"]
 class Job:
     """One pushed operation: what it reads and writes, the work that does it, and how it ended.
 
-    ``work(job)`` runs on the lane; whatever it raises is kept in ``error``. ``reported``: the error was raised
-    to the caller once already (by a ``get``, ``reduce`` or ``wait`` of the batch).
+    ``work(job)`` runs once, on the lane's thread or on a thread that waits for it; whatever it raises is kept in
+    ``error`` (a Ctrl-C is kept as a ``CancelledError`` and raised on). ``reported``: the error was raised to the
+    caller once already (by a ``get``, ``reduce`` or ``wait`` of the batch).
     """
 
     def __init__(self, label, reads, writes, work):
@@ -52,8 +57,11 @@ class Job:
             self.cancellation.check()
             with cancellable(self.cancellation):
                 self.work(self)
-        except BaseException as err:  # noqa: BLE001  kept for the caller, raised where it waits
-            self.error = err if isinstance(err, Exception) else CancelledError(f"update {self.label!r}: {err!r}")
+        except Exception as err:  # noqa: BLE001  kept for the caller, raised where it waits
+            self.error = err
+        except BaseException as err:  # a Ctrl-C on the thread that helps: the job is over, the interrupt goes on
+            self.error = CancelledError(f"update {self.label!r}: {type(err).__name__}")
+            raise
         finally:
             self.work = None  # the update's inputs and out arrays are not kept once it ran
             self._ended.set()
@@ -64,44 +72,76 @@ class Job:
 
 
 class Lane:
-    """A thread that runs :class:`Job` objects in the order :meth:`push` gave them; started by the first push."""
+    """Runs :class:`Job` objects one at a time, in the order :meth:`push` gave them, on a thread started by the
+    first push, or on a thread that waits for one (:meth:`help`)."""
 
     def __init__(self, name="dsched-batch"):
         self.name = name
-        self._inbox = queue.SimpleQueue()
-        self._running = [None]  # the job the thread runs now
+        self._pending = collections.deque()  # pushed and not ended, in order; the first may be running
+        self._running = None  # the job some thread runs now
+        self._cond = threading.Condition()
         self._thread = None
-        self._lock = threading.Lock()
         self._stopped = False
 
     def push(self, job):
-        with self._lock:
+        with self._cond:
             if self._stopped:
                 raise RuntimeError("this Batch is closed")
+            self._pending.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=_serve, args=(self._inbox, self._running), name=self.name,
-                                                daemon=True)
+                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
                 self._thread.start()
-        self._inbox.put(job)
+            self._cond.notify_all()
+
+    def help(self, job):
+        """Until ``job`` has ended: run on this thread the jobs up to it that no thread has started, in order;
+        wait for those another thread runs."""
+        while not job.done:
+            head = self._claim(until=job)
+            if head is None:
+                job.wait()
+                return
+            try:
+                head.run()
+            finally:
+                self._release(head)
 
     def stop(self, timeout=None, cancel=False):
-        """No more jobs; wait (at most ``timeout`` seconds) for the thread to end the ones it has (``cancel``: the
-        one it runs is cancelled first)."""
-        with self._lock:
+        """No more jobs; wait (at most ``timeout`` seconds) for the thread to end the ones pushed (``cancel``: each
+        is cancelled first, so they end at once)."""
+        with self._cond:
             self._stopped, thread = True, self._thread
-        running = self._running[0]
-        if cancel and running is not None:
-            running.cancel()
-        self._inbox.put(None)
+            if cancel:
+                for job in self._pending:
+                    job.cancel()
+            self._cond.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
+    def _claim(self, until=None):
+        """The first pending job, now marked running, if no thread runs one (and it is ``until`` or before it)."""
+        with self._cond:
+            if self._running is not None or not self._pending or (until is not None and until not in self._pending):
+                return None
+            self._running = self._pending[0]
+            return self._running
 
-def _serve(inbox, running):
-    while True:
-        job = inbox.get()
-        if job is None:
-            return
-        running[0] = job
-        job.run()
-        running[0] = job = None  # an idle lane keeps no job (nor its arrays) alive
+    def _release(self, job):
+        with self._cond:
+            self._pending.popleft()
+            self._running = None
+            self._cond.notify_all()
+
+    def _serve(self):
+        while True:
+            with self._cond:
+                while self._running is not None or not self._pending:
+                    if self._stopped and not self._pending:
+                        return
+                    self._cond.wait()
+                job = self._running = self._pending[0]
+            try:
+                job.run()
+            finally:
+                self._release(job)
+                job = None  # an idle lane keeps no job (nor its arrays) alive
