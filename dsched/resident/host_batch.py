@@ -23,7 +23,9 @@ chunk and field.
   their results.
 - **Order.** Updates return at once and run one after another, in the order
   pushed, on the batch's :class:`~dsched.resident.lane.Lane`; ``get``,
-  ``reduce`` and ``set`` wait for the last update that uses the field.
+  ``reduce`` and ``set`` wait for the last update that uses the field, and run
+  those the lane's thread has not started themselves (a step's ``update`` then
+  ``get`` is one call on the caller's thread).
 - **Layouts.** A field keeps its item shape and dtype; an update whose results
   change them (or that makes a new field) runs without ``out=``, and the arrays
   dispatch makes are copied into new arrays of the fields'.
