@@ -1,5 +1,10 @@
 """Resident batches on real Dask clusters: in-process (cpu + emulated cuda:0) and worker processes.
 
+What a batch promises holds wherever its fields live: the tests that take the ``memory`` fixture run in host
+memory (one array per field, an update one dispatch) and in device memory (the task engine). The task engine's
+own (lineage rebuilt after a lost worker, the workers' memory per version, set() segments per field) run on
+``memory="device"``; the host backend's own are in ``tests/test_host_batch.py``.
+
 Emulated CUDA workers compute with NumPy: these tests check placement, ordering,
 errors and faults, never GPU behaviour.
 """
@@ -18,6 +23,12 @@ from dsched import Batch, ChunkResultError, StaticHybridScheduler
 from dsched.bench_batch import final_strain, j2_load_step, run_batch, run_numpy
 
 
+@pytest.fixture(params=["host", "device"])
+def memory(request):
+    """Where the batch keeps its fields: each test that takes it runs once per place."""
+    return request.param
+
+
 def hybrid_scheduler(small=3, large=5):
     return StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[small, large], priorities=[1, 2])
 
@@ -27,9 +38,10 @@ def where_am_i(x):
     return {"where": np.full(len(x), 0 if dsched.current_device().type == "cpu" else 1)}
 
 
-def test_chunks_live_on_their_planned_devices(hybrid_client):
+def test_chunks_live_on_their_planned_devices(hybrid_client, memory):
     scheduler = hybrid_scheduler()
-    with Batch({"x": np.arange(20.0)}, scheduler, client=hybrid_client) as batch:
+    with Batch({"x": np.arange(20.0)}, scheduler, client=hybrid_client, memory=memory) as batch:
+        assert batch.memory == memory
         planned = dsched.plan(20, scheduler)
         assert [(c.device, c.size) for c in batch.chunks] == planned
         batch.update(where_am_i, reads=["x"], outputs=["where"])
@@ -37,9 +49,9 @@ def test_chunks_live_on_their_planned_devices(hybrid_client):
         np.testing.assert_array_equal(batch.get("where"), expected)
 
 
-def test_updates_carry_state_and_reduce_syncs(hybrid_client):
+def test_updates_carry_state_and_reduce_syncs(hybrid_client, memory):
     x = np.arange(23.0)
-    with Batch({"x": x, "acc": np.zeros((23, 2))}, hybrid_scheduler(), client=hybrid_client) as batch:
+    with Batch({"x": x, "acc": np.zeros((23, 2))}, hybrid_scheduler(), client=hybrid_client, memory=memory) as batch:
         handles = []
         for step in range(1, 6):
             handles.append(batch.update(lambda x, acc, k: {"acc": acc + k * x[:, None]}, reads=["x", "acc"],
@@ -52,8 +64,8 @@ def test_updates_carry_state_and_reduce_syncs(hybrid_client):
         assert batch.reduce(len, "x", combine=list) == [5, 3, 5, 3, 5, 2]  # dispatch order
 
 
-def test_set_streams_host_values(hybrid_client):
-    with Batch({"x": np.zeros(12)}, hybrid_scheduler(), client=hybrid_client) as batch:
+def test_set_streams_host_values(hybrid_client, memory):
+    with Batch({"x": np.zeros(12)}, hybrid_scheduler(), client=hybrid_client, memory=memory) as batch:
         batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])
         batch.set("x", np.arange(12.0)).wait()
         batch.update(lambda x: {"x": 2 * x}, reads=["x"], writes=["x"])
@@ -63,13 +75,14 @@ def test_set_streams_host_values(hybrid_client):
         np.testing.assert_array_equal(batch.get("y"), np.ones((12, 3)))
 
 
-def test_get_takes_the_last_layout_and_follows_an_update_that_changed_it(hybrid_client):
-    """A step's get reuses the item shape and dtype its last get found (one round trip through Dask); an update
-    that changed them since is followed, not refused."""
+def test_an_update_that_changes_a_fields_layout_is_followed(hybrid_client, memory):
+    """An update may give a field another item shape and dtype: get follows it, not refuses it (in host memory the
+    field gets a new array; in device memory get learns the new layout)."""
     x = np.arange(24.0).reshape(12, 2)
-    with Batch({"x": x}, hybrid_scheduler(), client=hybrid_client) as batch:
+    with Batch({"x": x}, hybrid_scheduler(), client=hybrid_client, memory=memory) as batch:
         np.testing.assert_array_equal(batch.get("x"), x)
-        assert batch._seen_layouts["x"] == ((2,), np.dtype("f8").str)
+        if memory == "device":  # a step's get reuses the layout its last get found (one round trip through Dask)
+            assert batch._backend._seen_layouts["x"] == ((2,), np.dtype("f8").str)
         batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])
         np.testing.assert_array_equal(batch.get("x"), x + 1)
         batch.update(lambda x: {"x": np.concatenate([x, x[:, :1]], axis=1).astype(np.float32)}, reads=["x"],
@@ -78,34 +91,37 @@ def test_get_takes_the_last_layout_and_follows_an_update_that_changed_it(hybrid_
         got = batch.get("x")
         assert got.dtype == np.float32 and got.shape == (12, 3)
         np.testing.assert_array_equal(got, wider)
-        assert batch._seen_layouts["x"] == ((3,), np.dtype("f4").str)
+        if memory == "device":
+            assert batch._backend._seen_layouts["x"] == ((3,), np.dtype("f4").str)
+        batch.update(lambda x: {"x": 2 * x}, reads=["x"], writes=["x"])  # and the new layout is kept
+        np.testing.assert_array_equal(batch.get("x"), 2 * wider)
 
 
-def test_inplace_update_mutates_after_earlier_reads(hybrid_client):
+def test_inplace_update_mutates_after_earlier_reads(hybrid_client, memory):
     def mutate(x):
         x *= 3  # in place: allowed only because the engine ran the earlier reads first
         return {"x": x}
 
-    with Batch({"x": np.arange(10.0)}, hybrid_scheduler(), client=hybrid_client) as batch:
+    with Batch({"x": np.arange(10.0)}, hybrid_scheduler(), client=hybrid_client, memory=memory) as batch:
         batch.update(lambda x: {"before": x.copy()}, reads=["x"], outputs=["before"])
         batch.update(mutate, reads=["x"], writes=["x"], inplace=True)
         np.testing.assert_array_equal(batch.get("before"), np.arange(10.0))
         np.testing.assert_array_equal(batch.get("x"), 3 * np.arange(10.0))
 
 
-def test_read_only_unless_inplace(hybrid_client):
+def test_read_only_unless_inplace(hybrid_client, memory):
     def mutate(x):
         x += 1
         return {"x": x}
 
-    with Batch({"x": np.arange(10.0)}, hybrid_scheduler(), client=hybrid_client) as batch:
+    with Batch({"x": np.arange(10.0)}, hybrid_scheduler(), client=hybrid_client, memory=memory) as batch:
         with pytest.raises(ValueError, match="read-only"):
             batch.update(mutate, reads=["x"], writes=["x"]).wait()
         np.testing.assert_array_equal(batch.get("x"), np.arange(10.0))
 
 
-def test_bad_names_are_refused_before_any_work(hybrid_client):
-    with Batch({"x": np.arange(10.0)}, hybrid_scheduler(), client=hybrid_client) as batch:
+def test_bad_names_are_refused_before_any_work(hybrid_client, memory):
+    with Batch({"x": np.arange(10.0)}, hybrid_scheduler(), client=hybrid_client, memory=memory) as batch:
         with pytest.raises(ValueError, match=r"reads: no field 'strian' in this batch \(fields: x\)"):
             batch.update(lambda strian: {"x": strian}, reads=["strian"], writes=["x"])
         with pytest.raises(ValueError, match=r"writes: no field 'y' in this batch \(fields: x\)"):
@@ -125,11 +141,14 @@ def test_bad_names_are_refused_before_any_work(hybrid_client):
         Batch({"a": np.zeros(3)}, hybrid_scheduler(), n=4, client=hybrid_client)
     with pytest.raises(ValueError, match=r"n: must be >= 1, got 0"):
         Batch({}, hybrid_scheduler(), n=0, client=hybrid_client)
+    for bad in ("shared", "Host", None, 1):
+        with pytest.raises(ValueError, match=rf"^memory: expected 'auto', 'host' or 'device', got {bad!r}$"):
+            Batch({"a": np.zeros(2)}, hybrid_scheduler(), client=hybrid_client, memory=bad)
 
 
-def test_a_batch_without_fields_takes_them_from_its_updates(hybrid_client):
+def test_a_batch_without_fields_takes_them_from_its_updates(hybrid_client, memory):
     t = np.arange(40.0).reshape(2, 20)  # a history of 2 entries for 20 items, items on axis 1
-    with Batch({}, hybrid_scheduler(), n=20, client=hybrid_client) as batch:
+    with Batch({}, hybrid_scheduler(), n=20, client=hybrid_client, memory=memory) as batch:
         assert batch.fields == [] and batch.n == 20
         batch.update(lambda t: {"y": t[0] + t[1]}, outputs=["y"], inputs={"t": t}, axis=1)
         assert batch.fields == ["y"]
@@ -143,8 +162,8 @@ def test_a_batch_without_fields_takes_them_from_its_updates(hybrid_client):
                               r"\(4,\)\); expected 5 items along axis 0 \(the chunk's size\)"),
     (lambda x: x, r"update 'bad': chunk 0 on cuda:0 \(items 0:5\) returned ndarray; expected a dict"),
 ])
-def test_bad_results_name_the_field_and_chunk_and_the_batch_stays_usable(hybrid_client, fn, message):
-    with Batch({"x": np.arange(8.0)}, hybrid_scheduler(), client=hybrid_client) as batch:
+def test_bad_results_name_the_field_and_chunk_and_the_batch_stays_usable(hybrid_client, memory, fn, message):
+    with Batch({"x": np.arange(8.0)}, hybrid_scheduler(), client=hybrid_client, memory=memory) as batch:
         batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])
         with pytest.raises(ChunkResultError, match=message):
             # Only chunk 0 fails: the others return what they should.
@@ -154,11 +173,11 @@ def test_bad_results_name_the_field_and_chunk_and_the_batch_stays_usable(hybrid_
         np.testing.assert_array_equal(batch.get("x"), 2 * (np.arange(8.0) + 1))
 
 
-def test_to_zarr_streams_every_field(hybrid_client, tmp_path):
+def test_to_zarr_streams_every_field(hybrid_client, tmp_path, memory):
     import zarr
 
     fields = {"x": np.arange(12.0), "v": np.ones((12, 2), np.float32)}
-    with Batch(fields, hybrid_scheduler(), client=hybrid_client) as b:
+    with Batch(fields, hybrid_scheduler(), client=hybrid_client, memory=memory) as b:
         b.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])
         path = b.to_zarr(tmp_path / "state.zarr")
         with pytest.raises(ValueError, match="already exists"):
@@ -195,13 +214,13 @@ class _Op:
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=operations, inplace=st.booleans())
-def test_random_update_sequences_equal_program_order(hybrid_client, ops, inplace):
+def test_random_update_sequences_equal_program_order(hybrid_client, memory, ops, inplace):
     # The engine's own property test (tests/test_engine.py) tries many schedules; this one runs on Dask.
     start = {f: np.arange(11.0) * (i + 1) for i, f in enumerate("abc")}
     expected = dict(start)
     for index, (reads, writes) in enumerate(ops):
         expected.update(_apply(index, reads, writes, expected))
-    with Batch(start, hybrid_scheduler(), client=hybrid_client) as batch:
+    with Batch(start, hybrid_scheduler(), client=hybrid_client, memory=memory) as batch:
         for index, (reads, writes) in enumerate(ops):
             batch.update(_Op(index, reads, writes), reads=sorted(reads), writes=sorted(writes), inplace=inplace)
         for field in "abc":
@@ -230,6 +249,8 @@ def _steps(batch, first, last, steps, delay=0.0):
 
 
 def test_a_killed_worker_process_loses_nothing(process_client):
+    """Device memory: the chunks of a killed worker are rebuilt from their lineage (tests/test_host_batch.py kills
+    one in host memory, where dispatch runs its chunks again)."""
     n, steps = 60, 8
     strain = final_strain(n)
     reference = run_numpy(strain, steps)
@@ -237,7 +258,7 @@ def test_a_killed_worker_process_loses_nothing(process_client):
     cuda_worker = dsched.ownership.device_owners(process_client, ["cuda:0"])[dsched.Device("cuda:0")][0]
     pid = process_client.run(os.getpid, workers=[cuda_worker])[cuda_worker]
     with Batch({"final_strain": strain, "plastic_strain": np.zeros((n, 6)), "alpha": np.zeros(n)}, scheduler,
-               client=process_client) as batch:
+               client=process_client, memory="device") as batch:
         handles = _steps(batch, 0, 3, steps, delay=0.05)
         handles[0].wait()
         # set() values travel through shared memory too: they are part of the lineage to rebuild.
@@ -254,11 +275,11 @@ def test_a_killed_worker_process_loses_nothing(process_client):
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["new versions", "in place"])
-def test_load_steps_on_worker_processes_equal_numpy(process_client, in_place):
+def test_load_steps_on_worker_processes_equal_numpy(process_client, memory, in_place):
     strain = final_strain(50) * 3.0  # most points yield
     scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[10, 20], priorities=[1, 2])
     reference = run_numpy(strain, 5)
-    result = run_batch(process_client, scheduler, strain, 5, in_place=in_place)
+    result = run_batch(process_client, scheduler, strain, 5, in_place=in_place, memory=memory)
     for field in result:
         np.testing.assert_array_equal(result[field], reference[field], err_msg=field)
     assert (reference["alpha"] > 0).mean() > 0.5
@@ -289,7 +310,8 @@ def test_in_place_steps_hold_the_memory_of_the_first_two(process_client):
 
     process_client.register_plugin(_plugin())
     try:
-        run_batch(process_client, hybrid_scheduler(10, 20), final_strain(200), 20, on_step=on_step, in_place=True)
+        run_batch(process_client, hybrid_scheduler(10, 20), final_strain(200), 20, on_step=on_step, in_place=True,
+                  memory="device")
         after_all = _sum_peaks(process_client.run(_read_sampler))["distinct"]
     finally:
         process_client.unregister_worker_plugin(PeakMemoryPlugin.name)
@@ -301,7 +323,7 @@ def test_in_place_steps_hold_the_memory_of_the_first_two(process_client):
 def test_shared_memory_is_released_at_close(process_client):
     before = {e for e in os.listdir("/dev/shm") if e.startswith(f"dsched-{os.getpid()}-")}
     scheduler = StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[10, 20], priorities=[1, 2])
-    batch = Batch({"x": np.arange(40.0)}, scheduler, client=process_client)
+    batch = Batch({"x": np.arange(40.0)}, scheduler, client=process_client, memory="device")
     batch.set("x", np.ones(40))
     assert len({e for e in os.listdir("/dev/shm") if e.startswith(f"dsched-{os.getpid()}-")} - before) == 2
     np.testing.assert_array_equal(batch.get("x"), np.ones(40))
@@ -348,7 +370,7 @@ def test_a_dispatch_output_given_as_an_update_input_is_kept_until_the_update_ran
     n, event = 200, f"dsched-test-go-{uuid.uuid4().hex}"
     scheduler = dsched.SimpleScheduler("cpu", 100)
     load = dsched.dispatch(_twice, np.ones(n), scheduler=scheduler, client=process_client)
-    with Batch({"x": np.zeros(n)}, scheduler, client=process_client) as batch:
+    with Batch({"x": np.zeros(n)}, scheduler, client=process_client, memory="device") as batch:
         batch.update(_held_until_go, reads=["x"], writes=["x"], kwargs={"event": event})
         added = batch.update(_add_load, reads=["x"], writes=["x"], inputs={"load": load})
         del load
@@ -375,11 +397,11 @@ def _add_strain(strain, x):
     return {"x": x + strain}
 
 
-def test_set_again_and_again_keeps_dev_shm_flat(process_client):
+def test_set_again_and_again_keeps_dev_shm_flat(process_client, memory):
     """A solver sets a field at every step: the field's segment is written again, not a new one each time."""
     n = 4000
     field = n * 6 * 8
-    with Batch({"x": np.zeros((n, 6))}, hybrid_scheduler(1000, 2000), client=process_client) as batch:
+    with Batch({"x": np.zeros((n, 6))}, hybrid_scheduler(1000, 2000), client=process_client, memory=memory) as batch:
         batch.set("strain", np.zeros((n, 6)))
         batch.update(_add_strain, reads=["strain", "x"], writes=["x"])
         batch.get("x")
@@ -416,9 +438,9 @@ def square_into(x, y):
     y[:] = x * x  # writes only its out= rows: no field
 
 
-def test_an_update_may_write_only_to_out_arrays(hybrid_client):
+def test_an_update_may_write_only_to_out_arrays(hybrid_client, memory):
     y = dsched.shared_empty(20)
-    with Batch({"x": np.arange(20.0)}, hybrid_scheduler(), client=hybrid_client) as batch:
+    with Batch({"x": np.arange(20.0)}, hybrid_scheduler(), client=hybrid_client, memory=memory) as batch:
         batch.update(square_into, reads=["x"], out={"y": y}).wait()
         np.testing.assert_array_equal(y, np.arange(20.0) ** 2)
         assert batch.fields == ["x"]

@@ -5,8 +5,10 @@ isoharden and radret scenarios, a few dozen points): continuing runs, steps
 per update, recorded outputs, initial conditions, and errors that name their
 field. Then the Batch features, on any model: per-update ``inputs`` (a
 history, time leading), ``out`` arrays written where the client reads them,
-``get_many``, torch tensors kept as versions, and versions that read shared
-memory without a copy until an in-place update writes them.
+``get_many``, torch tensors kept as versions (in device memory), and versions
+that read shared memory without a copy until an in-place update writes them.
+Tests that take the ``memory`` fixture run with the state in host memory and in
+device memory.
 """
 
 import dataclasses
@@ -42,17 +44,25 @@ def test_nemls_feedback_rule():
         == {"strain~1": "strain", "t~1": "t", "t~2": "t~1", "gamma~2": "gamma~1", "stress~1": "stress"}
 
 
-def test_runs_continue_and_steps_per_update_change_nothing(process_client):
+@pytest.fixture(params=["host", "device"])
+def memory(request):
+    """Where the driver's batch keeps the state: each test that takes it runs once per place."""
+    return request.param
+
+
+def test_runs_continue_and_steps_per_update_change_nothing(process_client, memory):
     scenario, histories, model, scheduler, halves = _scenario("radret", 40, 4)  # gamma~2, t~2: lags of two
     reference, _ = run_neml2_driver(scenario, histories, chunks=halves)
-    with TransientDriver(model, scheduler, client=process_client) as driver:
+    with TransientDriver(model, scheduler, client=process_client, memory=memory) as driver:
+        assert driver.memory == memory
         driver.run(_prescribed(histories, 0, 3))  # steps 1-2
         driver.run(_prescribed(histories, 2), steps_per_update=1)  # steps 3-4, from entry 2
         assert driver.steps_done == 4
         for name, value in driver.get_many().items():
             np.testing.assert_array_equal(value, reference[name], err_msg=name)
-    with TransientDriver(model, scheduler, client=process_client) as driver:
+    with TransientDriver(model, scheduler, client=process_client, memory=memory) as driver:
         driver.run(_prescribed(histories), steps_per_update=3)
+        assert driver.batch.memory == memory
         np.testing.assert_array_equal(driver.get("gamma"), reference["gamma"])
         # No initial values: nothing was loaded before the first steps, the batch holds what they kept.
         assert driver.batch.fields == sorted(driver.keep)
@@ -112,6 +122,8 @@ def test_driver_errors_name_the_field(process_client):
         TransientDriver(model, scheduler, initial={"gamma": 0.0})
     with pytest.raises(ValueError, match=r"constants\['t'\]: expected a number, got 'x'"):
         TransientDriver(model, scheduler, constants={"t": "x"})
+    with pytest.raises(ValueError, match=r"^memory: expected 'auto', 'host' or 'device', got 'gpu'$"):
+        TransientDriver(model, scheduler, memory="gpu")
     driver = TransientDriver(model, scheduler, client=process_client)
     with pytest.raises(RuntimeError, match=r"has run no step yet"):
         driver.get("stress")
@@ -163,14 +175,14 @@ def _is_tensor(total):
 
 
 @pytest.mark.parametrize("client_name", ["process_client", "hybrid_client"])
-def test_batch_inputs_out_get_many_and_tensor_versions(client_name, request):
+def test_batch_inputs_out_get_many_and_tensor_versions(client_name, memory, request):
     client = request.getfixturevalue(client_name)
     n, steps = 10, 4
     history = dsched.shared_empty((steps, n))
     history[:] = np.arange(steps * n, dtype=float).reshape(steps, n)
     scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [6, 4])
     out = dsched.shared_empty((n,))
-    with dsched.Batch({"total": np.zeros(n)}, scheduler, client=client) as batch:
+    with dsched.Batch({"total": np.zeros(n)}, scheduler, client=client, memory=memory) as batch:
         for step in range(steps):
             batch.update(_accumulate, reads=["total"], writes=["total"], inputs={"history": history}, axis=1,
                          kwargs={"step": step})
@@ -180,13 +192,14 @@ def test_batch_inputs_out_get_many_and_tensor_versions(client_name, request):
             out={"done": out}).wait()
         got = batch.get_many(["total", "kind"], layouts={"total": ((), "f8")})
     np.testing.assert_array_equal(got["total"], history.sum(axis=0))
-    assert got["kind"].all()  # the versions stayed torch tensors between updates
+    # In device memory the versions stay torch tensors between updates; in host memory a field is a NumPy array.
+    assert got["kind"].all() if memory == "device" else not got["kind"].any()
     np.testing.assert_array_equal(out, history.sum(axis=0))  # written straight into the client's array
 
 
-def test_batch_input_and_out_errors_name_the_entry(process_client):
+def test_batch_input_and_out_errors_name_the_entry(process_client, memory):
     scheduler = dsched.SimpleScheduler("cpu", 5)
-    with dsched.Batch({"x": np.zeros(5)}, scheduler, client=process_client) as batch:
+    with dsched.Batch({"x": np.zeros(5)}, scheduler, client=process_client, memory=memory) as batch:
         with pytest.raises(ValueError, match=r"inputs\['h'\]: shape \(3, 4\) has no 5 items along axis 1"):
             batch.update(lambda x, h: {"x": x}, reads=["x"], writes=["x"], inputs={"h": np.zeros((3, 4))}, axis=1)
         with pytest.raises(ValueError, match=r"inputs: 'x' is not a name of its own"):
@@ -200,11 +213,11 @@ def _add_in_place(x):
     return {"x": x}
 
 
-def test_loaded_versions_read_shared_memory_and_copy_on_their_first_write(process_client):
+def test_loaded_versions_read_shared_memory_and_copy_on_their_first_write(process_client, memory):
     values = dsched.shared_empty((8,))
     values[:] = 1.0
     with dsched.Batch({"x": values}, dsched.StaticHybridScheduler(["cpu", "cuda:0"], [4, 4]),
-                      client=process_client) as batch:
+                      client=process_client, memory=memory) as batch:
         batch.update(_add_in_place, reads=["x"], writes=["x"], inplace=True)
         np.testing.assert_array_equal(batch.get("x"), 2.0)
     np.testing.assert_array_equal(values, 1.0)  # the caller's array (the lineage) is untouched
@@ -221,7 +234,7 @@ def test_updates_pushed_in_a_burst_run_as_one_task_per_chunk(process_client):
     """Updates queued behind the lookahead go to Dask together: one round trip per burst, the same results;
     a failure fails (and rolls back) the updates fused with it, and the batch stays usable."""
     scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [3, 3])
-    with dsched.Batch({"x": np.zeros(6)}, scheduler, client=process_client, lookahead=1) as batch:
+    with dsched.Batch({"x": np.zeros(6)}, scheduler, client=process_client, lookahead=1, memory="device") as batch:
         handles = [batch.update(_step, reads=["x"], writes=["x"], kwargs={"k": k, "sleep": 0.3 * (k == 1)})
                    for k in range(1, 11)]
         np.testing.assert_array_equal(batch.get("x"), 55.0)
@@ -240,12 +253,12 @@ def test_updates_pushed_in_a_burst_run_as_one_task_per_chunk(process_client):
         np.testing.assert_array_equal(batch.get("x"), after + 1000)
 
 
-def test_a_failed_newton_solve_fails_the_run_where_its_results_are_asked_for(process_client):
+def test_a_failed_newton_solve_fails_the_run_where_its_results_are_asked_for(process_client, memory):
     scenario, histories, model, scheduler, _ = _scenario("isoharden", 10, 2)
     failing = NEML2Model(scenario.input, "model", overrides=["Solvers/newton/max_its:=1"])
     from dsched.models import NEML2ConvergenceError
 
-    with TransientDriver(failing, scheduler, client=process_client) as driver:
+    with TransientDriver(failing, scheduler, client=process_client, memory=memory) as driver:
         driver.run(_prescribed(histories))
         for _ in range(2):  # every time
             with pytest.raises((NEML2ConvergenceError, dsched.AggregateError)) as info:

@@ -26,7 +26,7 @@ from dsched.names import SEGMENT_PREFIX
 
 __all__ = ["SHM_DIR", "mapped_segment", "pinned_segment", "forget_vanished_segments", "sweep_stale_segments",
            "sweep_now_and_then", "note_user_segment", "forget_user_segment", "shared_empty", "shared_copy",
-           "SegmentPool", "POOL", "release_pool", "record_semaphores"]
+           "SegmentPool", "POOL", "release_pool", "record_semaphores", "free_shared", "on_free"]
 
 SHM_DIR = "/dev/shm"
 _PREFIX = SEGMENT_PREFIX
@@ -418,6 +418,7 @@ def record_semaphores(owner, names):
 # and a run's outputs (their segments lent by the pool) while those arrays live. Fed back as inputs,
 # such arrays travel by reference.
 _user_segments: dict = {}
+_releasers: dict = {}  # token -> what unlinks the segment under a user's arrays now (free_shared)
 _user_lock = threading.RLock()  # re-entrant: a lease's end (a finalizer) may run in a collection under it
 
 
@@ -431,6 +432,42 @@ def forget_user_segment(token):
     """No array of the user's lies over the segment ``token`` any more (or its name is gone)."""
     with _user_lock:
         _user_segments.pop(token, None)
+        _releasers.pop(token, None)
+
+
+def on_free(token, release):
+    """``release()`` unlinks the user's segment ``token`` when :func:`free_shared` is called on one of its arrays."""
+    with _user_lock:
+        _releasers[token] = release
+
+
+def free_shared(array) -> bool:
+    """Unlink now the segment under ``array`` (a :func:`shared_empty` array or a run's output; or the segment's
+    name), rather than when its last array is collected; whether there was one.
+
+    Its arrays in this process stay readable and writable; worker processes can no longer open the segment by
+    name, and drop their mappings of it at their next chunk. For an owner that knows no one uses the arrays any
+    more (a resident batch at ``close()``), so that ``/dev/shm`` gives the memory back at once.
+
+    Examples
+    --------
+    >>> x = shared_empty(4)
+    >>> free_shared(x), free_shared(x), free_shared(np.zeros(4))
+    (True, False, False)
+    """
+    if isinstance(array, str):
+        token = array
+    else:
+        found = _shared_location(array) if isinstance(array, np.ndarray) else None
+        if found is None:
+            return False
+        token = found[0]
+    with _user_lock:
+        release = _releasers.pop(token, None)
+    if release is None:
+        return False
+    release()
+    return True
 
 
 def shared_empty(shape, dtype=float) -> np.ndarray:
@@ -458,7 +495,7 @@ def shared_empty(shape, dtype=float) -> np.ndarray:
     note_user_segment(segment.token, array.__array_interface__["data"][0], count * dtype.itemsize)
     buffer, token, path = segment.buffer, segment.token, segment.path
     del segment  # the finalizer must not hold what holds the mapping, or the mapping would never be collected
-    weakref.finalize(buffer, _release_user_segment, token, path)
+    on_free(token, weakref.finalize(buffer, _release_user_segment, token, path))  # calling it now unlinks it now
     return array
 
 

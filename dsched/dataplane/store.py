@@ -54,6 +54,7 @@ from dsched.dataplane.segments import (
     forget_user_segment,
     mapped_segment,
     note_user_segment,
+    on_free,
     pinned_segment,
     round_to_pages,
     shared_copy,
@@ -316,6 +317,7 @@ class _Lease:
         # The outputs handed out are found where they lie: fed back as a later call's inputs (a solver's
         # state, step after step), they travel by reference, not copied into a new segment.
         note_user_segment(segment.token, base.__array_interface__["data"][0], base.nbytes)
+        on_free(segment.token, lease.revoke)  # free_shared(array): unlinked now, never back to the pool
         weakref.finalize(base, lease.end)  # base: the array every view of the segment derives from
         return lease
 

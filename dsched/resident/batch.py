@@ -1,102 +1,50 @@
-"""Resident batches: named arrays that stay on their devices across repeated updates.
+"""Resident batches: named arrays kept across repeated updates, where their chunks compute.
 
 A finite-element solver calls its material model at every iteration of every
 step on the same points, with state carried from one call to the next.
-:class:`Batch` places each chunk of each field once, on the device
-:func:`dsched.plan` gives it, and keeps it there. Updates name the fields they
-read and the fields they write; a :class:`~dsched.engine.Engine` orders them
-per chunk and per field (reads together, a write after the earlier reads and
-write, a read after the write), and Dask runs each chunk's task as soon as its
-own inputs are ready. There is no barrier across chunks or updates:
-:meth:`Batch.reduce` and :meth:`Batch.get` are the only points where the
-client waits.
+:class:`Batch` cuts the points into the chunks :func:`dsched.plan` gives,
+keeps each field across updates, and runs every update on each chunk where
+the chunk's device is; updates return at once and run in the order pushed
+(per chunk and field), and :meth:`Batch.get` and :meth:`Batch.reduce` wait.
 
-How it maps onto Dask:
+Where the fields live (``memory``):
 
-- each version of a chunk's field is (a key of) a Dask future held by the
-  client, computed on a worker that owns the chunk's device (the task requests
-  the chunk's size of the ``dsched-<device>`` resource, so also the device's
-  capacity holds);
-- an update submits one task per chunk, whose arguments are the latest
-  versions of the fields it reads and, as ordering-only arguments, the pending
-  reads of the fields it writes;
-- new versions replace the old ones in the client's table, and Dask frees a
-  superseded version once no pending task needs it (memory recycling);
-- initial values and :meth:`Batch.set` values travel through the data plane
-  (:mod:`dsched.store`): shared memory that worker processes on this host map,
-  read by reference. They stay until :meth:`Batch.close`, so a lost worker's
-  chunks are rebuilt from lineage (those values plus the updates applied) on
-  the worker that takes over its device. On the host a chunk's first version
-  *is* that memory (a read-only view, copied by an in-place update on its first
-  write); arrays already in shared memory (:func:`dsched.shared_empty`) are
-  not copied at all, so they must not change while the batch is open;
-- updates pushed faster than a chunk runs them (queued behind ``lookahead``)
-  are handed to Dask together, as one task that runs them in order
-  (:func:`~dsched.resident.tasks._run_fused`): one round trip per burst, not
-  per update. Updates fused so succeed or fail together: a failure rolls the
-  chunk back to its version before the burst's task;
-- what an update returns stays as it is where it lives (torch tensors stay
-  tensors, on their device, between updates).
+- ``"host"``: in this host's memory, one array per field that the device
+  workers map (worker processes on this host, or workers in this process), and
+  each update one :func:`dsched.dispatch` of the batch
+  (:class:`~dsched.resident.host_batch.HostBatch`): a step costs what a call
+  costs;
+- ``"device"``: in each chunk's device memory (on a real GPU, GPU memory), and
+  each update one Dask task per chunk, ordered by a dependency engine
+  (:class:`~dsched.resident.task_batch.TaskBatch`);
+- ``"auto"`` (the default): ``"host"`` where every device is served by workers on
+  this host and none is a real GPU (an emulated ``cuda`` device computes on the
+  CPU), else ``"device"``.
+
+This module checks every argument (a one-line ``ValueError`` naming the field at
+fault, before any work) and hands the work to the backend.
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
-import math
-import secrets
-import threading
-
-import numpy as np
-
 from dsched.blocks.planning import plan
 from dsched.checks import check_positive_int
-from dsched.dataplane.outputs import ChunkResultError, ZarrTarget, check_out_path
-from dsched.dataplane.store import (
-    RunStore,
-    SliceRef,
-    classify_workers,
-)
-from dsched.devices.device import device_resource
+from dsched.dataplane.outputs import check_out_path
+from dsched.dataplane.store import classify_workers
 from dsched.devices.ownership import check_devices_owned, cluster_info, device_owners
-from dsched.resident.engine import Engine
+from dsched.names import EMULATED_RESOURCE
 from dsched.resident.fields import _check_fields, _check_inputs, _names
-from dsched.resident.hostdata import SetSegment, _Kept, out_refs, share_inputs
-from dsched.resident.tasks import (
-    Update,
-    _Chunk,
-    _client,
-    _fused_call,
-    _handed,
-    _item_layout,
-    _item_layouts,
-    _load,
-    _load_set,
-    _on_loop_thread,
-    _ordered,
-    _partial,
-    _resolve,
-    _Task,
-    _update,
-    _UpdateSpec,
-    _Version,
-    _wait,
-    _wait_all,
-    _wait_tasks,
-    _write,
-    _write_many,
-)
+from dsched.resident.host_batch import HostBatch
+from dsched.resident.task_batch import TaskBatch
+from dsched.resident.tasks import Update, _Chunk, _client, _UpdateSpec
 
-__all__ = ["Batch", "Update"]
+__all__ = ["Batch", "Update", "MEMORY"]
 
-_batch_ids = itertools.count()
-MAX_FUSED = 64  # updates of one chunk handed to Dask as one task, at most
-# Operations that may share a task: updates (a load fused with a failing update would roll back to nothing).
-_FUSABLE = (_update,)
+MEMORY = ("auto", "host", "device")  # where a batch's fields may live (Batch(memory=...))
 
 
 class Batch:
-    """Named arrays placed once on their devices, updated where they live.
+    """Named arrays cut into chunks once, kept across updates, each update run where each chunk's device is.
 
     Parameters
     ----------
@@ -106,13 +54,17 @@ class Batch:
     scheduler : WorkScheduler
         Cuts the items into chunks and places them (:func:`dsched.plan`).
     n : int, optional
-        The number of items: needed only without fields (else it must equal their length). A batch
-        without initial values starts computing with its first update's task, with nothing to load before.
+        The number of items: needed only without fields (else it must equal their length).
     client : distributed.Client, optional
         The cluster; by default the current Dask client. Its workers must own the scheduler's devices.
     lookahead : int
-        Operations per chunk handed to Dask ahead of the one running (the rest wait in the engine). Two
-        keep a device busy while the client hears of a completion, and bound the versions alive per chunk.
+        With ``memory="device"``: operations per chunk handed to Dask ahead of the one running (the rest
+        wait in the engine). Two keep a device busy while the client hears of a completion.
+    memory : {"auto", "host", "device"}
+        Where the fields live (see the module docs): ``"host"``, one array per field in this host's memory
+        that the workers map, an update one dispatch call; ``"device"``, each chunk's fields in its device's
+        memory, an update one Dask task per chunk; ``"auto"``, host memory unless a device is a real GPU.
+        The choice is :attr:`memory` afterwards.
 
     Examples
     --------
@@ -122,7 +74,9 @@ class Batch:
     55.0
     """
 
-    def __init__(self, fields, scheduler, *, n=None, client=None, lookahead=2):
+    def __init__(self, fields, scheduler, *, n=None, client=None, lookahead=2, memory="auto"):
+        if not isinstance(memory, str) or memory not in MEMORY:
+            raise ValueError(f"memory: expected 'auto', 'host' or 'device', got {memory!r}")
         if n is not None:
             n = check_positive_int(n, "n")
         arrays = _check_fields(fields, n=n, empty_ok=n is not None)
@@ -131,7 +85,7 @@ class Batch:
         self.client = _client(client)
         check_positive_int(lookahead, "lookahead", integers=int, below=None)
         self.lookahead = lookahead
-        workers = cluster_info(self.client)["workers"]  # one question to the scheduler for both checks
+        workers = cluster_info(self.client)["workers"]  # one question to the scheduler for every check
         check_devices_owned(self.client, scheduler, workers)
         self.chunks = []
         start = 0
@@ -144,36 +98,27 @@ class Batch:
         if any(kind == "remote" for kind in kinds.values()):
             raise ValueError("client: a worker owning one of the devices is on another host; resident batches "
                              "need workers that map this host's shared memory (or run in this process)")
-        # Worker processes map shared memory; in-process workers read registered arrays.
+        # Worker processes map shared memory; in-process workers read this process's arrays.
         self._shared = any(kind == "host" for kind in kinds.values())
-        self._store = RunStore(shared=self._shared)  # initial and set() values: the lineage, kept until close()
-        self._engine = Engine(queue_ready=False)  # Dask does the waiting
-        self._vars = {}  # (field, chunk index) -> engine Variable; its last write holds the current version
-        self._lock = threading.Lock()
-        self._id = f"dsched-batch-{secrets.token_hex(4)}-{next(_batch_ids)}"
-        self._ops = itertools.count()
+        self.memory = _memory_for(memory, self.devices, owners, workers)
+        if self.memory == "host":
+            self._backend = HostBatch(arrays, n=self.n, chunks=self.chunks, scheduler=scheduler, client=self.client,
+                                      shared=self._shared)
+        else:
+            self._backend = TaskBatch(arrays, n=self.n, chunks=self.chunks, client=self.client, shared=self._shared,
+                                      lookahead=lookahead)
         self._closed = False
-        # Per chunk: operations pushed but not yet handed to Dask (program order), and how many are in Dask.
-        self._queued = {c.index: collections.deque() for c in self.chunks}
-        self._in_dask = {c.index: 0 for c in self.chunks}
-        self._submit_lock = threading.Lock()
-        self._inputs = []  # (_Kept, tasks) of updates' inputs and outputs: released once their tasks have ended
-        self._seen_layouts = {}  # field -> (item shape, dtype) its last get found
-        self._set_segments = {}  # field -> SetSegment: where set() writes its values, again and again
-        self._set_stores = []  # their stores, unlinked at close()
-        # The first values wait for the first operation, to go to Dask with it (one message, one task).
-        self._held = True
-        self._load_values(arrays, "init")
 
     # --- the public API -----------------------------------------------------------
 
     @property
     def fields(self) -> list:
-        return sorted({field for field, _ in self._vars})
+        """The fields' names, sorted (those the updates pushed so far make included)."""
+        return self._backend.fields
 
     def update(self, fn, reads=(), writes=(), outputs=(), *, label=None, inplace=False, kwargs=None, inputs=None,
-               axis=0, out=None) -> Update:
-        """Run ``fn`` on every chunk where it lives; returns at once with an :class:`Update` handle.
+               axis=0, out=None):
+        """Run ``fn`` on every chunk where it lives; returns at once with an update handle (``wait()``, ``done()``).
 
         ``fn(**{field: chunk array for field in reads}, **kwargs)`` returns a
         dict with one array per field in ``writes`` and ``outputs``, each with
@@ -181,9 +126,9 @@ class Batch:
         (replaced by the returned arrays); ``outputs`` may also name new
         fields. Fields read arrive read-only unless ``inplace`` is true: then a
         field both read and written arrives writable and ``fn`` may mutate it in
-        place and return it (the engine runs it only after the earlier reads of
-        that field finished). A failed in-place update may leave what ``fn``
-        wrote before it failed.
+        place and return it (it runs only after the earlier reads of that
+        field). A failed chunk keeps its previous values (see docs/batch.md for
+        what an in-place update that fails leaves).
 
         ``inputs`` are arrays of this update only, ``{name: array}`` with the
         batch's items along ``axis``: each chunk's ``fn`` gets its own items as
@@ -200,7 +145,7 @@ class Batch:
         the keyword ``name``, and what it writes there is in the array once the
         update is done (results straight to the client, no :meth:`get` after).
         """
-        self._check_open(flush=False)  # the first values go with this update
+        self._check_open()
         if not callable(fn):
             raise ValueError(f"fn: expected a callable, got {fn!r}")
         reads, writes, outputs = (_names(v, n) for v, n in ((reads, "reads"), (writes, "writes"),
@@ -218,88 +163,33 @@ class Batch:
         label = label or getattr(fn, "__name__", "update")
         spec = _UpdateSpec(fn, label, reads, written, bool(inplace), dict(kwargs or {}))
         arrays = _check_inputs(inputs, axis, self.n, reads)
-        targets = self._out_refs(out, set(reads) | set(arrays))
-        tasks = []
-        with self._lock:
-            self._rollback_failed()
-            self._release_inputs()
-            store, refs = share_inputs(arrays, self._shared)
-            step = next(self._ops)
-            for chunk in self.chunks:
-                versions = {f: (self._version(f, chunk), f) for f in reads}
-                rows = {name: SliceRef(ref, axis, chunk.start, chunk.stop) for name, ref in refs.items()} or None
-                into = {name: SliceRef(ref, 0, chunk.start, chunk.stop) for name, ref in targets.items()} or None
-                tasks.append(self._push(chunk, reads, written, f"{label}-{step}", _update, spec, chunk, versions,
-                                        rows, into, pump=False))
-            if store is not None or refs or targets:
-                self._inputs.append((_Kept(store, arrays, out), tasks))
-        self._flush(everywhere=True)
-        return Update(label, tasks)
+        return self._backend.update(spec, arrays, axis, out)
 
-    def set(self, field, values) -> Update:
-        """New values of ``field`` (a new field too) from the host, streamed to where each chunk lives.
+    def set(self, field, values):
+        """New values of ``field`` (a new field too) from the host, for every chunk; returns an update handle.
 
-        On worker processes the values go into the field's own segment of shared memory, written again by
-        the next ``set`` of the same shape and dtype (once the previous values were loaded where the chunks
-        live): a solver that sets a field at every step keeps ``/dev/shm`` flat.
+        In host memory they are written into the field's array (a new one only for a new shape or dtype),
+        once the updates pushed before that use the field ran; in device memory they are streamed to each
+        chunk's device through a segment of the field's own, written again by its next ``set``. Either way
+        a solver that sets a field at every step keeps ``/dev/shm`` flat.
         """
         self._check_open()
         if not isinstance(field, str):
             raise ValueError(f"field: expected a field name, got {field!r}")
         [array] = _check_fields({field: values}, n=self.n).values()
-        if self._shared and array.dtype.kind in "biufc":
-            return self._set_shared(field, array)
-        with self._lock:
-            self._rollback_failed()
-            return self._load_values({field: array}, f"set-{field}")
+        return self._backend.set(field, array)
 
-    def _set_shared(self, field, array) -> Update:
-        """:meth:`set` on worker processes: the field's segment written again, or a new one for a new layout."""
-        kept = self._set_segments.get(field)
-        if kept is not None and kept.fits(array):
-            _wait([task.result() for task in kept.tasks])  # the previous values were loaded (or failed)
-        else:
-            kept = self._set_segments[field] = SetSegment(array)
-            self._set_stores.append(kept.store)
-        kept.write(array)
-        with self._lock:
-            self._rollback_failed()
-            tasks, step = [], next(self._ops)
-            for chunk in self.chunks:
-                rows = {field: SliceRef(kept.ref, 0, chunk.start, chunk.stop)}
-                tasks.append(self._push(chunk, (), (field,), f"set-{field}-{step}", _load_set, chunk, rows,
-                                        kept.generation_ref, kept.generation))
-            kept.tasks = tasks
-        return Update(f"set-{field}", tasks)
-
-    def get(self, field) -> np.ndarray:
-        """``field`` for every item, in dispatch order (waits for the updates that write it).
-
-        The field's item shape and dtype are taken from the last ``get`` of it, so a step's ``get`` costs
-        one round trip through Dask, not two; should an update have changed them since, the chunks refuse
-        that layout, and ``get`` asks chunk 0 for the new one and writes again.
-        """
+    def get(self, field):
+        """``field`` for every item, in dispatch order: a new array (waits for the updates that write it)."""
         self._check_open()
-        guess = self._seen_layouts.pop(field, None)
-        try:
-            return self._get(field, guess)
-        except ChunkResultError:
-            if guess is None:
-                raise
-        return self._get(field, None)  # the layout changed since the last get: asked of chunk 0
-
-    def _get(self, field, layout):
-        with RunStore(shared=self._shared) as store:
-            layout, tasks, view = self._write_out(field, lambda shape, dtype: store.allocate(shape, dtype), layout)
-            _wait_tasks(tasks)
-        self._seen_layouts[field] = layout
-        return view
+        self._check_field(field)
+        return self._backend.get(field)
 
     def get_many(self, fields, layouts=None) -> dict:
-        """Several fields at once, ``{field: array}``: one task per chunk writes them all.
+        """Several fields at once, ``{field: array}``.
 
         ``layouts`` (``{field: (item_shape, dtype)}``) saves the round trip that
-        learns them, for a caller that knows what its updates make.
+        learns them in device memory, for a caller that knows what its updates make.
 
         Examples
         --------
@@ -310,108 +200,39 @@ class Batch:
         fields = _names(fields, "fields")
         for field in fields:
             self._check_field(field)
-        known = {f: (tuple(shape), np.dtype(dtype).str) for f, (shape, dtype) in dict(layouts or {}).items()}
-        missing = [f for f in fields if f not in known]
-        if missing:
-            known.update(self._layouts(missing))
-        store = RunStore(shared=self._shared)
-        clean = False
-        try:  # the arrays' segment goes back to the pool once they are gone (a next get pays no page faults)
-            placed = store.allocate_many([((self.n, *known[f][0]), known[f][1]) for f in fields], handed_out=True)
-            targets = [ref for ref, _ in placed]
-            with self._lock:
-                self._rollback_failed()
-                step = next(self._ops)
-                tasks = [self._push(chunk, fields, (), f"get-{step}", _write_many,
-                                    {f: self._version(f, chunk) for f in fields}, targets, chunk,
-                                    [known[f] for f in fields]) for chunk in self.chunks]
-            _wait_tasks(tasks)
-            clean = True
-        finally:
-            store.close(clean=clean)
-        return {field: view for field, (_, view) in zip(fields, placed)}
-
-    def _layouts(self, fields) -> dict:
-        """``{field: (item_shape, dtype)}`` of chunk 0's current versions: one task where it lives."""
-        with self._lock:
-            self._rollback_failed()
-            first = {f: self._vars[(f, 0)].last_write for f in fields}
-        future = self.client.submit(_item_layouts, {f: _handed(op) for f, op in first.items()},
-                                    key=f"{self._id}-layout-{next(self._ops)}",
-                                    resources={device_resource(self.chunks[0].device): 1})
-        _wait_all([future])
-        return future.result()
+        return self._backend.get_many(fields, layouts)
 
     def reduce(self, fn, field, combine=sum):
         """``combine([fn(chunk) for each chunk of field])``, in dispatch order: the batch's one global synchronisation.
 
-        ``fn`` runs where each chunk lives and returns something small (a
+        ``fn`` runs where each chunk runs and returns something small (a
         scalar, a short array); ``combine`` joins the per-chunk values on the
         client (default: their sum; ``max``, ``list``...).
         """
         self._check_open()
         self._check_field(field)
-        with self._lock:
-            self._rollback_failed()
-            tasks, step = [], next(self._ops)
-            for chunk in self.chunks:
-                tasks.append(self._push(chunk, (field,), (), f"reduce-{field}-{step}", _partial, fn,
-                                        self._version(field, chunk), field, chunk))
-        _wait_tasks(tasks)
-        return combine(self.client.gather([task.future for task in tasks], direct=True))
+        return self._backend.reduce(fn, field, combine)
 
     def to_zarr(self, path, fields=None, *, overwrite=False) -> str:
         """Stream ``fields`` (default: all) to a new Zarr store at ``path``, written by the workers; returns it."""
-        import zarr
-
         self._check_open()
         path = check_out_path(path, overwrite, field="path")
         fields = self.fields if fields is None else _names(fields, "fields")
         for field in fields:
             self._check_field(field)
-        group = zarr.open_group(store=path, mode="w")
-        # Zarr chunks never straddle two batch chunks: no two workers write one Zarr chunk.
-        rows = math.gcd(*[c.size for c in self.chunks[:-1]]) if len(self.chunks) > 1 else self.chunks[0].size
-        tasks = []
-        for field in fields:
-            def create(shape, dtype, field=field):
-                group.create_array(field, shape=shape, chunks=(rows,) + tuple(shape[1:]), dtype=dtype,
-                                   compressors=None)
-                return ZarrTarget(path, field), None
-
-            tasks += self._write_out(field, create)[1]
-        _wait_tasks(tasks)
-        return path
+        return self._backend.to_zarr(path, fields, overwrite=overwrite)
 
     def wait(self):
-        """Wait until every pushed update finished; raises the failures of the current versions."""
-        with self._lock:
-            tasks = [var.last_write.payload for var in self._vars.values()]
-        _wait_tasks(tasks)
+        """Wait until every pushed update finished; raises their failures."""
+        self._check_open()
+        self._backend.wait()
 
     def close(self):
-        """Release every version on the workers and the shared memory of the lineage."""
+        """Release the fields: their memory on the workers, and every shared-memory segment of the batch."""
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            # Dropping the client's references releases every version (Dask frees them); pending tasks still
-            # finish, reading the lineage's shared memory by name, so the segments go after they end.
-            with self._submit_lock:
-                for queue in self._queued.values():  # never handed to Dask: nothing to wait for
-                    queue.clear()
-            pending = [var.last_write.payload.future for var in self._vars.values()
-                       if var.last_write.payload.future is not None]
-            pending += [t.future for _, tasks in self._inputs for t in tasks if t.future is not None]
-            self._vars.clear()
-        try:
-            _wait(pending)
-        finally:
-            del pending
-        self._release_inputs(everything=True)
-        self._store.close()
-        for store in self._set_stores:
-            store.close()
+        self._backend.close()
 
     def __enter__(self):
         return self
@@ -421,174 +242,28 @@ class Batch:
 
     def __repr__(self):
         devices = ", ".join(f"{d}: {sum(c.device == d for c in self.chunks)}" for d in self.devices)
-        return f"<Batch {self.n} items, fields {self.fields}, chunks per device {{{devices}}}>"
+        return (f"<Batch {self.n} items, fields {self.fields}, chunks per device {{{devices}}}, "
+                f"{self.memory} memory>")
 
-    # --- internals ----------------------------------------------------------------
-
-    def _push(self, chunk, reads, writes, key, func, *args, pump=True):
-        """Push one chunk's operation to the engine and submit its task after its predecessors (``pump``)."""
-        variables = {}
-        for field in reads + tuple(writes):
-            var = self._vars.get((field, chunk.index))
-            if var is None:  # a new output field
-                var = self._vars[(field, chunk.index)] = self._engine.new_variable((field, chunk.index))
-            variables[field] = var
-        previous = {f: variables[f].last_write for f in writes}
-        op = self._engine.push([variables[f] for f in reads], [variables[f] for f in writes], label=key)
-        # Every key is new (a step number in it): Dask would answer a repeated key with the old result.
-        call = (func, args, f"{self._id}-{key}-{chunk.index}", {device_resource(chunk.device): chunk.size})
-        op.payload = _Task(call, previous if writes else None)
-        with self._submit_lock:
-            self._queued[chunk.index].append(op)
-        if pump and not self._held:
-            self._pump(chunk)
-        return op.payload
-
-    def _flush(self, everywhere=False):
-        """Hand over what waits: the batch's first values (until its first operation) and, with
-        ``everywhere``, every chunk's queue.
-
-        From the client's event loop, so that the chunks' tasks leave in one message: Dask's client
-        sends at most one message every 10 ms, and a second task submitted a moment after the first
-        would wait for the next one.
-        """
-        if not (self._held or everywhere):
-            return
-        self._held = False
-
-        async def pump_all():
-            for chunk in self.chunks:
-                self._pump(chunk)
-
-        if _on_loop_thread(self.client):
-            for chunk in self.chunks:
-                self._pump(chunk)
-        else:
-            self.client.sync(pump_all)
-
-    def _pump(self, chunk):
-        """Hand the chunk's queued operations to Dask, in program order, while fewer than ``lookahead`` are there.
-
-        Its predecessors are earlier operations on the same chunk, so they were handed over before it.
-        Updates queued one after another (pushed faster than the chunk runs them) go as one task
-        (:func:`_run_fused`): a Dask round trip per burst, not per update.
-        """
-        while True:
-            with self._submit_lock:
-                queue = self._queued[chunk.index]
-                if not queue or self._in_dask[chunk.index] >= self.lookahead:
-                    return
-                ops = [queue.popleft()]
-                while ops[-1].payload.call[0] in _FUSABLE and queue and queue[0].payload.call[0] in _FUSABLE \
-                        and len(ops) < MAX_FUSED:
-                    ops.append(queue.popleft())
-                self._in_dask[chunk.index] += 1
-            self._submit(chunk, ops)
-
-    def _submit(self, chunk, ops):
-        if len(ops) == 1:
-            func, args, key, resources = ops[0].payload.call
-            # The data a task reads travels in its arguments; its other predecessors (the earlier reads of
-            # what it writes) are passed too, only so that Dask runs it after them.
-            after = [o.payload.future for o in ops[0].after]
-            args = _resolve(args)
-        else:
-            func, args, key, resources, after = _fused_call(ops)
-        future = self.client.submit(_ordered, func, after, *args, key=key, resources=resources, pure=False)
-        for index, op in enumerate(ops):
-            op.payload.call = None
-            op.payload.future = future
-            op.payload.member = index if len(ops) > 1 else None
-            op.payload.submitted.set()
-        engine = self._engine
-
-        def finished(f):
-            for op in ops:
-                if f.status == "finished":
-                    op.payload.previous = None  # the replaced versions are no longer needed for rollback
-                engine.complete(op)
-            with self._submit_lock:
-                self._in_dask[chunk.index] -= 1
-            if not self._closed:
-                self._pump(chunk)
-
-        future.add_done_callback(finished)
-
-    def _load_values(self, arrays, label):
-        refs = self._store.share_many(list(arrays.values()))
-        tasks, step = [], next(self._ops)
-        for chunk in self.chunks:
-            # One task per field: a field's first version is freed when it is superseded, whatever the others do.
-            for name, ref in zip(arrays, refs):
-                tasks.append(self._push(chunk, (), (name,), f"{label}-{name}-{step}", _load, chunk,
-                                        {name: SliceRef(ref, 0, chunk.start, chunk.stop)}))
-        return Update(label, tasks)
-
-    def _out_refs(self, out, taken) -> dict:
-        """References to an update's ``out`` arrays; a ValueError naming the entry that workers cannot write."""
-        return out_refs(out, taken, self.n, None if self._shared else self._store)
-
-    def _release_inputs(self, everything=False):
-        """Release the stores of updates' inputs whose tasks have all ended (``everything``: all of them)."""
-        kept = []
-        for store, tasks in self._inputs:
-            futures = [t.future for t in tasks]
-            if everything or all(f is not None and f.done() for f in futures):
-                store.close(clean=all(f is not None and f.status == "finished" for f in futures))
-            else:
-                kept.append((store, tasks))
-        self._inputs = kept
-
-    def _version(self, field, chunk):
-        """The current version of ``field`` on ``chunk``: its op's result, once handed to Dask."""
-        return _Version(self._vars[(field, chunk.index)].last_write, field)
-
-    def _write_out(self, field, allocate, layout=None):
-        """One task per chunk writing ``field`` into what ``allocate(shape, dtype)`` returns (a target, a view);
-        ``layout`` (item shape, dtype) if known, else asked of chunk 0."""
-        self._check_field(field)
-        with self._lock:
-            self._rollback_failed()
-            first = self._vars[(field, 0)].last_write
-        if layout is None:
-            layout_future = self.client.submit(_item_layout, _handed(first), field,
-                                               key=f"{self._id}-layout-{next(self._ops)}",
-                                               resources={device_resource(self.chunks[0].device): 1})
-            _wait_all([layout_future])
-            layout = layout_future.result()
-        item_shape, dtype = layout
-        target, view = allocate((self.n,) + item_shape, dtype)
-        tasks = []
-        with self._lock:
-            step = next(self._ops)
-            for chunk in self.chunks:
-                tasks.append(self._push(chunk, (field,), (), f"get-{field}-{step}", _write,
-                                        self._version(field, chunk), field, target, chunk, (item_shape, dtype), field))
-        return (item_shape, dtype), tasks, view
-
-    def _rollback_failed(self):
-        """Point every field whose latest version failed back at its last good version (the batch stays usable)."""
-        dropped = set()
-        for (field, index), var in list(self._vars.items()):
-            op = var.last_write
-            while op is not None and op.payload.future is not None and op.payload.future.status in ("error",
-                                                                                                      "cancelled"):
-                op = (op.payload.previous or {}).get(field)
-            if op is not var.last_write:
-                if op is None:  # the update that created the field failed here: the field is gone
-                    dropped.add(field)
-                else:
-                    var.last_write = op
-        for field in dropped:
-            for key in [k for k in self._vars if k[0] == field]:
-                del self._vars[key]
+    # --- checks --------------------------------------------------------------------
 
     def _check_field(self, field):
         if field not in self.fields:
             raise ValueError(f"field: no field {field!r} in this batch (fields: {', '.join(self.fields)})")
 
-    def _check_open(self, flush=True):
+    def _check_open(self):
         if self._closed:
             raise RuntimeError("this Batch is closed")
-        if flush:
-            self._flush()
+
+
+def _memory_for(memory, devices, owners, workers) -> str:
+    """Where a batch's fields live: ``memory`` as asked, ``"auto"`` resolved; a ValueError for ``"host"`` where a
+    device is a real GPU (workers on another host were refused before)."""
+    real = [d for d in devices if d.type == "cuda" and not all(
+        EMULATED_RESOURCE in (workers.get(a, {}).get("resources") or {}) for a in owners.get(d, []))]
+    if memory == "device" or (memory == "auto" and real):
+        return "device"
+    if real:
+        raise ValueError(f"memory: 'host' keeps the fields in this host's memory, but {real[0]} is a real GPU, whose "
+                         "chunks keep their fields in its memory (memory='device', or 'auto')")
+    return "host"

@@ -3,10 +3,11 @@
 NEML2's driver steps a model through prescribed histories (time, strain),
 feeding each step's outputs back as the next step's old state
 (``stress~1 <- stress``, ``t~1 <- t``, ``t~2 <- t~1``). :class:`TransientDriver`
-does the same over a :class:`~dsched.Batch`: each chunk of points lives on
-its device, its state stays there as torch tensors between steps (no NumPy
-round trip, nothing sent back), and the histories are read by reference
-from shared memory, one step's rows at a time.
+does the same over a :class:`~dsched.Batch`: each chunk of points steps on
+its device, its state is kept by the batch between runs (in host memory as
+NumPy arrays the workers map, or in device memory as torch tensors on the
+chunk's device: ``memory=``), and the histories are read by reference from
+shared memory, one step's rows at a time.
 
 >>> model = dsched.models.NEML2Model("radret.i", "model")               # doctest: +SKIP
 >>> with TransientDriver(model, scheduler, client=client) as driver:   # doctest: +SKIP
@@ -33,7 +34,7 @@ import numpy as np
 
 from dsched.dataplane.store import RunStore
 from dsched.devices.backends import TORCH, torch_device
-from dsched.resident.batch import Batch
+from dsched.resident.batch import MEMORY, Batch
 
 __all__ = ["TransientDriver", "TransientSteps", "neml2_feedback"]
 
@@ -176,6 +177,9 @@ class TransientDriver:
         Outputs whose value at every step :meth:`history` returns.
     time : str
         The model's time input (NEML2's ``time`` option), fed back like any other.
+    memory : {"auto", "host", "device"}
+        Where the batch keeps the state (:class:`~dsched.Batch`'s ``memory``): ``"device"`` keeps it on each
+        chunk's device as torch tensors between runs; ``"host"`` in this host's memory, as NumPy arrays.
 
     Examples
     --------
@@ -185,8 +189,11 @@ class TransientDriver:
     """
 
     def __init__(self, model, scheduler, *, client=None, feedback=None, initial=None, constants=None, record=(),
-                 time="t"):
+                 time="t", memory="auto"):
         self.model, self.scheduler, self.client, self.time = model, scheduler, client, str(time)
+        if not isinstance(memory, str) or memory not in MEMORY:
+            raise ValueError(f"memory: expected 'auto', 'host' or 'device', got {memory!r}")
+        self.memory = memory  # the batch's, made at the first run
         self.feedback = _check_feedback(model, feedback)
         sources = tuple(dict.fromkeys(s for s in self.feedback.values() if s is not None))
         self.keep = tuple(dict.fromkeys(sources + tuple(model.output_names)))
@@ -228,7 +235,7 @@ class TransientDriver:
             update = self.batch.update(fn, reads=[f for f in self.keep if f in fields],
                                        writes=[f for f in self.keep if f in fields],
                                        outputs=[f for f in self.keep if f not in fields],
-                                       inputs=inputs, axis=1, out={n: ref for n, (ref, _) in out.items()},
+                                       inputs=inputs, axis=1, out={n: view for n, (_, view) in out.items()},
                                        label=fn.__name__)
         self._runs.append((update, store, {name: view for name, (_, view) in {**finals, **records}.items()}))
         self.steps_done += steps
@@ -292,7 +299,7 @@ class TransientDriver:
             fields[name] = np.broadcast_to(np.asarray(value, dtype=np.float64), (n, *self.model.base_shapes[name]))
         # Without initial values nothing is loaded: the first steps' task is each chunk's first.
         self.batch = Batch({k: np.ascontiguousarray(v) for k, v in fields.items()}, self.scheduler, n=n,
-                           client=self.client)
+                           client=self.client, memory=self.memory)
 
     def _allocate(self, steps):
         """This run's arrays written by its steps: the outputs after the last step, and the recorded outputs."""

@@ -4,7 +4,8 @@
   processes, in a segment of the field's own that the next ``set`` writes again,
   so ``/dev/shm`` stays flat over a long run;
 - :class:`_Kept`: an update's inputs and ``out`` arrays, kept until its tasks end;
-- :func:`share_inputs`, :func:`out_refs`: where workers read an update's inputs and write its ``out`` arrays.
+- :func:`share_inputs`, :func:`out_refs`: where workers read an update's inputs and write its ``out`` arrays;
+  :func:`inputs_in_shared_memory`, :func:`out_arrays`: the same for a batch in host memory.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 from dsched.dataplane.store import ArrayRef, RunStore, find_shared
 
-__all__ = ["SetSegment", "out_refs", "share_inputs"]
+__all__ = ["SetSegment", "out_refs", "out_arrays", "inputs_in_shared_memory", "share_inputs"]
 
 
 class SetSegment:
@@ -78,6 +79,47 @@ def out_refs(out, taken, n, store=None) -> dict:
             raise ValueError(f"out[{name!r}]: shape {ref.shape} has no {n} items along axis 0")
         refs[name] = ref
     return refs
+
+
+def out_arrays(out, taken, n, shared) -> dict:
+    """An update's ``out`` arrays (``{name: array}``, ``n`` items each) for a batch in host memory, checked as
+    :func:`out_refs` checks them; ``shared``: worker processes write them, so they must lie in shared memory."""
+    if out is None:
+        return {}
+    if not isinstance(out, dict):
+        raise ValueError(f"out: expected a dict of name -> array, got {type(out).__name__}")
+    for name, value in out.items():
+        if not isinstance(name, str) or name in taken:
+            raise ValueError(f"out: {name!r} is not a name of its own (a string naming no field read, no input)")
+        if not isinstance(value, np.ndarray):
+            raise ValueError(f"out[{name!r}]: expected a NumPy array, got {type(value).__name__}")
+        if shared and find_shared(value) is None:
+            raise ValueError(f"out[{name!r}]: worker processes write only into shared memory; "
+                             f"allocate it with dsched.shared_empty")
+        if not value.shape or value.shape[0] != n:
+            raise ValueError(f"out[{name!r}]: shape {value.shape} has no {n} items along axis 0")
+    return dict(out)
+
+
+def inputs_in_shared_memory(arrays) -> dict:
+    """An update's ``inputs`` for a batch in host memory on worker processes: each array in shared memory as it
+    is now, ``{name: array}``.
+
+    Arrays already there (:func:`dsched.shared_empty`, a run's outputs) are kept as they are, to be read where
+    they lie; the others are copied now, into segments that go back to the pool once the update has run and
+    dropped them (the caller may change its arrays as soon as ``update`` returns, as with the task engine).
+    """
+    missing = {name: array for name, array in arrays.items() if find_shared(array) is None}
+    if not missing:
+        return arrays
+    store = RunStore(shared=True)
+    placed = store.allocate_many([(array.shape, array.dtype) for array in missing.values()], handed_out=True)
+    copies = {}
+    for (name, array), (_, view) in zip(missing.items(), placed):
+        np.copyto(view, array)
+        copies[name] = view
+    store.close(clean=True)  # the copies' segment is the views': back to the pool when they are gone
+    return {**arrays, **copies}
 
 
 def share_inputs(arrays, shared):

@@ -153,30 +153,34 @@ def _update(spec, chunk, versions, inputs=None, out=None):
         arrays[name] = ref.ref.rows(ref.start, ref.stop, writable=True)
     with running_on(chunk.device), selected(chunk.device):
         result = spec.fn(**arrays, **spec.kwargs)
-        where = f"update {spec.label!r}: {chunk}"
-        if result is None and not spec.writes:  # it wrote only into its out= rows
-            result = {}
-        if not isinstance(result, dict):
-            raise ChunkResultError(f"{where} returned {type(result).__name__}; expected a dict of the fields it "
-                                   f"writes ({', '.join(spec.writes)})")
-        missing = [f for f in spec.writes if f not in result]
-        if missing:
-            raise ChunkResultError(f"{where} returned no field {missing[0]!r} (it writes: {', '.join(spec.writes)})")
-        extra = [f for f in result if f not in spec.writes]
-        if extra:
-            raise ChunkResultError(f"{where} returned field {extra[0]!r}, which it does not write "
-                                   f"(writes: {', '.join(spec.writes)})")
-        out = {}
-        for field in spec.writes:
-            value = result[field]
-            shape = getattr(value, "shape", None)
-            if shape is None or len(shape) == 0 or shape[0] != chunk.size:
-                got = "no batch axis" if not shape else f"{shape[0]} items (shape {tuple(shape)})"
-                raise ChunkResultError(f"{where}: field {field!r} has {got}; expected {chunk.size} items along "
-                                       f"axis 0 (the chunk's size)")
-            # Arrays stay as fn made them (torch tensors stay tensors: no round trip through NumPy per step).
-            out[field] = value if backends.backend_of(value, strict=False) is not None else np.asarray(value)
-        return out
+        # Arrays stay as fn made them (torch tensors stay tensors: no round trip through NumPy per step).
+        return {field: value if backends.backend_of(value, strict=False) is not None else np.asarray(value)
+                for field, value in checked_result(spec, chunk, result).items()}
+
+
+def checked_result(spec, chunk, result) -> dict:
+    """What an update's ``fn`` returned on ``chunk``: ``{field: value}`` of the fields it writes, each with the
+    chunk's items along axis 0; a :class:`ChunkResultError` naming the update, the chunk and the field otherwise."""
+    where = f"update {spec.label!r}: {chunk}"
+    if result is None and not spec.writes:  # it wrote only into its out= rows
+        result = {}
+    if not isinstance(result, dict):
+        raise ChunkResultError(f"{where} returned {type(result).__name__}; expected a dict of the fields it "
+                               f"writes ({', '.join(spec.writes)})")
+    missing = [f for f in spec.writes if f not in result]
+    if missing:
+        raise ChunkResultError(f"{where} returned no field {missing[0]!r} (it writes: {', '.join(spec.writes)})")
+    extra = [f for f in result if f not in spec.writes]
+    if extra:
+        raise ChunkResultError(f"{where} returned field {extra[0]!r}, which it does not write "
+                               f"(writes: {', '.join(spec.writes)})")
+    for field in spec.writes:
+        shape = getattr(result[field], "shape", None)
+        if shape is None or len(shape) == 0 or shape[0] != chunk.size:
+            got = "no batch axis" if not shape else f"{shape[0]} items (shape {tuple(shape)})"
+            raise ChunkResultError(f"{where}: field {field!r} has {got}; expected {chunk.size} items along "
+                                   f"axis 0 (the chunk's size)")
+    return {field: result[field] for field in spec.writes}
 
 
 def _to_host(array) -> np.ndarray:

@@ -12,17 +12,21 @@ next. Rows:
   (the inputs shared by the data plane, the outputs written in place), the
   state carried on the client between steps: what dsched offered before
   resident batches;
-- ``batch``: a :class:`dsched.Batch` on the same worker processes, every step
-  an update that returns at once and makes new versions of the state; the
-  client waits once, at the end;
+- ``batch``: a :class:`dsched.Batch` in device memory (``memory="device"``: the
+  task engine, each chunk's state in its worker) on the same worker processes,
+  every step an update that returns at once and makes new versions of the
+  state; the client waits once, at the end;
 - ``batch, in place``: the same with ``inplace=True`` updates that overwrite
-  the state and the stress where they live.
+  the state and the stress where they live;
+- ``batch, host``: the ``batch`` row with the state in host memory
+  (``memory="host"``, the default on this cluster): each field one array that
+  the workers map, each step one dispatch call.
 
 Wall time and CPU seconds (the client's process plus the workers', so a loaded
 machine shows up as wall time that CPU time does not explain). Memory, per
-batch row: the peak of the memory the workers' keys hold (distinct buffers), of
-Dask's managed bytes (a buffer per key that holds it) and of RSS, over steps
-1-2, 3-10 and 11-``steps``. Results are checked against the ``numpy`` row.
+device-memory row: the peak of the memory the workers' keys hold (distinct
+buffers), of Dask's managed bytes (a buffer per key that holds it) and of RSS,
+over steps 1-2, 3-10 and 11-``steps``. Results are checked against the ``numpy`` row.
 The workers are CPU processes: nothing here measures a GPU.
 """
 
@@ -108,11 +112,13 @@ def run_dispatch(client, scheduler, strain, steps, tangent=False):
     return out
 
 
-def run_batch(client, scheduler, strain, steps, tangent=False, on_step=None, lookahead=None, in_place=False):
-    """The steps on a resident batch: pushed at once, ordered per chunk by the engine; ``get`` waits at the end.
+def run_batch(client, scheduler, strain, steps, tangent=False, on_step=None, lookahead=None, in_place=False,
+              memory="auto"):
+    """The steps on a resident batch: pushed at once, run in order per chunk; ``get`` waits at the end.
 
     ``in_place``: every step overwrites the chunk's state and stress (:func:`j2_load_step_in_place`), which
-    start as zeros; otherwise each step makes new versions (:func:`j2_load_step`).
+    start as zeros; otherwise each step makes new versions (:func:`j2_load_step`). ``memory``: where the
+    batch keeps its fields (``Batch(memory=...)``).
     """
     fields = {"final_strain": strain, "plastic_strain": np.zeros_like(strain), "alpha": np.zeros(len(strain))}
     written = ["plastic_strain", "alpha", "stress"] + (["tangent"] if tangent else [])
@@ -120,8 +126,8 @@ def run_batch(client, scheduler, strain, steps, tangent=False, on_step=None, loo
         fields["stress"] = np.zeros_like(strain)
         if tangent:
             fields["tangent"] = np.zeros((len(strain), 6, 6))
-    with dsched.Batch(fields, scheduler, client=client, **({} if lookahead is None else {"lookahead": lookahead})) \
-            as batch:
+    with dsched.Batch(fields, scheduler, client=client, memory=memory,
+                      **({} if lookahead is None else {"lookahead": lookahead})) as batch:
         for step in range(steps):
             if in_place:
                 batch.update(j2_load_step_in_place, reads=["final_strain"] + written, writes=written,
@@ -284,7 +290,7 @@ def _measure_batch(client, scheduler, strain, steps, tangent, lookahead, in_plac
 
     try:
         wall, cpu, out = _timed(client, lambda: run_batch(client, scheduler, strain, steps, tangent, on_step,
-                                                          lookahead, in_place))
+                                                          lookahead, in_place, memory="device"))
         peaks["after_all"] = _sum_peaks(client.run(_read_sampler))
     finally:
         client.run(_stop_sampler)
@@ -331,19 +337,25 @@ def measure_load_steps(points=1_000_000, steps=100, *, batch_size=262144, tangen
         for name, in_place in (("batch", False), ("batch, in place", True)):
             say(name)
             rows[name] = _measure_batch(client, scheduler, strain, steps, tangent, lookahead, in_place, reference)
+        say("batch, host")
+        wall, cpu, out = _timed(client, lambda: run_batch(client, scheduler, strain, steps, tangent, memory="host"))
+        rows["batch, host"] = {"wall_s": wall, "cpu_s": cpu, "max_abs_diff": _diff(out, reference)}
     finally:
         if own is not None:
             client.close()
             own.close()
     dispatch, numpy_row = rows["dispatch"], rows["numpy"]
     result = {"points": points, "steps": steps, "batch_size": batch_size, "tangent": tangent, "rows": rows}
-    for name, suffix in (("batch", ""), ("batch, in place", "_in_place")):
-        peaks = rows[name]["memory"]
+    for name, suffix in _BATCH_ROWS.items():
         result[f"batch{suffix}_vs_dispatch"] = dispatch["wall_s"] / rows[name]["wall_s"]
         result[f"batch{suffix}_vs_numpy"] = numpy_row["wall_s"] / rows[name]["wall_s"]
-        result[f"memory_ratio{suffix}"] = _memory_ratio(peaks, "distinct")
-        result[f"managed_ratio{suffix}"] = _memory_ratio(peaks, "data")
+        if "memory" in rows[name]:
+            result[f"memory_ratio{suffix}"] = _memory_ratio(rows[name]["memory"], "distinct")
+            result[f"managed_ratio{suffix}"] = _memory_ratio(rows[name]["memory"], "data")
     return result
+
+
+_BATCH_ROWS = {"batch": "", "batch, in place": "_in_place", "batch, host": "_host"}  # row -> key suffix
 
 
 def run_batch_benchmarks(quick=False, *, progress=None) -> dict:
@@ -383,10 +395,10 @@ def format_load_steps(result) -> str:
     lines = [f"J2 load steps: {result['points']:,} points x {result['steps']} steps, chunks of "
              f"{result['batch_size']:,}, tangent={result['tangent']} (CPU worker process; no GPU measured)",
              f"{'row':<17}{'wall s':>8}{'CPU s':>8}{'max |diff|':>12}{'vs dispatch':>13}{'vs numpy':>10}"]
-    for name in ("numpy", "dispatch", "batch", "batch, in place"):
+    for name in [name for name in ("numpy", "dispatch", *_BATCH_ROWS) if name in rows]:  # results of old runs too
         row = rows[name]
         diff = row.get("max_abs_diff")
-        suffix = {"batch": "", "batch, in place": "_in_place"}.get(name)
+        suffix = _BATCH_ROWS.get(name)
         ratios = (f"{result[f'batch{suffix}_vs_dispatch']:>12.2f}x{result[f'batch{suffix}_vs_numpy']:>9.2f}x"
                   if suffix is not None else "")
         lines.append(f"{name:<17}{row['wall_s']:>8.2f}{row['cpu_s']:>8.2f}"

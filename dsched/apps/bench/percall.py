@@ -17,7 +17,8 @@ dashboard but for the row that says so) (``cpu`` and an **emulated**
   the page hears of each call's chunks before it returns, one more message to
   the scheduler per call;
 - ``Batch update + get``: a resident batch's step, an update of a no-op on its
-  field, then ``get`` of the field;
+  field, then ``get`` of the field (the fields in host memory, ``Batch``'s
+  choice on these workers);
 - ``TrialState trial + commit``: a Newton loop's step with resident state
   (:class:`dsched.TrialState`), a trial of a no-op from the committed state,
   then its commit;

@@ -1,0 +1,104 @@
+"""One update of a batch in host memory, as :func:`dsched.dispatch` calls it on each chunk.
+
+:class:`~dsched.resident.host_batch.HostBatch` runs an update as one
+``dispatch(ChunkUpdate(...), chunk of each item, *fields read, *inputs, *out arrays, out=...)``:
+every array is split into the batch's chunks, and each chunk's rows reach
+:class:`ChunkUpdate` as views of the batch's memory. It calls the update's
+``fn`` with them as keywords, as the task engine does (fields read-only, a field
+both read and written writable with ``inplace``, the update's ``out`` rows
+writable), checks what ``fn`` returned with the same messages
+(:func:`~dsched.resident.tasks.checked_result`), and returns
+``(fields written, out rows)``, which dispatch writes in place: into the spare
+arrays of the fields written and the caller's ``out`` arrays. What it raises
+names the batch's chunk (an attribute, and a note), so the batch knows which
+chunks failed.
+
+A field keeps its item shape and dtype from one update to the next. A result
+that changes them raises :class:`LayoutChanged`, and the batch runs the update
+again without ``out=`` (dispatch then allocates arrays of the new layout).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dsched.dataplane.outputs import ChunkResultError
+from dsched.resident.tasks import _to_host, checked_result
+
+__all__ = ["ChunkUpdate", "LayoutChanged", "layout_of", "CHUNK_ATTRIBUTE"]
+
+CHUNK_ATTRIBUTE = "dsched_batch_chunk"  # on an error a chunk raised: the index of the batch's chunk
+
+
+class LayoutChanged(ChunkResultError):
+    """An update's result gives a field another item shape or dtype than the field has."""
+
+
+def layout_of(array) -> tuple:
+    """``(item shape, dtype string)`` of a field's array: what a chunk's result must keep."""
+    return tuple(array.shape[1:]), np.dtype(array.dtype).str
+
+
+class ChunkUpdate:
+    """``fn`` of one update on one chunk's rows, as ``dispatch`` calls it: ``(rows, *arrays)`` in, results out.
+
+    Parameters
+    ----------
+    spec : _UpdateSpec
+        The update: ``fn``, ``label``, ``reads``, ``writes`` (its outputs too), ``inplace``, ``kwargs``.
+    inputs, outs : tuple of str
+        The names of the update's own inputs and ``out`` arrays, in the order their rows follow the fields.
+    layouts : dict or None
+        ``{field: (item shape, dtype)}`` each written field must keep; ``None`` where they are learned (a new
+        field, a changed layout).
+    chunks : tuple of _Chunk
+        The batch's chunks: ``rows`` (each item's chunk index) tells which one a call runs, for the messages.
+    """
+
+    probe_outputs = False  # dispatch never calls it on the client: fn runs where the chunks run, as with tasks
+
+    def __init__(self, spec, inputs, outs, layouts, chunks):
+        self.spec, self.inputs, self.outs = spec, tuple(inputs), tuple(outs)
+        self.layouts = None if layouts is None else dict(layouts)
+        self.chunks = tuple(chunks)
+        self.__name__ = spec.label
+
+    def __call__(self, rows, *arrays):
+        chunk = self._chunk(rows)
+        try:
+            return self._call(chunk, arrays)
+        except Exception as err:
+            setattr(err, CHUNK_ATTRIBUTE, chunk.index)
+            # The batch's chunk, not dispatch's: a run that starts part-way through the plan counts from there.
+            err.add_note(f"dsched: update {self.spec.label!r} failed on {chunk}")
+            raise
+
+    def _call(self, chunk, arrays):
+        spec = self.spec
+        given = {}
+        for field, array in zip(spec.reads, arrays):
+            # A field written in place is the chunk's own copy: its rows in the batch change only when fn succeeds.
+            given[field] = np.array(array) if spec.inplace and field in spec.writes else array
+        rest = arrays[len(spec.reads):]
+        given.update(zip(self.inputs, rest))
+        # The out rows as they are, writable: what fn leaves unwritten keeps its value.
+        outs = {name: np.array(array) for name, array in zip(self.outs, rest[len(self.inputs):])}
+        given.update(outs)
+        result = spec.fn(**given, **spec.kwargs)
+        fields = {field: _to_host(value) for field, value in checked_result(spec, chunk, result).items()}
+        if self.layouts is not None:
+            for field, value in fields.items():
+                found, kept = layout_of(value), self.layouts[field]
+                if found != kept:
+                    raise LayoutChanged(f"update {spec.label!r}: {chunk}: field {field!r} has items of shape "
+                                        f"{found[0]} and dtype {np.dtype(found[1])}; the field's are {kept[0]}, "
+                                        f"{np.dtype(kept[1])}")
+        return fields, outs
+
+    def _chunk(self, rows):
+        """The batch's chunk whose rows these are (``rows``: each item's chunk index)."""
+        chunk = self.chunks[int(rows[0])]
+        if chunk.size != len(rows) or rows[-1] != rows[0]:  # dispatch cut another chunk: never, but say so
+            raise RuntimeError(f"update {self.spec.label!r}: {len(rows)} items from {chunk} on are not a chunk "
+                               "of the batch")
+        return chunk

@@ -1,0 +1,147 @@
+"""A batch's updates, run one after another in the order they were pushed, on a thread of their own.
+
+:meth:`Batch.update <dsched.Batch.update>` returns at once. In host memory
+(:class:`~dsched.resident.host_batch.HostBatch`) an update is a :class:`Job`:
+one :func:`dsched.dispatch` over the batch (or a few, should a chunk fail), and
+the swap of the fields' arrays after it. The :class:`Lane` runs the jobs in
+push order, each after the one before has ended, so every update sees the fields
+as the updates pushed before it left them; a job can be cancelled, before it
+starts or while its dispatch runs (:class:`~dsched.dispatch.completion.Cancellation`,
+as :meth:`dsched.DispatchFuture.cancel` does).
+
+A caller that waits for a job the lane's thread has not started runs it itself
+(:meth:`Lane.help`): a solver's ``update`` then ``get`` costs one call, with no
+hand-off to another thread and back.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from concurrent.futures import CancelledError
+
+from dsched.dispatch.completion import Cancellation, cancellable
+
+__all__ = ["Job", "Lane"]
+
+
+class Job:
+    """One pushed operation: what it reads and writes, the work that does it, and how it ended.
+
+    ``work(job)`` runs once, on the lane's thread or on a thread that waits for it; whatever it raises is kept in
+    ``error`` (a Ctrl-C is kept as a ``CancelledError`` and raised on). ``reported``: the error was raised to the
+    caller once already (by a ``get``, ``reduce`` or ``wait`` of the batch).
+    """
+
+    def __init__(self, label, reads, writes, work):
+        self.label, self.reads, self.writes, self.work = label, tuple(reads), tuple(writes), work
+        self.error = None
+        self.reported = False
+        self.cancellation = Cancellation()
+        self._ended = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._ended.is_set()
+
+    def wait(self):
+        """Wait until the job has ended (a Ctrl-C interrupts the wait, not the job)."""
+        self._ended.wait()
+
+    def cancel(self):
+        """A job not started never runs; a running one stops its dispatch where it waits next."""
+        self.cancellation.cancel()
+
+    def run(self):
+        try:
+            self.cancellation.check()
+            with cancellable(self.cancellation):
+                self.work(self)
+        except Exception as err:  # noqa: BLE001  kept for the caller, raised where it waits
+            self.error = err
+        except BaseException as err:  # a Ctrl-C on the thread that helps: the job is over, the interrupt goes on
+            self.error = CancelledError(f"update {self.label!r}: {type(err).__name__}")
+            raise
+        finally:
+            self.work = None  # the update's inputs and out arrays are not kept once it ran
+            self._ended.set()
+
+    def __repr__(self):
+        state = "failed" if self.error is not None else "done" if self.done else "pending"
+        return f"<Job {self.label!r} {state}>"
+
+
+class Lane:
+    """Runs :class:`Job` objects one at a time, in the order :meth:`push` gave them, on a thread started by the
+    first push, or on a thread that waits for one (:meth:`help`)."""
+
+    def __init__(self, name="dsched-batch"):
+        self.name = name
+        self._pending = collections.deque()  # pushed and not ended, in order; the first may be running
+        self._running = None  # the job some thread runs now
+        self._cond = threading.Condition()
+        self._thread = None
+        self._stopped = False
+
+    def push(self, job):
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("this Batch is closed")
+            self._pending.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def help(self, job):
+        """Until ``job`` has ended: run on this thread the jobs up to it that no thread has started, in order;
+        wait for those another thread runs."""
+        while not job.done:
+            head = self._claim(until=job)
+            if head is None:
+                job.wait()
+                return
+            try:
+                head.run()
+            finally:
+                self._release(head)
+
+    def stop(self, timeout=None, cancel=False):
+        """No more jobs; wait (at most ``timeout`` seconds) for the thread to end the ones pushed (``cancel``: each
+        is cancelled first, so they end at once)."""
+        with self._cond:
+            self._stopped, thread = True, self._thread
+            if cancel:
+                for job in self._pending:
+                    job.cancel()
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _claim(self, until=None):
+        """The first pending job, now marked running, if no thread runs one (and it is ``until`` or before it)."""
+        with self._cond:
+            if self._running is not None or not self._pending or (until is not None and until not in self._pending):
+                return None
+            self._running = self._pending[0]
+            return self._running
+
+    def _release(self, job):
+        with self._cond:
+            self._pending.popleft()
+            self._running = None
+            self._cond.notify_all()
+
+    def _serve(self):
+        while True:
+            with self._cond:
+                while self._running is not None or not self._pending:
+                    if self._stopped and not self._pending:
+                        return
+                    self._cond.wait()
+                job = self._running = self._pending[0]
+            try:
+                job.run()
+            finally:
+                self._release(job)
+                job = None  # an idle lane keeps no job (nor its arrays) alive
