@@ -99,6 +99,33 @@ def test_hessian_after_gradient_at_the_same_x_does_not_dispatch_again(process_cl
 
 
 @needs_felupe
+def test_the_new_state_goes_back_by_reference_and_read_only(process_client, example, hybrid, dispatches):
+    """A step's new state, handed back as the next step's old state (FElupe's commit), is neither copied nor
+    compared: it lies in shared memory already and is read-only, so it cannot have changed."""
+    from dsched.dataplane.store import find_shared
+
+    layered = example.material(3)
+    x = plastic_inputs(layered)
+    umat = FEMaterial(layered, scheduler=hybrid, client=process_client)
+    _, state = umat.gradient(x)
+    assert find_shared(state) is not None  # where the workers wrote it
+    with pytest.raises(ValueError, match="read-only"):
+        state[0, 0, 0] = 1.0
+    F = x[0] + 1e-4  # the next load step: a new F, the committed state
+    assert_lists_equal(umat.gradient([F, state]), layered.gradient([F, np.array(state)]))
+    assert umat._inputs[1] is state  # passed to the workers as it lies, not copied into a buffer
+    assert_lists_equal(umat.hessian([F, state]), layered.hessian([F, np.array(state)]))
+    assert dispatches == ["both", "both"]  # the hessian at the same x: no dispatch
+    # The same values in another array: compared by value, equal, no dispatch; a changed one, a dispatch.
+    umat.hessian([F.copy(), np.array(state)])
+    assert dispatches == ["both", "both"]
+    changed = np.array(state)
+    changed[0, 0, 0] += 1.0
+    umat.hessian([F, changed])
+    assert dispatches == ["both", "both", "both"]
+
+
+@needs_felupe
 def test_apart_dispatches_the_gradient_and_the_hessian_each_when_asked(process_client, example, hybrid, dispatches):
     j2 = example.material()
     x = plastic_inputs(j2)
