@@ -15,7 +15,9 @@ Two cases: FElupe's J2 plate with a hole (the linear solve dominates), and a cub
 variables per point: the material dominates). Each row is the best of interleaved repeats; every
 dsched row is checked against FElupe alone, bit for bit. ``material share`` is the part of FElupe's
 own solve spent in its material, and Amdahl's bound the ratio to FElupe alone that the solve would
-reach with that part split perfectly over the two workers and the rest unchanged.
+reach with that part split perfectly over the two workers and the rest unchanged (a form that does
+less material work than FElupe, such as one call, may pass it). Before any solve is timed, one call
+on both workers opens the cluster's feeds and has the workers import FElupe.
 
 The FE code is FElupe (GPL-3.0), which the dsched package does not import: the solves are those of
 ``examples/fe_plasticity.py``, loaded from the checkout this package runs from (or, installed, from the
