@@ -148,8 +148,8 @@ def measure_case(example, client, case, size, layers, repeats=2, steps=10, progr
     for form, row in rows.items():
         row["best"] = min(row["seconds"])
         row["ratio"] = alone / row["best"]
-    best = rows["FElupe alone"]
-    share = best["material_share"] = best["material_shares"][best["seconds"].index(best["best"])]  # its best round's
+    plain = rows["FElupe alone"]  # the share (and the bound) of its best round
+    share = plain["material_share"] = plain["material_shares"][plain["seconds"].index(plain["best"])]
     return {"case": case, "size": size, "layers": layers, "steps": steps, "repeats": repeats, "rows": rows,
             "workers": WORKERS, "amdahl_bound": amdahl_bound(share)}
 
