@@ -99,6 +99,33 @@ def test_hessian_after_gradient_at_the_same_x_does_not_dispatch_again(process_cl
 
 
 @needs_felupe
+def test_the_new_state_goes_back_by_reference_and_read_only(process_client, example, hybrid, dispatches):
+    """A step's new state, handed back as the next step's old state (FElupe's commit), is neither copied nor
+    compared: it lies in shared memory already and is read-only, so it cannot have changed."""
+    from dsched.dataplane.store import find_shared
+
+    layered = example.material(3)
+    x = plastic_inputs(layered)
+    umat = FEMaterial(layered, scheduler=hybrid, client=process_client)
+    _, state = umat.gradient(x)
+    assert find_shared(state) is not None  # where the workers wrote it
+    with pytest.raises(ValueError, match="read-only"):
+        state[0, 0, 0] = 1.0
+    F = x[0] + 1e-4  # the next load step: a new F, the committed state
+    assert_lists_equal(umat.gradient([F, state]), layered.gradient([F, np.array(state)]))
+    assert umat._inputs[1] is state  # passed to the workers as it lies, not copied into a buffer
+    assert_lists_equal(umat.hessian([F, state]), layered.hessian([F, np.array(state)]))
+    assert dispatches == ["both", "both"]  # the hessian at the same x: no dispatch
+    # The same values in another array: compared by value, equal, no dispatch; a changed one, a dispatch.
+    umat.hessian([F.copy(), np.array(state)])
+    assert dispatches == ["both", "both"]
+    changed = np.array(state)
+    changed[0, 0, 0] += 1.0
+    umat.hessian([F, changed])
+    assert dispatches == ["both", "both", "both"]
+
+
+@needs_felupe
 def test_apart_dispatches_the_gradient_and_the_hessian_each_when_asked(process_client, example, hybrid, dispatches):
     j2 = example.material()
     x = plastic_inputs(j2)
@@ -182,25 +209,48 @@ def test_the_example_checks_itself():
 
 @needs_felupe
 def test_the_fe_bench_times_every_form_and_checks_the_bits(process_client):
+    from dsched.apps.bench.fe import FORMS, amdahl_bound, format_fe_table, run_fe_benchmarks
     from dsched.apps.bench.figures import blocks
-    from dsched.apps.bench.fe import FORMS, format_fe_table, run_fe_benchmarks
 
-    results = run_fe_benchmarks(client=process_client, repeats=1, sizes={"16 J2 layers": 2}, steps=2)
+    results = run_fe_benchmarks(client=process_client, repeats=1, sizes={"64 J2 layers": 2}, steps=2)
     (case,) = results["cases"].values()
-    assert list(case["rows"]) == list(FORMS) and case["layers"] == 16
+    assert list(case["rows"]) == list(FORMS) and case["layers"] == 64 and case["case"] == "hexahedra"
     alone = case["rows"]["FElupe alone"]
-    assert alone["cells"] == 8 and alone["state_variables"] == 16 * 19 + 18 and 0 < alone["material_share"] < 1
+    assert alone["cells"] == 8 and alone["points"] == 64 and alone["state_variables"] == 64 * 19 + 18
+    share = alone["material_share"]
+    assert 0 < share < 1 and case["workers"] == 2 and case["amdahl_bound"] == 1 / ((1 - share) + share / 2)
+    assert amdahl_bound(0.74) == pytest.approx(1.5873, abs=1e-4) and amdahl_bound(1.0, workers=4) == 4.0
     for form in FORMS[1:]:
         row = case["rows"][form]
         assert row["identical"] is True and 0 < row["dispatches"] <= alone["iterations"] + 2 * case["steps"]
         assert row["ratio"] == pytest.approx(alone["best"] / row["best"])
-    value, bound, _ = results["targets"]["16 J2 layers >= 1.5 x FElupe alone"]
+    value, bound, _ = results["targets"]["64 J2 layers >= 1.5 x FElupe alone"]
     assert bound == 1.5 and value == max(case["rows"][form]["ratio"] for form in FORMS[1:])
     assert results["targets"]["bit-identical to FElupe"] is True
     table = format_fe_table(results)
-    assert "16 J2 layers: a plate of 8 cells, 32 points, 322 state variables per point" in table
+    assert ("64 J2 layers: a cube of 8 hexahedra, 64 points, 1,234 state variables per point, 2 load steps, "
+            f"{alone['iterations']} Newton iterations; material {share:.0%} of FElupe's solve: Amdahl's bound on 2 "
+            f"workers {case['amdahl_bound']:.2f} x") in table
+    assert f"({value:.2f} x; Amdahl's bound {case['amdahl_bound']:.2f} x)" in table
     assert "through dsched, one call" in table and "cuda:0 is emulated" in table
     assert blocks({"fe": results})["fe"].endswith(table + "\n```")
+
+
+def test_the_fe_table_of_a_run_without_amdahl_s_bound_computes_it_from_the_share():
+    """A JSON written before the bound was recorded renders the same bound, from the material's share."""
+    from dsched.apps.bench.fe import format_fe_table
+
+    rows = {"FElupe alone": {"best": 6.0, "ratio": 1.0, "material_share": 0.75, "iterations": 35, "cells": 3200,
+                             "points": 12800, "state_variables": 322},
+            "through dsched": {"best": 5.0, "ratio": 1.2, "dispatches": 44, "identical": True}}
+    results = {"cases": {"16 J2 layers": {"case": "plate", "steps": 10, "repeats": 2, "rows": rows}},
+               "targets": {"16 J2 layers >= 1.5 x FElupe alone": [1.2, 1.5, False]}}
+    table = format_fe_table(results)
+    assert table.splitlines()[0] == ("16 J2 layers: a plate with a hole of 3,200 quadrilaterals, 12,800 points, 322 "
+                                     "state variables per point, 10 load steps, 35 Newton iterations; material 75% "
+                                     "of FElupe's solve: Amdahl's bound on 2 workers 1.60 x")
+    assert ("target 16 J2 layers >= 1.5 x FElupe alone: not reached on this run (1.20 x; Amdahl's bound 1.60 x)"
+            in table)
 
 
 def test_the_fe_bench_says_why_it_cannot_run():
@@ -219,7 +269,7 @@ def test_the_fe_bench_says_why_it_cannot_run():
 def test_the_fe_bench_refuses_an_unknown_case_before_any_work():
     from dsched.apps.bench.fe import run_fe_benchmarks
 
-    with pytest.raises(ValueError, match=r"^sizes: no case 'hex' \(cases: 'J2 plate', '16 J2 layers'\)$"):
+    with pytest.raises(ValueError, match=r"^sizes: no case 'hex' \(cases: 'J2 plate', '64 J2 layers'\)$"):
         run_fe_benchmarks(sizes={"hex": 2})
 
 

@@ -18,6 +18,13 @@ split along the cell axis (``axis=-1``, views in the caller's layout).
 A Newton iteration asks for the gradient and the hessian at the same ``x``.
 So one evaluation gives both, in one dispatch, and the second call at equal
 inputs returns what the first computed: one dispatch per iteration, not two.
+
+The state goes round: the new state of one evaluation is the old state of the
+evaluations of the next load step (FElupe commits it by reference when a step
+converges). The outputs live in shared memory, where the workers wrote them,
+and come back read-only; an output handed back as an input is therefore passed
+to the workers by reference and known unchanged: the state, the largest array
+of the loop, is neither copied nor compared from one iteration to the next.
 Nothing here imports FElupe: the adapter meets its protocol by methods and arrays.
 
 Examples
@@ -40,6 +47,8 @@ Examples
 """
 
 from __future__ import annotations
+
+import weakref
 
 import cloudpickle
 import numpy as np
@@ -163,11 +172,15 @@ class FEMaterial:
 
     Notes
     -----
-    Outputs are joined along the cell axis; one the same for every cell (size
-    1 there) comes back broadcast to all cells. The last evaluation's inputs
-    are copied into shared memory, where the workers read them (no second copy), and
-    kept to compare the next call's inputs with; :meth:`clear` forgets them
-    (call it after changing the material's parameters).
+    Outputs are joined along the cell axis, in shared memory where the workers
+    wrote them, and are read-only (copy one to change it); one the same for
+    every cell (size 1 there) comes back broadcast to all cells. An input that
+    is one of these outputs (the new state, handed back at the next load step)
+    goes to the workers by reference and is compared by identity: it cannot
+    have changed. Other inputs are copied into shared memory, where the workers
+    read them (no second copy), and kept to compare the next call's inputs
+    with by value; :meth:`clear` forgets them (call it after changing the
+    material's parameters).
     """
 
     def __init__(self, material, *, scheduler, client=None, x=None, tangent="with-gradient", host_arrays=True,
@@ -194,7 +207,8 @@ class FEMaterial:
         self._options = dispatch_options
         self._calls = {what: _Evaluate(material, what, bool(host_arrays)) for what in ("both", "gradient", "hessian")}
         self._buffers = {}  # input index -> a shared-memory array the inputs are copied into
-        self._inputs = []  # the last evaluation's inputs, in those arrays (what the workers read)
+        self._inputs = []  # the last evaluation's inputs, in those arrays or our outputs (what the workers read)
+        self._handed_out = {}  # id -> weak reference of every read-only output still alive (see _ours)
         self._kwargs = None
         self._gradient = self._hessian = None
         self.evaluations = 0  # dispatches made: a Newton iteration costs one
@@ -221,9 +235,10 @@ class FEMaterial:
         self._inputs, self._kwargs, self._gradient, self._hessian = [], None, None, None
 
     def _same(self, x, kwargs) -> bool:
-        """Whether ``x`` and ``kwargs`` equal the last evaluation's."""
+        """Whether ``x`` and ``kwargs`` equal the last evaluation's. An input kept by reference is a read-only
+        output of ours: handed back itself, it is equal without a look at its values."""
         return (len(x) == len(self._inputs) and _equal(kwargs, self._kwargs)
-                and all(_equal(a, b) for a, b in zip(x, self._inputs)))
+                and all(a is b or _equal(a, b) for a, b in zip(x, self._inputs)))
 
     def _evaluate(self, x, kwargs, what):
         """One dispatch; keeps what it gave, and the inputs it gave it for."""
@@ -234,13 +249,32 @@ class FEMaterial:
         result = dispatch(self._calls[what], *inputs, scheduler=self.scheduler, client=self.client, axis=self.axis,
                           **self._options, **kwargs)
         self.evaluations += 1
-        gradient, hessian = _lists(result)
+        gradient, hessian = (self._hand_out(items) for items in _lists(result))
         self._inputs, self._kwargs = inputs, dict(kwargs)
         self._gradient, self._hessian = gradient, hessian
 
+    def _hand_out(self, items):
+        """An evaluation's list of outputs, each array made read-only and remembered as ours."""
+        if items is None:
+            return None
+        handed_out = self._handed_out  # (the weak references' callbacks must not hold self)
+        for item in items:
+            if isinstance(item, np.ndarray):
+                item.flags.writeable = False
+                key = id(item)
+                handed_out[key] = weakref.ref(item, lambda _, key=key: handed_out.pop(key, None))
+        return items
+
+    def _ours(self, value) -> bool:
+        """Whether ``value`` is one of the read-only outputs this material handed out (so unchanged since)."""
+        ref = self._handed_out.get(id(value))
+        return ref is not None and ref() is value
+
     def _shared(self, value, index):
-        """An input, copied into a shared-memory array of this material's (reused while its shape holds)."""
-        if not isinstance(value, np.ndarray) or not value.ndim or value.dtype.hasobject:
+        """An input where the workers read it: an output of ours as it is (in shared memory already, and
+        unchanged), another array copied into a shared-memory array of this material's (reused while its shape
+        holds)."""
+        if not isinstance(value, np.ndarray) or not value.ndim or value.dtype.hasobject or self._ours(value):
             return value
         kept = self._buffers.get(index)
         if kept is None or kept.shape != value.shape or kept.dtype != value.dtype:
