@@ -4,9 +4,9 @@ NEML2's driver steps a model through prescribed histories (time, strain),
 feeding each step's outputs back as the next step's old state
 (``stress~1 <- stress``, ``t~1 <- t``, ``t~2 <- t~1``). :class:`TransientDriver`
 does the same over a :class:`~dsched.Batch`: each chunk of points steps on
-its device, its state is kept by the batch between runs (in host memory as
-NumPy arrays the workers map, or in device memory as torch tensors on the
-chunk's device: ``memory=``), and the histories are read by reference from
+its device, its state is kept by the batch between runs (in device memory as
+torch tensors on the chunk's device, or in host memory as NumPy arrays the
+workers map: ``memory=``), and the histories are read by reference from
 shared memory, one step's rows at a time.
 
 >>> model = dsched.models.NEML2Model("radret.i", "model")               # doctest: +SKIP
@@ -177,9 +177,13 @@ class TransientDriver:
         Outputs whose value at every step :meth:`history` returns.
     time : str
         The model's time input (NEML2's ``time`` option), fed back like any other.
-    memory : {"auto", "host", "device"}
-        Where the batch keeps the state (:class:`~dsched.Batch`'s ``memory``): ``"device"`` keeps it on each
-        chunk's device as torch tensors between runs; ``"host"`` in this host's memory, as NumPy arrays.
+    memory : {"device", "host", "auto"}
+        Where the batch keeps the state (:class:`~dsched.Batch`'s ``memory``). ``"device"`` (the default) keeps
+        it on each chunk's device as torch tensors between steps and runs, and pipelines the steps' updates: a
+        driver is about throughput, and a model's outputs then never go through NumPy. ``"host"`` keeps it in
+        this host's memory as NumPy arrays, each step one dispatch call: the least latency per step, but each
+        step's outputs are copied into shared memory (``"auto"``: host memory where :class:`~dsched.Batch`
+        would choose it).
 
     Examples
     --------
@@ -189,7 +193,7 @@ class TransientDriver:
     """
 
     def __init__(self, model, scheduler, *, client=None, feedback=None, initial=None, constants=None, record=(),
-                 time="t", memory="auto"):
+                 time="t", memory="device"):
         self.model, self.scheduler, self.client, self.time = model, scheduler, client, str(time)
         if not isinstance(memory, str) or memory not in MEMORY:
             raise ValueError(f"memory: expected 'auto', 'host' or 'device', got {memory!r}")
