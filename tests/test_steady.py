@@ -258,3 +258,16 @@ def test_with_the_dashboard_on_the_page_counts_every_steady_call(dashboard_clien
     done = {row["device"]: row["items_done"] - before[row["device"]] for row in page["devices"]}
     assert sum(done.values()) == 5000 and all(row["chunks_in_flight"] == 0 for row in page["devices"])
     assert (page["run"]["total"], page["run"]["items_done"]) == (1000, 1000)  # the last call's, its own total
+
+
+def test_the_steady_path_can_be_turned_off(client, steady_runs):
+    import dask
+
+    d = dsched.WorkDispatcher(scheduler(), triple, join="concat", client=client)
+    x = np.arange(1000.0)
+    with dask.config.set({"dsched.steady-path": False}):
+        for _ in range(3):
+            np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x)), 3 * x)
+    assert steady_runs == []
+    np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x)), 3 * x)
+    assert len(steady_runs) == 1

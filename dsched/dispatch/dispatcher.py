@@ -30,7 +30,7 @@ from dsched.devices.device import Device
 from dsched.devices.ownership import device_owners, forget_cluster_info, recent_cluster_info, wait_for_devices
 from dsched.dispatch.async_run import AsyncRun
 from dsched.dispatch.completion import current_cancellation
-from dsched.dispatch.steady import SteadyPath, SteadyRun
+from dsched.dispatch.steady import SteadyPath, SteadyRun, steady_path_enabled
 from dsched.errors import AggregateError, ChunkTimeoutError
 from dsched.observe.collect import open_collectors
 from dsched.observe.dashboard.client import RunTotal
@@ -252,7 +252,8 @@ class WorkDispatcher:
                 self._run_sync(data, report, observers)
             else:
                 client = self.client
-                steady = self._steady if self._steady is not None and self._steady.holds(client, generator) else None
+                steady = self._steady if self._steady is not None and steady_path_enabled() and \
+                    self._steady.holds(client, generator) else None
                 feeds = steady.take_feeds() if steady is not None else None
                 if feeds is not None:  # like the last run, which went over fast lanes alone: its feeds again
                     data = self._open_data(generator, out, client, owners=steady.owners, layout=steady.layout)

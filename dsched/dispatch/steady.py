@@ -47,9 +47,14 @@ from dsched.observe.dashboard.client import tell_page
 from dsched.worker import lane as wire
 from dsched.worker.lane import Bell
 
-__all__ = ["SteadyPath", "SteadyRun"]
+__all__ = ["SteadyPath", "SteadyRun", "steady_path_enabled"]
 
 _LOST = "lost"  # a mailbox notice: a worker left (:meth:`SteadyRun.lose_worker`)
+
+
+def steady_path_enabled() -> bool:
+    """Dask config ``dsched.steady-path`` (default true): like runs after a lanes-only run take the steady path."""
+    return bool(dask.config.get("dsched.steady-path", True))
 
 
 class SteadyPath:
