@@ -14,6 +14,8 @@ interleaved; median and best reported):
 - ``dispatch, plain``: the call a user writes first, ``dsched.dispatch(model,
   strain, plastic_strain, alpha, scheduler=..., client=...)`` with a model that
   returns new arrays, NumPy inputs, nothing declared, on the two worker processes below;
+  the same scheduler at every repeat, as a program that calls again keeps it (so the
+  repeats after the first are like calls, on the steady path);
 - ``dispatch, plain, copied``: the same with ``dsched.place-results: false``: the
   workers copy each result into its rows instead of having NumPy allocate it
   there (:mod:`dsched.worker.result_placement`);
@@ -179,7 +181,13 @@ def _processes_dispatch(client, inputs, scheduler, sizes=None, out=None):
 
 
 def _plain_call(client, inputs, chunk):
-    return dsched.dispatch(_plain_j2, *inputs, scheduler=_hybrid_scheduler(chunk), client=client)
+    # One scheduler per chunk size, as a program calling again keeps its own: the repeats after the first are
+    # like calls, on the steady path (dsched.dispatch.steady).
+    scheduler = _PLAIN_SCHEDULERS.setdefault(chunk, _hybrid_scheduler(chunk))
+    return dsched.dispatch(_plain_j2, *inputs, scheduler=scheduler, client=client)
+
+
+_PLAIN_SCHEDULERS = {}  # chunk size -> the plain rows' scheduler
 
 
 def _with_config(settings, fn):
