@@ -172,6 +172,18 @@ def test_calls_that_differ_in_a_plain_argument_get_dispatchers_of_their_own(clie
     assert sorted(r.skeleton[1] for r in kept) == [2.0, 5.0, 7.0]
 
 
+def test_a_call_under_another_place_results_setting_gets_a_dispatcher_of_its_own(client):
+    import dask
+
+    s = scheduler()
+    x = np.arange(1000.0)
+    np.testing.assert_array_equal(dsched.dispatch(triple, x, scheduler=s, client=client), 3 * x)
+    with dask.config.set({"dsched.place-results": False}):
+        np.testing.assert_array_equal(dsched.dispatch(triple, x, scheduler=s, client=client), 3 * x)
+    kept = [r for r in front._REUSED._local.calls if r.fn is triple and r.scheduler is s]
+    assert sorted(r.dispatcher._program.place_results for r in kept) == [False, True]
+
+
 def test_a_call_with_an_array_kept_whole_is_not_kept(client):
     s = scheduler()
     x = np.arange(1000.0)

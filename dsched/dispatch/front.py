@@ -147,7 +147,7 @@ class PreparedCall:
             return _empty_result(self.out, self.axis, out_axis)
         reused = None if self.keep_grad or self.trace_file is not None or self.mode != "async" else _REUSED.take(
             fn, layout, kwargs, scheduler=self.scheduler, client=self.client, axis=out_axis, timeout=self.timeout,
-            host_arrays=self.host_arrays)
+            host_arrays=self.host_arrays, place_results=bool(dask.config.get("dsched.place-results", True)))
         if reused is not None:  # a call like a recent one: its dispatcher, program and feeds again
             return reused.run(self.loader, layout, self.out, self.overwrite)
         # Kept autograd needs the tensors themselves joined (torch.cat), not their values copied in place.
@@ -263,7 +263,8 @@ def _empty_result(out, axis, out_axis):
 
 
 # The dispatchers of recent calls, per thread (dsched.dispatch.reuse): built from this module's pieces.
-_REUSED = RecentCalls(lambda fn, layout, kwargs, axis, host_arrays: _CallOnChunk(fn, layout, kwargs,
-                                                                                 host_arrays=host_arrays),
+# (``place_results``, Dask's config when the call's dispatcher is made, keeps calls made under another apart.)
+_REUSED = RecentCalls(lambda fn, layout, kwargs, axis, host_arrays, place_results: _CallOnChunk(
+                          fn, layout, kwargs, host_arrays=host_arrays),
                       lambda fn, layout, kwargs, axis: functools.partial(_probe_layout, fn, layout, kwargs, axis),
                       is_split)
