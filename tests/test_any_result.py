@@ -121,8 +121,8 @@ def test_a_model_whose_first_item_blocks_does_not_hold_the_run_and_the_next_prob
 
     _PROBE_THREADS.clear()
     scheduler = dsched.SimpleScheduler("cpu", 4)
-    try:
-        with dask.config.set({"dsched.probe-timeout": 0.1}):
+    try:  # (off the steady path, which knows the layout from the first call's results and probes no more)
+        with dask.config.set({"dsched.probe-timeout": 0.1, "dsched.steady-path": False}):
             first = dsched.dispatch(blocking, np.arange(8.0), scheduler=scheduler, client=process_client)
             second = dsched.dispatch(blocking, np.arange(8.0), scheduler=scheduler, client=process_client)
     finally:

@@ -401,6 +401,9 @@ def _check_served(sf, proc):
         workers = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
         assert all(workers[r.worker] == str(r.device) for r in dispatcher.last_run.records)
         if _have_module("dsched.dashboard"):  # dsched's dashboard plugin was preloaded on the scheduler
+            from dsched.dashboard import flush_page
+
+            flush_page(client)  # the lanes' chunk events reach the page off the call's path
             port = json.loads(sf.read_text())["services"]["dashboard"]
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/dsched/status.json", timeout=10) as reply:
                 status = {row["device"]: row for row in json.load(reply)["devices"]}
