@@ -459,7 +459,8 @@ class WorkDispatcher:
         finally:
             run.close()
         if self.join is not None and not any(r.error is not None for r in report.records):
-            self._steady = SteadyPath.after(run, data, self._last_generator, cluster, self.timeout)  # the next run's short way, if it has one
+            # What the next like run needs to take the steady path, if this run leaves it one.
+            self._steady = SteadyPath.after(run, data, self._last_generator, cluster, self.timeout)
 
     def _run_steady(self, client, data, report, feeds, observers) -> list:
         """A run on the steady path (:mod:`dsched.dispatch.steady`); the ranges of the chunks it could not run."""

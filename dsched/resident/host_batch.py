@@ -22,9 +22,9 @@ chunk and field.
   spare one before the swap, so it keeps its previous values and the others keep
   their results.
 - **Order.** Updates return at once and run one after another, in the order
-  pushed, on the batch's :class:`~dsched.resident.lane.Lane`; ``get``,
+  pushed, on the batch's :class:`~dsched.resident.jobs.JobQueue`; ``get``,
   ``reduce`` and ``set`` wait for the last update that uses the field, and run
-  those the lane's thread has not started themselves (a step's ``update`` then
+  those the queue's thread has not started themselves (a step's ``update`` then
   ``get`` is one call on the caller's thread).
 - **Layouts.** A field keeps its item shape and dtype; an update whose results
   change them (or that makes a new field) runs without ``out=``, and the arrays
@@ -52,7 +52,7 @@ from dsched.dispatch import WorkDispatcher, dispatch
 from dsched.errors import AggregateError
 from dsched.resident.host_update import CHUNK_ATTRIBUTE, ChunkUpdate, LayoutChanged, layout_of
 from dsched.resident.hostdata import inputs_in_shared_memory, out_arrays
-from dsched.resident.lane import Job, Lane
+from dsched.resident.jobs import Job, JobQueue
 from dsched.resident.tasks import Update
 from dsched.schedulers.planned import PlannedChunks
 
@@ -129,7 +129,7 @@ class HostBatch:
         self._programs = collections.OrderedDict()
         self._segments = set()  # the names of every segment the batch made: unlinked at close
         self._closed = False
-        self._lane = Lane()
+        self._lane = JobQueue()
         # A batch never closed ends its thread when it is collected (or at exit, its updates cancelled).
         self._stop_lane = weakref.finalize(self, self._lane.stop, 30.0, True)
         try:
@@ -367,7 +367,7 @@ class HostBatch:
         if job is None:
             return
         try:
-            self._lane.help(job)  # run here what the lane's thread has not started: no hand-off per step
+            self._lane.help(job)  # run here what the queue's thread has not started: no hand-off per step
         except KeyboardInterrupt:
             for pending in list(self._jobs):
                 pending.cancel()

@@ -3,14 +3,14 @@
 :meth:`Batch.update <dsched.Batch.update>` returns at once. In host memory
 (:class:`~dsched.resident.host_batch.HostBatch`) an update is a :class:`Job`:
 one :func:`dsched.dispatch` over the batch (or a few, should a chunk fail), and
-the swap of the fields' arrays after it. The :class:`Lane` runs the jobs in
+the swap of the fields' arrays after it. The :class:`JobQueue` runs the jobs in
 push order, each after the one before has ended, so every update sees the fields
 as the updates pushed before it left them; a job can be cancelled, before it
 starts or while its dispatch runs (:class:`~dsched.dispatch.completion.Cancellation`,
 as :meth:`dsched.DispatchFuture.cancel` does).
 
-A caller that waits for a job the lane's thread has not started runs it itself
-(:meth:`Lane.help`): a solver's ``update`` then ``get`` costs one call, with no
+A caller that waits for a job the queue's thread has not started runs it itself
+(:meth:`JobQueue.help`): a solver's ``update`` then ``get`` costs one call, with no
 hand-off to another thread and back.
 """
 
@@ -22,13 +22,13 @@ from concurrent.futures import CancelledError
 
 from dsched.dispatch.completion import Cancellation, cancellable
 
-__all__ = ["Job", "Lane"]
+__all__ = ["Job", "JobQueue"]
 
 
 class Job:
     """One pushed operation: what it reads and writes, the work that does it, and how it ended.
 
-    ``work(job)`` runs once, on the lane's thread or on a thread that waits for it; whatever it raises is kept in
+    ``work(job)`` runs once, on the queue's thread or on a thread that waits for it; whatever it raises is kept in
     ``error`` (a Ctrl-C is kept as a ``CancelledError`` and raised on). ``reported``: the error was raised to the
     caller once already (by a ``get``, ``reduce`` or ``wait`` of the batch).
     """
@@ -71,7 +71,7 @@ class Job:
         return f"<Job {self.label!r} {state}>"
 
 
-class Lane:
+class JobQueue:
     """Runs :class:`Job` objects one at a time, in the order :meth:`push` gave them, on a thread started by the
     first push, or on a thread that waits for one (:meth:`help`)."""
 
