@@ -28,6 +28,7 @@ others' results kept, the error raised); Ctrl-C and a submitted call's
 
 from __future__ import annotations
 
+import atexit
 import collections
 import queue
 import select
@@ -341,6 +342,12 @@ def _repark(client, feeds):
 
 
 _idle_bells = []  # bells of ended steady runs, for the next (a socket pair costs a few system calls)
+
+
+@atexit.register
+def _close_idle_bells():
+    while _idle_bells:
+        _idle_bells.pop().close()
 
 
 def _bell() -> Bell:
