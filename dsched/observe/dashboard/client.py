@@ -82,6 +82,7 @@ class RunTotal(RunObserver):
 
 
 PAGE_EVENTS_EVERY = 0.05  # seconds between two messages of a client's page events
+PAGE_ANSWER_WAIT = 10.0  # seconds the scheduler has to take one
 
 
 def tell_page(client, events):
@@ -139,9 +140,9 @@ async def _flush_page(client):
     if not events:
         return
     client.__dict__["_dsched_page_sending"] = True
-    try:
-        await client.scheduler.log_event(topic=CHUNK_BATCH_TOPIC, msg=events)
-    except Exception:  # noqa: BLE001  the scheduler is gone: so is its page
+    try:  # bounded: a scheduler that never answers must not hold a flush_page (or the next events) for good
+        await asyncio.wait_for(client.scheduler.log_event(topic=CHUNK_BATCH_TOPIC, msg=events), PAGE_ANSWER_WAIT)
+    except Exception:  # noqa: BLE001  the scheduler is gone (or frozen): so is its page
         pass
     finally:
         client.__dict__["_dsched_page_sending"] = False
