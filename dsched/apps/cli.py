@@ -26,6 +26,7 @@ from dsched.devices.device import parse_devices
 from dsched.devices.ownership import emulated_devices
 from dsched.errors import DispatchError
 from dsched.observe import dashboard
+from dsched.observe.dashboard.client import flush_page
 
 __all__ = ["main"]
 
@@ -115,6 +116,8 @@ def _run(args) -> int:
         if dashboard is not None and client is not None:
             _show_dashboard(stack, client, graph)
         result = run_graph(graph, client=client, progress=not args.no_progress)
+        if dashboard is not None and client is not None:
+            flush_page(client)  # the page counts the whole run before the report says it is over
         print(f"graph: {graph.source}  model: {graph.model}  batch: {graph.batch_size:,}")
         print(format_report(result), flush=True)
         if dashboard is not None and client is not None and not remote:
