@@ -1,6 +1,6 @@
 """Argument checks shared across the package, with the messages its errors have always had.
 
-A ground-floor module: it imports only the standard library and NumPy, so
+A ground-floor module: it imports only the standard library, NumPy and Dask's config, so
 every module of dsched can use it without an import cycle.
 
 Examples
@@ -19,9 +19,10 @@ ValueError: threads: expected an integer >= 1, got 0
 
 from __future__ import annotations
 
+import dask.config
 import numpy as np
 
-__all__ = ["check_positive_int", "did_you_mean"]
+__all__ = ["check_positive_int", "did_you_mean", "setting"]
 
 
 def check_positive_int(value, field: str, *, integers=(int, np.integer), expected="an integer >= 1",
@@ -57,3 +58,22 @@ def did_you_mean(word: str, candidates, suffix: str = "") -> str:
     lowered = {str(c).lower(): c for c in candidates}  # 'J2' is close to 'j2'
     close = difflib.get_close_matches(str(word).lower(), list(lowered), n=1, cutoff=0.6)
     return f"; did you mean {lowered[close[0]]}{suffix}?" if close else ""
+
+
+_UNSET = object()
+
+
+def setting(name: str, default):
+    """Dask config ``dsched.<name>`` (hyphens or underscores alike), read straight from Dask's config dict.
+
+    ``dask.config.get`` parses its key on every call; a solver's loop reads a few settings per call, thousands of
+    times a second. Dask keeps its config in one dict that ``dask.config.set`` changes in place, so a read here
+    sees every change at once.
+    """
+    section = dask.config.config.get("dsched")
+    if not isinstance(section, dict):
+        return default
+    value = section.get(name, _UNSET)
+    if value is _UNSET:
+        value = section.get(name.replace("-", "_") if "-" in name else name.replace("_", "-"), default)
+    return value

@@ -51,6 +51,7 @@ ALIASES = {
     "dsched.placement": "dsched.cluster.placement",
     "dsched.reduce": "dsched.dataplane.reduce",
     "dsched.dispatch.reduce": "dsched.dataplane.reduce",
+    "dsched.dispatch.tasks": "dsched.dispatch.async_run",
     "dsched.report": "dsched.observe.report",
     "dsched.store": "dsched.dataplane.store",
     "dsched.threads": "dsched.devices.threads",

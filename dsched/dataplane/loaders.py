@@ -203,6 +203,14 @@ class MappingLoader(WorkGenerator):
     def _take(self, start, stop):
         return {k: (take(v, self.axes[k], start, stop) if k in self._batched else v) for k, v in self.mapping.items()}
 
+    def like(self, mapping) -> "MappingLoader":
+        """A loader over ``mapping``, whose entries have this loader's keys, types, shapes and dtypes (the caller
+        has checked): its axes and size are this one's, not resolved and checked again."""
+        loader = object.__new__(MappingLoader)
+        WorkGenerator.__init__(loader, self.total)
+        loader.mapping, loader.axis, loader.axes, loader._batched = dict(mapping), self.axis, self.axes, self._batched
+        return loader
+
 
 class Ranges:
     """The items of ``source`` in ``ranges`` (``[(start, stop)]``, in order): what a run left undone.

@@ -364,30 +364,16 @@ def _apart(arrays, rows):
     """``arrays`` with those that overlap another output's rows (or their own, but not exactly) copied first:
     writing one output must not change another's values before they are written (a result that is a view
     of a placed allocation, a model's ``out=`` rows returned under another name)."""
-    spans = [_span(r) for r in rows if r is not None]
-    if not spans:
+    placed = [r for r in rows if r is not None]
+    if not placed:
         return arrays
     apart = []
     for array, own in zip(arrays, rows + [None] * (len(arrays) - len(rows))):
         if isinstance(array, np.ndarray) and not (own is not None and same_memory(array, own)):
-            low, high = _span(array)
-            if any(low < b and a < high for a, b in spans):
+            if any(np.may_share_memory(array, r) for r in placed):  # the bytes they span overlap
                 array = array.copy()
         apart.append(array)
     return apart
-
-
-def _span(array) -> tuple:
-    """The bytes ``[low, high)`` an array's items lie within."""
-    low = high = array.__array_interface__["data"][0]
-    for n, stride in zip(array.shape, array.strides):
-        if n == 0:
-            return low, low
-        if stride > 0:
-            high += (n - 1) * stride
-        else:
-            low += (n - 1) * stride
-    return low, high + array.itemsize
 
 
 def check_out_path(path, overwrite: bool, field: str = "out") -> str:

@@ -16,6 +16,7 @@ see docs/dataplane.md for what has been measured on a real GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 
 import numpy as np
@@ -31,6 +32,12 @@ def is_real_gpu(device) -> bool:
     """Whether ``device`` is a CUDA device this process computes on with CuPy (not emulated)."""
     if device is None or not Device(device).is_cuda or is_emulated_here():
         return False
+    return _cupy_installed()
+
+
+@functools.cache
+def _cupy_installed() -> bool:
+    """Whether CuPy can be imported here; asked once (a look costs a ``stat`` per entry of ``sys.path``)."""
     return importlib.util.find_spec("cupy") is not None
 
 
@@ -59,5 +66,6 @@ def copy_to_host(values, target):
 
 def same_memory(a, b) -> bool:
     """Whether NumPy array ``a`` is exactly the array ``b``'s items (same address, shape, strides and dtype)."""
+    # may_share_memory (a bounds check in C) first: an address read builds a dict per array.
     return isinstance(a, np.ndarray) and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype and \
-        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        np.may_share_memory(a, b) and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]

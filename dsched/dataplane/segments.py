@@ -22,6 +22,7 @@ import weakref
 
 import numpy as np
 
+from dsched.checks import setting
 from dsched.names import SEGMENT_PREFIX
 
 __all__ = ["SHM_DIR", "mapped_segment", "pinned_segment", "forget_vanished_segments", "sweep_stale_segments",
@@ -200,12 +201,11 @@ class SegmentPool:
         self._free = []  # (nbytes, token, path, buffer), oldest first
         self._lent = {}  # token -> path of segments under arrays handed out, to come back when those are gone
         self._lock = threading.RLock()  # re-entrant: a lease's end (a finalizer) may give back under it
+        self._shut = None  # at exit, the tokens shutdown unlinked: what is given back later is unlinked too
 
     @staticmethod
     def capacity() -> int:
-        from dask import config
-
-        return int(config.get("dsched.segment-pool", 2 * 2**30))
+        return int(setting("segment-pool", 2 * 2**30))
 
     def take(self, nbytes: int):
         """A kept segment of exactly ``round_to_pages(nbytes)`` bytes, or ``None``."""
@@ -233,7 +233,10 @@ class SegmentPool:
         evicted = []
         with self._lock:
             self._lent.pop(token, None)
-            if size <= cap:
+            if self._shut is not None:  # at exit, after shutdown (a finalizer): unlinked, unless it was then
+                if token not in self._shut:
+                    evicted.append((token, path))
+            elif size <= cap:
                 self._free.append((size, token, path, buffer))
             else:
                 evicted.append((token, path))
@@ -260,6 +263,7 @@ class SegmentPool:
         """At exit: unlink the kept segments and those still lent (their arrays die with the process)."""
         with self._lock:
             lent, self._lent = self._lent, {}
+            self._shut = set(lent)
         self.release()
         for token, path in lent.items():
             _unlink(token, path)

@@ -33,6 +33,16 @@ def running_on(device):
         _chunk_device.reset(token)
 
 
+def enter_device(device: Device):
+    """:func:`running_on` without a context manager, for a chunk path run thousands of times a second: the token
+    :func:`leave_device` takes."""
+    return _chunk_device.set(device)
+
+
+def leave_device(token) -> None:
+    _chunk_device.reset(token)
+
+
 def current_device() -> Device | None:
     """The device the running chunk was placed on.
 

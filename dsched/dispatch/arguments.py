@@ -31,8 +31,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-import dask
 
+from dsched.checks import setting
 from dsched.checks import did_you_mean
 from dsched.dataplane.sources import as_streamed
 from dsched.devices import backends
@@ -56,7 +56,7 @@ def is_array(x, field="args") -> bool:
 def keep_grad_setting(keep_grad) -> bool:
     """``keep_grad`` if given, else the Dask config ``dsched.keep-grad`` (read on the client)."""
     if keep_grad is None:
-        keep_grad = dask.config.get("dsched.keep-grad", False)
+        keep_grad = setting("keep-grad", False)
     return bool(keep_grad)
 
 

@@ -17,9 +17,9 @@ import time
 import uuid
 import weakref
 
-from dask import config
 from distributed import Client, default_client
 
+from dsched.checks import setting
 from dsched.cluster.local import LocalHybridCluster
 from dsched.dataplane.loaders import Ranges, uncovered
 from dsched.dataplane.outputs import OutputLayout
@@ -30,6 +30,7 @@ from dsched.devices.device import Device
 from dsched.devices.ownership import device_owners, forget_cluster_info, recent_cluster_info, wait_for_devices
 from dsched.dispatch.async_run import AsyncRun
 from dsched.dispatch.completion import current_cancellation
+from dsched.dispatch.replay import MISS, ReplayPlan, run_replay
 from dsched.dispatch.steady import SteadyPath, SteadyRun, steady_path_enabled
 from dsched.errors import AggregateError, ChunkTimeoutError
 from dsched.observe.collect import open_collectors
@@ -49,7 +50,7 @@ MODES = ("sync", "async")
 def _place_results() -> bool:
     """The Dask config ``dsched.place-results`` where the dispatcher is made: whether workers may allocate
     a model's new NumPy results in their output rows (:mod:`dsched.worker.result_placement`)."""
-    return bool(config.get("dsched.place-results", True))
+    return bool(setting("place-results", True))
 
 
 class WorkDispatcher:
@@ -208,6 +209,7 @@ class WorkDispatcher:
 
     def close(self):
         """Close the cluster this dispatcher started, if any."""
+        self._drop_steady()
         with self._client_lock:
             closer, self._closer = self._closer, None
             self._own_client = self._own_cluster = None
@@ -238,6 +240,10 @@ class WorkDispatcher:
 
     def run(self, generator, *, _overwrite_out=False):
         """Dispatch every item of ``generator``; the results in dispatch order, or ``reduce`` of them."""
+        if self._steady is not None and self._steady.replay is not None and self.mode == "async":
+            replayed = run_replay(self, generator)  # a like run after a clean steady one (dsched.dispatch.replay)
+            if replayed is not MISS:
+                return replayed
         out = None if self.join is None else check_out(self.out, generator.total, self.axis,
                                                        self.overwrite or _overwrite_out)
         self._last_generator = generator
@@ -259,7 +265,7 @@ class WorkDispatcher:
                     data = self._open_data(generator, out, client, owners=steady.owners, layout=steady.layout)
                     undone = self._run_steady(client, data, report, feeds, observers)
                 else:
-                    self._steady = None
+                    self._drop_steady()
                     cluster = recent_cluster_info(client, self.scheduler)  # read once: it answers every question
                     # A device whose worker is restarting is waited for (dsched.lost-device-timeout), not refused.
                     cluster = wait_for_devices(client, self.scheduler, cluster)
@@ -460,6 +466,7 @@ class WorkDispatcher:
             run.close()
         if self.join is not None and not any(r.error is not None for r in report.records):
             # What the next like run needs to take the steady path, if this run leaves it one.
+            self._drop_steady()
             self._steady = SteadyPath.after(run, data, self._last_generator, cluster, self.timeout)
 
     def _run_steady(self, client, data, report, feeds, observers) -> list:
@@ -471,17 +478,25 @@ class WorkDispatcher:
             run.loop()
         except BaseException:
             run.abandon()
-            self._steady = None
+            self._drop_steady()
             raise
         finally:
             run.close()
         if not run.undone:
+            if self._steady is not None and self._steady.replay is None:  # its chunks, for the next like runs
+                self._steady.replay = ReplayPlan.after(self._steady, run, self.scheduler, self._last_generator)
             return []
         # A lane lost: the full run (which looks at the cluster again) takes its chunks and what was not scheduled.
-        self._steady = None
+        self._drop_steady()
         generator = data.generator
         left = [(generator.offset, generator.total)] if generator.has_more() else []
         return sorted((r.offset, r.offset + r.size) for r in run.undone) + left
+
+    def _drop_steady(self):
+        """Forget the steady path, and its replay plan's input segment."""
+        steady, self._steady = self._steady, None
+        if steady is not None and steady.replay is not None:
+            steady.replay.close()
 
     def _run_again(self, generator, ranges, output):
         """The rows of ``ranges`` that the steady path could not run, through the full run, into ``output``."""

@@ -20,6 +20,7 @@ import threading
 import dask
 import numpy as np
 
+from dsched.checks import setting
 from dsched.dataplane.loaders import MappingLoader, resolve_axis
 from dsched.dataplane.outputs import OutputLayout
 from dsched.dataplane.rundata import check_out
@@ -29,7 +30,7 @@ from dsched.devices.threads import limit_this_thread
 from dsched.dispatch.arguments import (ArgsLayout, argument_name, check_keywords, is_split, keep_grad_setting,
                                        out_axis_of)
 from dsched.dispatch.dispatcher import WorkDispatcher
-from dsched.dispatch.reuse import RecentCalls
+from dsched.dispatch.reuse import RecentCalls, without_arrays
 from dsched.dataplane.reduce import concat_reduce
 from dsched.errors import as_recoverable
 
@@ -111,9 +112,61 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=N
     ...                             mode="sync", axis=-1)]
     [(3, 3, 5), (2, 5)]
     """
-    return PreparedCall(fn, args, kwargs, scheduler=scheduler, client=client, mode=mode, axis=axis,
+    quick = None
+    if not kwargs and mode == "async" and trace_file is None and out is None and keep_grad is None:
+        quick = _plain_call(fn, args, scheduler, client, axis, out_axis, timeout, host_arrays)
+        if quick is not None and _last.matches(fn, quick):  # like the last plain call of this thread
+            return _last.run(fn, args)
+    call = PreparedCall(fn, args, kwargs, scheduler=scheduler, client=client, mode=mode, axis=axis,
                         out_axis=out_axis, trace_file=trace_file, out=out, overwrite=overwrite, timeout=timeout,
-                        keep_grad=keep_grad, host_arrays=host_arrays).run()
+                        keep_grad=keep_grad, host_arrays=host_arrays)
+    call.plain = quick
+    return call.run()
+
+
+def _plain_call(fn, args, scheduler, client, axis, out_axis, timeout, host_arrays):
+    """What makes a call of NumPy arrays alone, with no keywords, like another: ``None`` for any other call."""
+    if type(axis) is not int or not all(type(a) is np.ndarray for a in args):
+        return None
+    return (scheduler, client, axis, out_axis, timeout, host_arrays, setting("place-results", True),
+            setting("keep-grad", False), tuple((a.shape, a.dtype.str) for a in args))
+
+
+class _LastCall(threading.local):
+    """The last plain call of this thread (:func:`_plain_call`) that ran on a recent call's dispatcher, kept
+    without its arrays (and its function held weakly, as the recent call holds it): a like call skips its
+    layout, checks and probe, which would come out the same."""
+
+    key = recent = layout = loader = signature = None
+
+    def matches(self, fn, key) -> bool:
+        if key != self.key or self.recent.fn is not fn:
+            return False
+        return key[1] is not None or _default_client() is self.recent.client  # the default client may change
+
+    def keep(self, key, runner, layout, loader, signature):
+        self.key, self.recent, self.signature = key, runner.recent, signature
+        self.layout, self.loader = without_arrays(layout), loader.like({})
+
+    def run(self, fn, args):
+        client = self.key[1]
+        if client is not None and getattr(client, "status", "running") != "running":
+            self.key = None
+            raise RuntimeError("dispatch: the client is closed")
+        loader = self.loader.like(dict(zip(self.loader.axes, args)))
+        return self.recent.run(fn, loader, self.layout, None, False, None, self.signature)
+
+
+_last = _LastCall()
+
+
+def _default_client():
+    from distributed import default_client
+
+    try:
+        return default_client()
+    except ValueError:
+        return None
 
 
 class PreparedCall:
@@ -139,6 +192,7 @@ class PreparedCall:
         self.trace_file, self.out, self.overwrite, self.keep_grad = trace_file, out, overwrite, keep_grad
         self.host_arrays = bool(host_arrays)
         self.loader = None if _batch_is_empty(layout) else _loader(layout, fn)
+        self.plain = None  # dispatch's key of a plain call (_plain_call), for the next like one
 
     def run(self):
         """Dispatch the call; the joined result."""
@@ -147,9 +201,14 @@ class PreparedCall:
             return _empty_result(self.out, self.axis, out_axis)
         reused = None if self.keep_grad or self.trace_file is not None or self.mode != "async" else _REUSED.take(
             fn, layout, kwargs, scheduler=self.scheduler, client=self.client, axis=out_axis, timeout=self.timeout,
-            host_arrays=self.host_arrays, place_results=bool(dask.config.get("dsched.place-results", True)))
+            host_arrays=self.host_arrays, place_results=bool(setting("place-results", True)))
         if reused is not None:  # a call like a recent one: its dispatcher, program and feeds again
-            return reused.run(self.loader, layout, self.out, self.overwrite)
+            result = reused.run(self.loader, layout, self.out, self.overwrite)
+            if self.plain is not None:  # the next like call skips all of the above
+                signature, known = reused.known_layout(layout)
+                if known:
+                    _last.keep(self.plain, reused, layout, self.loader, signature)
+            return result
         # Kept autograd needs the tensors themselves joined (torch.cat), not their values copied in place.
         join = dict(reduce=functools.partial(concat_reduce, axis=out_axis)) if self.keep_grad else dict(
             join="concat", axis=out_axis, out=self.out, overwrite=self.overwrite)

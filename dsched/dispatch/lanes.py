@@ -18,8 +18,8 @@ import collections
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client as connect_to
 
-import dask
 
+from dsched.checks import setting
 from dsched.dispatch.completion import ask_worker
 from dsched.observe.dashboard.client import tell_page
 from dsched.worker import lane as wire
@@ -33,7 +33,7 @@ WINDOW = 64  # chunks a lane holds unanswered at most (their descriptors and rep
 
 def lanes_enabled() -> bool:
     """Dask config ``dsched.fast-lane`` (default true): feeds of this host take chunks over their fast lane."""
-    return bool(dask.config.get("dsched.fast-lane", True))
+    return bool(setting("fast-lane", True))
 
 
 class Lane:

@@ -27,7 +27,7 @@ import weakref
 from dsched.dataplane.loaders import items_signature
 from dsched.dispatch.dispatcher import WorkDispatcher
 
-__all__ = ["RecentCalls", "MAX_KEPT"]
+__all__ = ["RecentCalls", "MAX_KEPT", "without_arrays"]
 
 MAX_KEPT = 4  # recent calls kept per thread
 _PLAIN = (int, float, complex, str, bytes, bool, type(None))
@@ -65,11 +65,11 @@ class _Recent:
                 and all(_same(a, b) for a, b in zip(skeleton, self.skeleton))
                 and kwargs.keys() == self.kwargs.keys() and all(_same(v, self.kwargs[k]) for k, v in kwargs.items()))
 
-    def run(self, fn, loader, layout, out, overwrite, probe):
-        """Run the call of ``fn`` on the kept dispatcher; the joined result."""
+    def run(self, fn, loader, layout, out, overwrite, probe, signature=None):
+        """Run the call of ``fn`` on the kept dispatcher; the joined result. ``signature``: the inputs', if known."""
         dispatcher = self.dispatcher
         self.call.fn = fn
-        signature = items_signature(layout.mapping, layout.axes)
+        signature = items_signature(layout.mapping, layout.axes) if signature is None else signature
         known = self.layouts.get(signature)
         dispatcher.out, dispatcher.overwrite = out, bool(overwrite)
         dispatcher._layout = known
@@ -134,7 +134,7 @@ class RecentCalls:
                 kept.insert(0, kept.pop(i))
                 break
         else:
-            call = self.make_call(fn, _without_arrays(layout), dict(kwargs), axis, **options)
+            call = self.make_call(fn, without_arrays(layout), dict(kwargs), axis, **options)
             dispatcher = WorkDispatcher(scheduler, call, join="concat", axis=axis, timeout=timeout, client=client)
             recent = _Recent(fn, scheduler, client, axis, (timeout, options), skeleton, dict(kwargs), dispatcher,
                              call)
@@ -151,6 +151,11 @@ class _Runner:
 
     def run(self, loader, layout, out, overwrite):
         return self.recent.run(self.fn, loader, layout, out, overwrite, self.probe)
+
+    def known_layout(self, layout):
+        """``(signature of layout's inputs, whether the layout of fn's result is known for it)``."""
+        signature = items_signature(layout.mapping, layout.axes)
+        return signature, signature in self.recent.layouts
 
 
 class _Strong:
@@ -170,7 +175,7 @@ def _weak(fn):
         return _Strong(fn)
 
 
-def _without_arrays(layout):
+def without_arrays(layout):
     """A copy of ``layout`` without its arrays: the kept dispatcher's program must not hold the first call's
     batch (a worker rebuilds each chunk's arguments from the skeleton alone)."""
     stripped = copy.copy(layout)

@@ -33,8 +33,8 @@ import collections
 import queue
 import select
 
-import dask
 
+from dsched.checks import setting
 from dsched.dataplane.loaders import ArrayLoader, MappingLoader, items_signature
 from dsched.devices.device import placement_device
 from dsched.devices.ownership import cluster_generation, has_dashboard
@@ -55,7 +55,7 @@ _LOST = "lost"  # a mailbox notice: a worker left (:meth:`SteadyRun.lose_worker`
 
 def steady_path_enabled() -> bool:
     """Dask config ``dsched.steady-path`` (default true): like runs after a lanes-only run take the steady path."""
-    return bool(dask.config.get("dsched.steady-path", True))
+    return bool(setting("steady-path", True))
 
 
 class SteadyPath:
@@ -76,6 +76,7 @@ class SteadyPath:
         self.client, self.cluster, self.owners, self.feeds = client, cluster, owners, feeds
         self.layout, self.signature = layout, signature
         self.generation = cluster_generation(client)
+        self.replay = None  # what the next like runs replay, once a run on this path ended cleanly
 
     @classmethod
     def after(cls, run, data, generator, cluster, timeout):
@@ -85,7 +86,7 @@ class SteadyPath:
         feeds = run.feeds
         if feeds is None or timeout is not None or data.remote:
             return None
-        if float(dask.config.get("dsched.feed-linger", LINGER)) <= 0:
+        if float(setting("feed-linger", LINGER)) <= 0:
             return None
         if not data.store.shared or not data.writes_in_place_everywhere():
             return None
@@ -139,6 +140,8 @@ class SteadyRun:
         self.in_flight = {}  # record index -> (record, feed), sent and not yet answered
         self.undone = []  # records of chunks not run here: the full run takes their rows
         self.failed = False
+        self.sent = []  # (device, feed, offset, items) of each chunk, in the order sent: what a replay repeats
+        self.overlapped = False  # a chunk was answered before the policy had cut the whole batch
         self.notices = queue.SimpleQueue()  # from the event loop: feed tasks that ended, workers that left
         self.bell = _bell()
         self.poller = select.poll()
@@ -179,6 +182,7 @@ class SteadyRun:
         record = record_dispatch(self.scheduler, self.observers, self.report, device, m, offset)
         feed = min(self.feeds[device], key=lambda f: (f.lane is None, f.sent))
         feed.sent += 1
+        self.sent.append((device, feed, offset, m))
         self.in_flight[record.index] = (record, feed)
         feed.backlog.append((record.index, work, self.data.slot(device, offset, offset + m, record.index)))
         if self.events is not None:
@@ -229,7 +233,8 @@ class SteadyRun:
             return
         record = entry[0]
         feed.sent -= 1
-        self.scheduler.completed_work(record.device, record.size)
+        self.overlapped = self.overlapped or self.data.generator.has_more()
+        self._give_back(record)
         record.start, record.stop, record.worker = start, stop, feed.address
         if self.events is not None:
             self.events.append(self._event("done" if ok else "failed", record, feed))
@@ -284,8 +289,12 @@ class SteadyRun:
         for index, (record, owner) in list(self.in_flight.items()):
             if owner is feed:
                 del self.in_flight[index]
-                self.scheduler.completed_work(record.device, record.size)
+                self._give_back(record)
                 self.undone.append(record)
+
+    def _give_back(self, record):
+        """The policy's load of a chunk answered, or not to be answered."""
+        self.scheduler.completed_work(record.device, record.size)
 
     # --- the end ------------------------------------------------------------
 
@@ -299,7 +308,7 @@ class SteadyRun:
             feed.let_go()
             feed.lane = None
         for record, _ in self.in_flight.values():
-            self.scheduler.completed_work(record.device, record.size)
+            self._give_back(record)
         self.in_flight.clear()
 
     def close(self):
@@ -335,9 +344,9 @@ def _repark(client, feeds):
         return
     for feed in feeds:
         feed.owner = None
-    linger = float(dask.config.get("dsched.feed-linger", LINGER))
+    linger = float(setting("feed-linger", LINGER))
     messages = _park(client, feeds, linger)
-    delay = float(dask.config.get("dsched.feed-park-delay", PARK_DELAY))
+    delay = float(setting("feed-park-delay", PARK_DELAY))
     tell_parked_later(client, list(zip(feeds, messages)), linger, delay)
 
 

@@ -87,6 +87,18 @@ class WorkScheduler:
                 raise RuntimeError(f"Device load underflow: {status.device} completed {n} items, load {status.load}")
             status.load -= n
 
+    def plan_key(self):
+        """What this policy's chunks depend on, where a batch's chunks depend on nothing else: the devices' batch
+        sizes, capacities and priorities, while none carries a load (so a like run's chunks repeat while the
+        key does, and a dispatcher may replay them: :mod:`dsched.dispatch.replay`); ``None`` for a policy that
+        learns, plans a run's tail, or chooses by any other rule than this class's."""
+        if not _chooses_by_records(type(self)):
+            return None
+        with self._lock:
+            if any(s.load for s in self._status):
+                return None
+            return tuple((s.device, s.batch_size, s.capacity, s.priority) for s in self._status)
+
     def all_work_completed(self) -> bool:
         with self._lock:
             return all(s.load == 0 for s in self._status)
@@ -100,6 +112,16 @@ class WorkScheduler:
     def __repr__(self):
         parts = ", ".join(f"{s.device}(batch={s.batch_size}, capacity={s.capacity}, load={s.load})" for s in self._status)
         return f"{type(self).__name__}({parts})"
+
+
+_RULES = ("schedule_work", "_pick", "dispatched_work", "completed_work")
+
+
+def _chooses_by_records(cls) -> bool:
+    """Whether ``cls`` chooses as :class:`WorkScheduler` does, from its records alone (it learns nothing from
+    timings and plans no run's tail)."""
+    return all(getattr(cls, name) is getattr(WorkScheduler, name) for name in _RULES) and not any(
+        hasattr(cls, name) for name in ("observe", "begin_run"))
 
 
 def _item_count(n, device) -> int:

@@ -36,11 +36,15 @@ class ChunkProgram:
 
     def run(self, device, work, out=None):
         with running_on(device), selected(device):
-            if self.preprocess is not None:
-                work = self.preprocess(work, device)
-            result = self.do_work(work, device) if out is None else self.do_work(work, device, out=out)
-            if self.postprocess is not None:
-                result = self.postprocess(result)
+            return self.call(device, work, out)
+
+    def call(self, device, work, out=None):
+        """The chunk's code, in the caller's device context (:meth:`run` makes it)."""
+        if self.preprocess is not None:
+            work = self.preprocess(work, device)
+        result = self.do_work(work, device) if out is None else self.do_work(work, device, out=out)
+        if self.postprocess is not None:
+            result = self.postprocess(result)
         return result
 
 

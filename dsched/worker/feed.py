@@ -23,9 +23,9 @@ import asyncio
 import atexit
 import collections
 import queue
+import select
 import threading
 import time
-from multiprocessing.connection import wait as wait_for_readable
 
 from distributed import get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -34,6 +34,7 @@ from distributed.protocol.serialize import ToPickle
 from dsched.names import CHUNK_EVENT_TOPIC, FEED_WORKER_PLUGIN
 from dsched.worker import lane as lanes
 from dsched.worker.chunk import _compute, _initialise
+from dsched.worker.kept import KeptPlans, run_kept
 
 __all__ = ["FeedPlugin", "run_feed", "RETIRED"]
 
@@ -70,6 +71,8 @@ class _Inbox:
         self.epoch = 0  # of the last park or rearm applied
         self.woken = False  # a _WAKE is queued and not yet taken
         self.lane = None  # the client's fast-lane connection (dsched.worker.lane), read by the feed's thread
+        self._polled = None  # (lane, select.poll) of the feed's thread (_poller)
+        self.kept = KeptPlans()  # the chunks of replayed plans (dsched.worker.kept), the feed's thread's
         # Rung on every put, so the feed's thread waits on its queue and its lane at once.
         self.bell = lanes.Bell()
 
@@ -84,21 +87,33 @@ class _Inbox:
         if self.closed:  # its bell is closed too: the feed looks at why and ends
             return _WAKE
         try:
-            ready = wait_for_readable([self.bell.waitable] if lane is None else [self.bell.waitable, lane], timeout)
+            ready = self._poller(lane).poll(timeout * 1000)
         except (OSError, ValueError):  # closed while waiting (the inbox closed)
             return _WAKE
-        if self.bell.waitable in ready:
+        bell = self.bell.waitable.fileno()
+        if any(fd == bell for fd, _ in ready):
             self.bell.clear()
             try:
                 return self.queue.get_nowait()
             except queue.Empty:
                 pass
-        if lane is not None and lane in ready:
+        if lane is not None and any(fd != bell for fd, _ in ready):
             try:
                 return LANE, lanes.loads(lane.recv_bytes())
             except (EOFError, OSError):  # the client went away: the feed's task ends by its cancel or stop
                 self.drop_lane(lane)
         return _WAKE
+
+    def _poller(self, lane):
+        """The feed's thread's poll over its bell and ``lane``, made again only when the lane changes (making one
+        per wait costs more than the wait)."""
+        if self._polled is None or self._polled[0] is not lane:
+            poller = select.poll()
+            poller.register(self.bell.waitable, select.POLLIN)
+            if lane is not None:
+                poller.register(lane.fileno(), select.POLLIN)
+            self._polled = (lane, poller)
+        return self._polled[1]
 
     def attach_lane(self, connection):
         """The client's fast lane (from the accept thread); a closed inbox closes it, so the client knows."""
@@ -226,6 +241,7 @@ class _Inbox:
             self.closed = True
             self.error = error
             self.program = None  # closed inboxes are kept a while (to refuse late chunks): not their models
+            self.kept = KeptPlans()  # nor their plans' mappings
             _fed.discard(self)
             lane = None if keep_lane else self.lane
             self.lane = self.lane if keep_lane else None
@@ -454,9 +470,10 @@ class _Runner:
         self.program = None  # the program initialised on this thread: the inbox's, checked before each chunk
         self.ran = 0
 
-    def run(self, work, slot, about, fail) -> tuple:
+    def run(self, work, slot, about, fail, compute=None) -> tuple:
         """Run one chunk: ``(ok, value, start, stop)``. If the run's ``thread_init`` fails, ``fail(reply)`` tells
-        the chunk and the feed ends (:class:`_InitFailed`)."""
+        the chunk and the feed ends (:class:`_InitFailed`). ``compute()``, if given, runs it instead of
+        ``work`` and ``slot`` (a kept chunk)."""
         inbox = self.inbox
         if inbox.program is not self.program:  # the first chunk, or the first of a run that rearmed the feed
             self.program = inbox.program
@@ -470,7 +487,8 @@ class _Runner:
                 raise _InitFailed(err) from err
         start = time.time()
         try:
-            value, ok = _compute(self.program, self.device, work, slot), True
+            value = _compute(self.program, self.device, work, slot) if compute is None else compute()
+            ok = True
         except Exception as err:  # the chunk's failure, not the feed's
             value, ok = err, False
         stop = time.time()
@@ -482,22 +500,39 @@ class _Runner:
         return ok, value, start, stop
 
     def lane_message(self, message):
-        """A message from the client's fast lane (:mod:`dsched.worker.lane`): chunks or a stop (parks come over
-        Dask's comms, after a delay: see :mod:`dsched.dispatch.feeds`)."""
+        """A message from the client's fast lane (:mod:`dsched.worker.lane`): chunks, a plan's chunks to keep
+        and run, a kept plan to run again, or a stop (parks come over Dask's comms, after a delay: see
+        :mod:`dsched.dispatch.feeds`)."""
         inbox, kind = self.inbox, message[0]
         if kind == lanes.STOP:
             inbox.stop()
             return
-        _, rearm, chunks = message
+        rearm = message[1]
         if rearm is not None and not inbox.rearm(*rearm):
             inbox.reply((lanes.ENDED,))
             return
         # A lane's chunks log no dashboard events here: the client sends theirs (dsched.dispatch.lanes).
-        for position, (index, work, slot) in enumerate(chunks):
+        if kind == lanes.CHUNKS:
+            self._run_all([(index, None, work, slot) for index, work, slot in message[2]])
+            return
+        _, _, plan_id, payload = message
+        plan = inbox.kept.keep(plan_id, payload, self.device) if kind == lanes.KEEP else inbox.kept.get(plan_id)
+        if plan is None:  # a plan this feed never kept (or let go of): the client runs its chunks the full way
+            inbox.reply((lanes.ENDED,))
+            return
+        program, device = inbox.program, self.device
+        gpu = plan.real_gpu
+        self._run_all([(index, lambda c=chunk, s=slot, r=rows: run_kept(program, device, c, s, r, gpu), None, None)
+                       for index, chunk, slot, rows in plan.jobs(None if kind == lanes.KEEP else payload)])
+
+    def _run_all(self, chunks):
+        """Run ``chunks`` (``(index, compute, work, slot)``) in turn, each answered as it ends."""
+        inbox = self.inbox
+        for position, (index, compute, work, slot) in enumerate(chunks):
             fail = lambda reply, index=index: inbox.reply(  # noqa: E731
                 (lanes.DONE, index, False, _unwrap(reply["value"]), 0.0, 0.0))
             try:
-                ok, value, start, stop = self.run(work, slot, None, fail)
+                ok, value, start, stop = self.run(work, slot, None, fail, compute)
             except _InitFailed as failed:  # the message's other chunks fail with it, then the lane closes
                 for index, *_ in chunks[position + 1:]:
                     inbox.reply((lanes.DONE, index, False, failed.args[0], 0.0, 0.0))

@@ -18,6 +18,9 @@ Messages are pickled tuples (:func:`dumps`, :func:`loads`):
 
 - client to feed: ``("chunks", rearm, [(index, work, slot), ...])``, ``("stop",)``
   (parks come over Dask's comms, after ``dsched.feed-park-delay``);
+- client to feed, replays (:mod:`dsched.worker.kept`): ``("keep", rearm, plan id, [(index, work, slot), ...])``
+  runs the chunks and keeps them; ``("again", rearm, plan id, output targets)`` runs them again, writing into
+  that call's outputs;
 - feed to client: ``("done", index, ok, value, start, stop)`` per chunk, or
   ``("ended",)`` when a parked feed had ended before a run's program reached it.
 """
@@ -42,6 +45,7 @@ from dsched.dataplane.segments import _unlinked
 __all__ = ["Bell", "LaneServer", "lane_server", "lane_directory", "dumps", "loads", "sweep_stale_lanes"]
 
 CHUNKS, STOP, DONE, ENDED = "chunks", "stop", "done", "ended"
+KEEP, AGAIN = "keep", "again"  # a replayed plan's chunks, kept and run; a kept plan run again (dsched.worker.kept)
 _RETRY_SECONDS = 0.05  # the accept thread's pause after a failed accept (not a handshake refused)
 _SOCKET_PREFIX = "lane-"
 

@@ -1,0 +1,282 @@
+"""Replays: a like call's chunks sent again as they were, with nothing decided or described again.
+
+A run on the steady path (:mod:`dsched.dispatch.steady`) still asks its policy for
+every chunk, places its inputs, and describes each chunk to its feed. Where the
+policy's chunks depend on nothing but its own records (:meth:`WorkScheduler.plan_key
+<dsched.schedulers.base.WorkScheduler.plan_key>`: :class:`~dsched.SimpleScheduler`,
+:class:`~dsched.StaticHybridScheduler`) and the whole batch was cut before any chunk
+came back, the next like run cuts it the same way. So a clean steady run leaves a
+:class:`ReplayPlan`, and the dispatcher's next run over inputs of the same shapes
+*replays* it:
+
+- the inputs are copied into the plan's own input segment (or, already in shared
+  memory, referenced where they lie, as the chunks the feeds keep name them);
+- the outputs are allocated as on any run;
+- each feed gets one small message, :data:`~dsched.worker.lane.AGAIN`: the plan's id
+  and this call's output segments. The feeds keep the plan's chunks, their inputs
+  mapped (:mod:`dsched.worker.kept`), from the first replay, which sends them with
+  :data:`~dsched.worker.lane.KEEP`;
+- the replies are read as on the steady path, which also handles what is out of the
+  ordinary (a lost lane's chunks run the full way, a failed chunk's rows are NaN,
+  Ctrl-C and ``cancel()``).
+
+The policy is not asked (its loads stay at zero), and no observer is told: a run
+with observers (a trace, progress, callbacks, collectors, a policy that predicts,
+the dashboard) takes the steady path instead. Dask config ``dsched.replay: false``
+turns replays off.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import weakref
+
+import numpy as np
+
+from dsched.checks import setting
+from dsched.dataplane.loaders import ArrayLoader, MappingLoader
+from dsched.dataplane.rundata import RunData, check_out
+from dsched.dataplane.store import ArrayRef, RunStore, find_shared, share_generator
+from dsched.devices.ownership import cluster_generation, forget_cluster_info, has_dashboard
+from dsched.dispatch.steady import SteadyRun
+from dsched.observe.collect import open_collectors
+from dsched.observe.report import ChunkRecord, RunReport
+from dsched.worker import lane as wire
+
+__all__ = ["ReplayPlan", "replay_enabled", "MISS"]
+
+MISS = object()  # what run() returns when the call cannot be a replay: the dispatcher runs it the usual way
+
+
+def replay_enabled() -> bool:
+    """Dask config ``dsched.replay`` (default true): like runs after a clean steady run replay its chunks."""
+    return bool(setting("replay", True))
+
+
+class ReplayPlan:
+    """What a clean steady run of a dispatcher left for its next like runs: its chunks, and the inputs they read.
+
+    Parameters
+    ----------
+    path : SteadyPath
+        The dispatcher's steady path (its feeds, owners, layout and cluster identity).
+    chunks : list
+        ``(device, feed position, offset, items)`` in the order the run sent them.
+    key
+        The policy's :meth:`~dsched.schedulers.base.WorkScheduler.plan_key` at that run.
+    generator
+        That run's loader: the shapes and types its inputs must keep.
+    """
+
+    def __init__(self, path, chunks, key, generator):
+        self.path, self.chunks, self.key = path, chunks, key
+        self.total = generator.total
+        self.kind = _inputs_of(generator)[0]
+        self.shapes = _shapes(generator)
+        self.id = None  # the kept chunks' id on the feeds (a new one whenever the inputs' placements change)
+        self.kept_by = set()  # ids of the feeds that keep this id's chunks
+        self.works = None  # the chunks' work, as the feeds keep it
+        self.placed = None  # ((ArrayRef, view or None), ...) of the inputs, in the loader's order
+        self.store = None  # the plan's own input segment
+        self._closer = None
+
+    @classmethod
+    def after(cls, path, run, scheduler, generator):
+        """The plan a clean steady run leaves, or ``None``: its policy's chunks depend on more than its records,
+        a chunk came back before the batch was cut, or its inputs are not NumPy arrays."""
+        if run.overlapped or run.failed or run.undone or not replay_enabled():
+            return None
+        key = scheduler.plan_key()
+        if key is None or _shapes(generator) is None:
+            return None
+        positions = {id(f): i for fs in run.feeds.values() for i, f in enumerate(fs)}
+        return cls(path, [(device, positions[id(feed)], offset, items) for device, feed, offset, items in run.sent],
+                   key, generator)
+
+    def applies(self, dispatcher, generator) -> bool:
+        """Whether this run may replay: the same client and cluster, no observer, a policy with the same plan
+        key, inputs of the same shapes and types."""
+        path = self.path
+        if not (type(generator) is self.kind and generator.offset == 0 and _shapes(generator) == self.shapes):
+            return False
+        client = dispatcher.client
+        return (client is path.client and client.status == "running" and cluster_generation(client) is path.generation
+                and dispatcher.timeout is None and dispatcher.trace_file is None
+                and dispatcher.on_chunk_done is None and not dispatcher.observers
+                and dispatcher.scheduler.plan_key() == self.key and not open_collectors()
+                and not has_dashboard(client) and replay_enabled())
+
+    def inputs(self, generator):
+        """Place this run's inputs: copied into the plan's segment, or referenced where they lie in shared memory
+        (as the kept chunks read them). The first call, and one whose inputs lie elsewhere, get a new plan id."""
+        arrays = _inputs_of(generator)[2]
+        if self.placed is None or any(view is None and _elsewhere(ref, array)
+                                      for (ref, view), array in zip(self.placed, arrays)):
+            self._place(generator)
+            return
+        for (_, view), array in zip(self.placed, arrays):
+            if view is not None:
+                np.copyto(view, array)
+
+    def _place(self, generator):
+        self.close()
+        store = RunStore(shared=True)
+        loader = share_generator(generator, store)
+        self.works = [loader.next(items)[1] for _, _, _, items in self.chunks]  # copies each chunk's rows
+        self.placed = tuple((p.ref, p.view) for p in loader.placements)
+        for p in loader.placements:
+            p.source = None  # the caller's array is not kept past its call
+        self.store, self.id, self.kept_by = store, secrets.token_hex(8), set()
+        self._closer = weakref.finalize(self, store.close, True)
+
+    def message(self, feed, chunks, data, program) -> tuple:
+        """``feed``'s message for this run: its chunks to keep (the first time) or the kept ones again."""
+        rearm = None
+        if feed.rearm:  # its first message of the run takes it on, with the program if it holds another
+            rearm = (program if feed.program_id != program.dispatcher_id else None, feed.epoch)
+            feed.rearm, feed.program_id = False, program.dispatcher_id
+        if feed.id in self.kept_by:
+            return (wire.AGAIN, rearm, self.id, data.targets)
+        self.kept_by.add(feed.id)
+        return (wire.KEEP, rearm, self.id,
+                [(r.index, self.works[i], data.slot(r.device, r.offset, r.offset + r.size, r.index)) for i, r in chunks])
+
+    def close(self):
+        """Give the input segment back (the pool keeps it for the next call of its size)."""
+        if self._closer is not None:
+            self._closer()
+        self._closer = self.store = self.placed = self.works = None
+
+
+def run_replay(dispatcher, generator):
+    """Run ``generator`` as a replay of the dispatcher's plan; its value, or :data:`MISS` where it may not be one."""
+    steady = dispatcher._steady
+    plan = steady.replay
+    if not plan.applies(dispatcher, generator):
+        return MISS
+    out = check_out(dispatcher.out, generator.total, dispatcher.axis, dispatcher.overwrite)
+    data = ReplayData(generator, steady.layout, dispatcher.axis, out)
+    if not data.writes_in_place_everywhere():  # an out= array in this process's memory: the full path writes it
+        data.close()
+        return MISS
+    plan.inputs(generator)
+    feeds = steady.take_feeds()
+    if feeds is None:  # a feed ended since: the full run, without the path
+        data.close()
+        dispatcher._drop_steady()
+        return MISS
+    dispatcher._last_generator = generator
+    dispatcher.last_run = report = RunReport(dispatcher.mode, wall_start=time.time())
+    run = ReplayRun(steady.client, data, report, feeds, plan, dispatcher)
+    ended = False
+    try:
+        run.loop()
+        ended = True
+    except BaseException:
+        run.abandon()
+        dispatcher._drop_steady()
+        raise
+    finally:
+        run.close()
+        report.wall_stop = time.time()
+        clean = ended and not run.undone and not run.failed
+        dispatcher._close_data(data, report, clean=clean)
+        if not clean:
+            forget_cluster_info(steady.client)
+    if run.undone:  # a lane lost: its rows the full way, into the same outputs
+        dispatcher._drop_steady()
+        if not run.failed:
+            return dispatcher._run_again(generator, sorted((r.offset, r.offset + r.size) for r in run.undone),
+                                         report.output)
+    return dispatcher._result(report, plan.total)
+
+
+class ReplayData(RunData):
+    """A replay's outputs: allocated (or the caller's, in shared memory) with the plan's layout; the inputs are the
+    plan's."""
+
+    def __init__(self, generator, layout, axis, out):  # noqa: D107  (RunData's work, less what a replay knows)
+        self.client, self.total, self.axis, self.out, self.chunk_items = None, generator.total, axis, out, 1
+        self.owners, self.remote, self.generator, self.streams_dask = {}, set(), generator, False
+        self.store = RunStore(shared=True)
+        self.targets = self.outputs = None
+        self._failed_early, self.pieces = [], {}
+        self._allocate(layout)
+
+
+class ReplayRun(SteadyRun):
+    """A replay on the steady path's lanes: the plan's chunks sent as one message per feed, the replies read as on
+    the steady path, the policy never asked."""
+
+    def __init__(self, client, data, report, feeds, plan, dispatcher):
+        super().__init__(client, data, report, feeds, run_id=None, scheduler=dispatcher.scheduler,
+                         program=dispatcher._program, next_chunk=None, observers=None)
+        self.plan = plan
+
+    def loop(self):
+        records, now = self.report.records, time.time()
+        by_feed = {}
+        for i, (device, position, offset, items) in enumerate(self.plan.chunks):
+            record = ChunkRecord(i, device, items, None, now, offset=offset)
+            records.append(record)
+            self.report.results.append(None)
+            feed = self.feeds[device][position]
+            feed.sent += 1
+            self.in_flight[i] = (record, feed)
+            by_feed.setdefault(feed, []).append((i, record))
+        for feed, chunks in by_feed.items():
+            if feed.lane is None or not feed.lane.send(self.plan.message(feed, chunks, self.data, self.program)):
+                self.plan.kept_by.discard(feed.id)
+                self._lane_ended(feed, lost=feed.lane is None)
+        while self.in_flight:
+            self._wait()
+
+    def _receive(self, feed):
+        try:
+            message = feed.lane.receive()
+        except (EOFError, OSError):
+            message = (wire.ENDED,)
+        if message[0] != wire.DONE:  # its lane ended, or the feed no longer keeps the plan
+            self.plan.kept_by.discard(feed.id)
+            self._lane_ended(feed)
+            return
+        _, index, ok, value, start, stop = message
+        entry = self.in_flight.pop(index, None)
+        if entry is None:
+            return
+        record = entry[0]
+        feed.sent -= 1
+        record.start, record.stop, record.worker = start, stop, feed.address
+        if not ok:
+            record.error, self.failed = value, True
+            self.data.failed(record)
+
+    def _give_back(self, record):
+        """A replay took no load from the policy: nothing to give back."""
+
+
+def _inputs_of(generator) -> tuple:
+    """``(loader type, keys, arrays, axes)`` of the batched inputs an array or mapping loader shares."""
+    if isinstance(generator, ArrayLoader):
+        return ArrayLoader, None, [generator.array], [generator.axis]
+    if isinstance(generator, MappingLoader):
+        keys = sorted(generator._batched, key=list(generator.mapping).index)
+        return MappingLoader, keys, [generator.mapping[k] for k in keys], [generator.axes[k] for k in keys]
+    return None, None, [], []
+
+
+def _shapes(generator) -> tuple:
+    """What the plan's chunks depend on in the inputs: each batched input's key, type, shape, dtype and axis (NumPy
+    arrays only: other types' rows are rebuilt per chunk)."""
+    _, keys, arrays, axes = _inputs_of(generator)
+    if not arrays or not all(type(a) is np.ndarray for a in arrays):
+        return None
+    return (keys and tuple(keys), tuple((a.shape, a.dtype.str, axis) for a, axis in zip(arrays, axes)),
+            generator.total)
+
+
+def _elsewhere(ref: ArrayRef, array) -> bool:
+    """Whether ``array`` no longer lies where ``ref`` (an input the kept chunks read in shared memory) points."""
+    now = find_shared(array)
+    return now is None or (now.token, now.offset) != (ref.token, ref.offset)

@@ -1,0 +1,143 @@
+"""Chunks a feed keeps for replays: decoded and resolved once, run again on each like call.
+
+A dispatcher whose calls repeat (a solver's call at every Newton iteration) replays
+its last plan (:mod:`dsched.dispatch.replay`): it sends each feed's lane that
+feed's chunks once, under a plan id (:data:`~dsched.worker.lane.KEEP`), and from
+then on only :data:`~dsched.worker.lane.AGAIN`: the plan id and where this call's
+outputs go. The feed's thread keeps the chunks with their inputs already mapped
+(the dispatcher rewrites the same input segment before each call), and the
+output rows of the last few output segments, so a call costs the model, the
+write of its result, and one small message each way.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from dsched.dataplane.pinned import is_real_gpu
+from dsched.dataplane.store import SharedWork, SliceRef, resolve_work
+from dsched.devices.context import enter_device, leave_device
+from dsched.worker.chunk import _compute
+from dsched.worker.result_placement import run_and_write
+
+__all__ = ["KeptPlans", "PLANS_KEPT", "PLACE_FROM"]
+
+PLANS_KEPT = 4  # plans a feed keeps (a plan holds its inputs' mappings: older ones are let go)
+OUTPUTS_KEPT = 4  # output segments per plan whose rows are kept mapped (the pool lends a few in turn)
+PLACE_FROM = 1 << 18  # bytes of a chunk's outputs from which its results are allocated in their rows
+
+
+class _KeptChunk:
+    """One chunk of a plan: its index, its work (resolved once where that is safe) and its output slot."""
+
+    __slots__ = ("index", "work", "resolved", "slot")
+
+    def __init__(self, index, work, slot):
+        self.index, self.work, self.slot = index, work, slot
+        self.resolved = None
+
+    def inputs(self):
+        """The chunk's inputs as its model sees them. Read-only NumPy views of the plan's input segment stay valid
+        from call to call (the dispatcher rewrites the segment); torch inputs are private copy-on-write mappings
+        a model may write into, so they are made again for each call."""
+        if self.resolved is not None:
+            return self.resolved
+        work = resolve_work(self.work)
+        if _views_only(self.work):
+            self.resolved = work
+        return work
+
+
+class _KeptPlan:
+    """A plan's chunks for one feed, and the output rows of the output segments its calls used lately."""
+
+    def __init__(self, chunks, real_gpu):
+        self.chunks = [_KeptChunk(index, work, slot) for index, work, slot in chunks]
+        self.real_gpu = real_gpu  # the feed's device is a GPU this process computes on
+        self.outputs = collections.OrderedDict()  # targets -> [(slot, rows)] per chunk
+
+    def jobs(self, targets) -> list:
+        """``[(index, run)]``: each chunk's call with its outputs written into ``targets`` (``None``: the plan's)."""
+        slots = self.outputs.get(targets)
+        if slots is None:
+            slots = [_with_rows(_retarget(c.slot, targets)) for c in self.chunks]
+            if all(rows is not None for slot, rows in slots if slot is not None):  # else: mapped as each runs
+                self.outputs[targets] = slots
+            while len(self.outputs) > OUTPUTS_KEPT:
+                self.outputs.popitem(last=False)
+        else:
+            self.outputs.move_to_end(targets)
+        return [(c.index, c, slot, rows) for c, (slot, rows) in zip(self.chunks, slots)]
+
+
+class KeptPlans:
+    """The plans one feed keeps, by id, the most recently used last."""
+
+    def __init__(self):
+        self._plans = collections.OrderedDict()
+
+    def keep(self, plan_id, chunks, device):
+        """Keep ``chunks`` (``[(index, work, slot)]``) of the feed's ``device`` under ``plan_id``; the plan."""
+        plan = self._plans[plan_id] = _KeptPlan(chunks, is_real_gpu(device))
+        self._plans.move_to_end(plan_id)
+        while len(self._plans) > PLANS_KEPT:
+            self._plans.popitem(last=False)
+        return plan
+
+    def get(self, plan_id):
+        plan = self._plans.get(plan_id)
+        if plan is not None:
+            self._plans.move_to_end(plan_id)
+        return plan
+
+    def clear(self):
+        self._plans.clear()
+
+
+def run_kept(program, device, chunk, slot, rows, real_gpu):
+    """Run one kept chunk: its result written in place; what :meth:`OutputSlot.write` returns."""
+    if slot is None or real_gpu:  # the full path: page-locked inputs, a stream of its own
+        return _compute(program, device, chunk.work, slot)
+    work = chunk.inputs()
+    if rows and program.place_results and not program.takes_out and _nbytes(rows) >= PLACE_FROM:
+        return run_and_write(program, slot, rows, lambda: program.run(device, work), device)  # a copy worth saving
+    token = enter_device(device)  # running_on(device); no GPU to select
+    try:
+        result = program.call(device, work, slot.views(rows) if rows and program.takes_out else None)
+    finally:
+        leave_device(token)
+    return slot.write(result, device, rows=rows)
+
+
+def _nbytes(rows) -> int:
+    return sum(r.nbytes for r in rows if r is not None)
+
+
+def _with_rows(slot) -> tuple:
+    """``(slot, its rows)``; rows ``None`` where they cannot be mapped now (the chunk's write says why)."""
+    if slot is None:
+        return None, None
+    try:
+        return slot, slot.rows()
+    except Exception:  # noqa: BLE001  a segment gone: the chunk fails with the reason as it writes
+        return slot, None
+
+
+def _retarget(slot, targets):
+    if slot is None or targets is None:
+        return slot
+    return type(slot)(slot.layout, targets, slot.start, slot.stop, slot.index)
+
+
+def _views_only(work) -> bool:
+    """Whether ``work``'s arrays are all NumPy slices of placed arrays (no torch template, nothing streamed)."""
+    if not isinstance(work, SharedWork):
+        return False
+    payload = work.payload
+    values = [payload] if isinstance(payload, SliceRef) else list(payload.values())
+    return all(v.template is None if isinstance(v, SliceRef) else _plain(v) for v in values)
+
+
+def _plain(value) -> bool:
+    """A value passed whole that resolves to itself (not rows streamed from Zarr or Dask)."""
+    return type(value).__module__.partition(".")[0] in ("builtins", "numpy")
