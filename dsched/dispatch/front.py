@@ -72,6 +72,20 @@ class _CallOnChunk:
             raise recoverable from err
         return backends.to_host(result, keep_grad=self.keep_grad)
 
+    def on_host(self, chunk):
+        """:meth:`__call__` for a chunk of NumPy arrays on a device that computes on the host (the CPU, or an
+        emulated GPU): nothing to move either way but a result that is not NumPy (a kept chunk,
+        :mod:`dsched.worker.kept`)."""
+        limit_this_thread()
+        try:
+            result = self.fn(*self.layout.rebuild(chunk), **self.kwargs)
+        except RuntimeError as err:
+            recoverable = as_recoverable(err)
+            if recoverable is None:
+                raise
+            raise recoverable from err
+        return result if type(result) is np.ndarray else backends.to_host(result, keep_grad=self.keep_grad)
+
 
 def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=None, trace_file=None, out=None,
              overwrite=False, timeout=None, keep_grad=None, host_arrays=False, **kwargs):

@@ -59,11 +59,24 @@ def _parked(client) -> dict:
     return client.__dict__.setdefault("_dsched_parked_feeds", {})
 
 
-def _sweep(pool, now):
+_SWEEP_EVERY = 0.05  # seconds between two sweeps of a client's pool (a solver takes and parks feeds per call)
+
+
+def _usable(feed, now) -> bool:
+    """Whether a parked feed may serve a run: within its time, its task running, its worker not gone."""
+    return now < feed.reuse_until and feed.future.status == "pending" and not _is_gone(feed.address)
+
+
+def _sweep(pool, now, client=None):
     """Let go of the pool's feeds past their time, whose task ended or whose worker is gone (any key: a run may
-    never ask for it again, its worker restarted elsewhere or its batch size changed)."""
+    never ask for it again, its worker restarted elsewhere or its batch size changed). With ``client``, at most
+    every :data:`_SWEEP_EVERY` seconds."""
+    if client is not None:
+        if now < client.__dict__.get("_dsched_next_sweep", 0.0):
+            return
+        client.__dict__["_dsched_next_sweep"] = now + _SWEEP_EVERY
     for key, feeds in list(pool.items()):
-        keep = [f for f in feeds if now < f.reuse_until and f.future.status == "pending" and not _is_gone(key[1])]
+        keep = [f for f in feeds if _usable(f, now)]
         for feed in feeds:
             if feed not in keep:
                 feed.let_go()  # its task ends (or has)
@@ -79,7 +92,7 @@ def _park(client, feeds, linger) -> list:
     messages = []
     with _state.parked_lock:
         pool = _parked(client)
-        _sweep(pool, now)
+        _sweep(pool, now, client)
         for feed in feeds:
             feed.epoch += 1
             feed.reuse_until = now + linger - _REUSE_MARGIN
@@ -123,7 +136,9 @@ def tell_parked_later(client, feeds, linger, delay):
     """
     due = time.monotonic() + delay
     with _state.parked_lock:
-        client.__dict__.setdefault("_dsched_parks_to_tell", []).append((due, feeds, linger))
+        pending = client.__dict__.setdefault("_dsched_parks_to_tell", {})
+        for feed, message in feeds:  # a feed's latest park replaces the one before (whose epoch is gone anyway)
+            pending[feed.id] = (due, feed, message, linger)
         start = "_dsched_park_timer" not in client.__dict__
         if start:
             client.__dict__["_dsched_park_timer"] = None
@@ -143,25 +158,30 @@ def _tell_due_parks(client, timer):
     """On the event loop: send the parks that are due; the timer stops with its client."""
     now = time.monotonic()
     with _state.parked_lock:
-        pending = client.__dict__.get("_dsched_parks_to_tell", [])
-        due = [entry for entry in pending if entry[0] <= now]
-        pending[:] = [entry for entry in pending if entry[0] > now]
-        due = [([m for feed, m in feeds if feed.epoch == m[2]], linger) for _, feeds, linger in due]
+        pending = client.__dict__.get("_dsched_parks_to_tell", {})
+        due = [key for key, (when, *_) in pending.items() if when <= now]
+        by_linger = collections.defaultdict(list)
+        for key in due:
+            _, feed, message, linger = pending.pop(key)
+            if feed.epoch == message[2]:  # no run took it since
+                by_linger[linger].append(message)
     if getattr(client, "status", "running") in ("closing", "closed"):
         timer.stop()
         return
-    for messages, linger in due:
-        if messages:
-            asyncio.ensure_future(send_parks(client, messages, linger))
+    for linger, messages in by_linger.items():
+        asyncio.ensure_future(send_parks(client, messages, linger))
 
 
 def _take_parked(client, address, device, holds):
     """A parked feed of this thread's runs of the client on ``address`` for ``device``, its task still running,
     made ready for a new run (which sends it its program); ``None`` if there is none."""
+    now = time.monotonic()
     with _state.parked_lock:
         pool = _parked(client)
-        _sweep(pool, time.monotonic())
+        _sweep(pool, now, client)
         waiting = pool.get((threading.get_ident(), address, str(device), holds))
+        while waiting and not _usable(waiting[-1], now):  # not swept yet: let go of it now
+            waiting.pop().let_go()
         if not waiting:
             return None
         feed = waiting.pop()

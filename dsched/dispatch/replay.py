@@ -79,6 +79,7 @@ class ReplayPlan:
         self.works = None  # the chunks' work, as the feeds keep it
         self.placed = None  # ((ArrayRef, view or None), ...) of the inputs, in the loader's order
         self.store = None  # the plan's own input segment
+        self.waiting = None  # (lanes' descriptors, bell, poll) of its runs (ReplayRun._waiting)
         self._closer = None
 
     @classmethod
@@ -143,10 +144,16 @@ class ReplayPlan:
                 [(r.index, self.works[i], data.slot(r.device, r.offset, r.offset + r.size, r.index)) for i, r in chunks])
 
     def close(self):
-        """Give the input segment back (the pool keeps it for the next call of its size)."""
+        """Give the input segment back (the pool keeps it for the next call of its size), and close the bell."""
         if self._closer is not None:
             self._closer()
         self._closer = self.store = self.placed = self.works = None
+        self.close_waiting()
+
+    def close_waiting(self):
+        if self.waiting is not None:
+            self.waiting[1].close()
+            self.waiting = None
 
 
 def run_replay(dispatcher, generator):
@@ -210,9 +217,25 @@ class ReplayRun(SteadyRun):
     the steady path, the policy never asked."""
 
     def __init__(self, client, data, report, feeds, plan, dispatcher):
+        self.plan = plan
         super().__init__(client, data, report, feeds, run_id=None, scheduler=dispatcher.scheduler,
                          program=dispatcher._program, next_chunk=None, observers=None)
-        self.plan = plan
+
+    def _waiting(self, feeds) -> tuple:
+        """The plan's bell and poll, kept from call to call while its feeds' lanes are the same."""
+        lanes = tuple(f.lane.connection.fileno() for fs in feeds.values() for f in fs)
+        if self.plan.waiting is None or self.plan.waiting[0] != lanes:
+            self.plan.close_waiting()
+            self.plan.waiting = (lanes, *super()._waiting(feeds)[:2])
+        _, bell, poller = self.plan.waiting
+        return bell, poller, {f.lane.connection.fileno(): f for fs in feeds.values() for f in fs}
+
+    def _let_bell_go(self):
+        """The plan keeps its bell for its next call."""
+
+    def _lane_ended(self, feed, lost=False):
+        self.plan.close_waiting()  # the poll no longer watches the lane's descriptor, which a new lane may reuse
+        super()._lane_ended(feed, lost)
 
     def loop(self):
         records, now = self.report.records, time.time()

@@ -143,21 +143,29 @@ class SteadyRun:
         self.sent = []  # (device, feed, offset, items) of each chunk, in the order sent: what a replay repeats
         self.overlapped = False  # a chunk was answered before the policy had cut the whole batch
         self.notices = queue.SimpleQueue()  # from the event loop: feed tasks that ended, workers that left
-        self.bell = _bell()
-        self.poller = select.poll()
-        self.poller.register(self.bell.waitable, select.POLLIN)
-        self.by_fd = {}  # lane file descriptor -> feed
+        self.bell, self.poller, self.by_fd = self._waiting(feeds)
         for fs in feeds.values():
             for feed in fs:
                 feed.sent, feed.backlog, feed.owner, feed.rearm = 0, collections.deque(), self, True
-                fd = feed.lane.connection.fileno()
-                self.by_fd[fd] = feed
-                self.poller.register(fd, select.POLLIN)
         with _state.parked_lock:
             _running(client).add(self)  # told when a worker leaves (lose_worker)
         self.cancellation = current_cancellation()
         if self.cancellation is not None:
             self.cancellation.bind(self.bell.ring)
+
+    def _waiting(self, feeds) -> tuple:
+        """``(bell, poll over the bell and the feeds' lanes, {lane file descriptor: feed})``."""
+        bell, poller, by_fd = _bell(), select.poll(), {}
+        poller.register(bell.waitable, select.POLLIN)
+        for fs in feeds.values():
+            for feed in fs:
+                fd = feed.lane.connection.fileno()
+                by_fd[fd] = feed
+                poller.register(fd, select.POLLIN)
+        return bell, poller, by_fd
+
+    def _let_bell_go(self):
+        _idle_bells.append(self.bell)
 
     # --- the loop -----------------------------------------------------------
 
@@ -320,7 +328,7 @@ class SteadyRun:
         _repark(self.client, [f for fs in self.feeds.values() for f in fs if f.lane is not None])
         if self.events:
             tell_page(self.client, self.events)
-        _idle_bells.append(self.bell)
+        self._let_bell_go()
         if self.undone:
             lost = {r.index for r in self.undone}
             kept = [(r, v) for r, v in zip(self.report.records, self.report.results) if r.index not in lost]

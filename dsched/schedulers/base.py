@@ -8,6 +8,7 @@ room now": the dispatcher waits for a completion and asks again.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from dataclasses import dataclass
@@ -117,6 +118,7 @@ class WorkScheduler:
 _RULES = ("schedule_work", "_pick", "dispatched_work", "completed_work")
 
 
+@functools.cache
 def _chooses_by_records(cls) -> bool:
     """Whether ``cls`` chooses as :class:`WorkScheduler` does, from its records alone (it learns nothing from
     timings and plans no run's tail)."""

@@ -79,10 +79,11 @@ class _Inbox:
     def next(self, timeout):
         """The next thing for the feed: a queued item, ``(LANE, message)`` from its lane, or :data:`_WAKE` after
         ``timeout`` seconds of nothing (a quiet poll). Queued items first: they are the feed's controls."""
-        try:
-            return self.queue.get_nowait()
-        except queue.Empty:
-            pass
+        if not self.queue.empty():  # (an exception raised per lane message would cost more than this look)
+            try:
+                return self.queue.get_nowait()
+            except queue.Empty:
+                pass
         lane = self.lane
         if self.closed:  # its bell is closed too: the feed looks at why and ends
             return _WAKE
@@ -521,8 +522,7 @@ class _Runner:
             inbox.reply((lanes.ENDED,))
             return
         program, device = inbox.program, self.device
-        gpu = plan.real_gpu
-        self._run_all([(index, lambda c=chunk, s=slot, r=rows: run_kept(program, device, c, s, r, gpu), None, None)
+        self._run_all([(index, lambda c=chunk, s=slot, r=rows: run_kept(program, device, c, s, r, plan), None, None)
                        for index, chunk, slot, rows in plan.jobs(None if kind == lanes.KEEP else payload)])
 
     def _run_all(self, chunks):

@@ -16,7 +16,8 @@ import collections
 
 from dsched.dataplane.pinned import is_real_gpu
 from dsched.dataplane.store import SharedWork, SliceRef, resolve_work
-from dsched.devices.context import enter_device, leave_device
+from dsched.devices.context import enter_device, is_emulated_here, leave_device
+from dsched.devices.device import Device
 from dsched.worker.chunk import _compute
 from dsched.worker.result_placement import run_and_write
 
@@ -51,9 +52,11 @@ class _KeptChunk:
 class _KeptPlan:
     """A plan's chunks for one feed, and the output rows of the output segments its calls used lately."""
 
-    def __init__(self, chunks, real_gpu):
+    def __init__(self, chunks, device):
         self.chunks = [_KeptChunk(index, work, slot) for index, work, slot in chunks]
-        self.real_gpu = real_gpu  # the feed's device is a GPU this process computes on
+        self.real_gpu = is_real_gpu(device)  # the feed's device is a GPU this process computes on with CuPy
+        # NumPy chunks need no move: the CPU, or an emulated GPU (a real one without CuPy refuses them, as ever)
+        self.on_host = not Device(device).is_cuda or is_emulated_here()
         self.outputs = collections.OrderedDict()  # targets -> [(slot, rows)] per chunk
 
     def jobs(self, targets) -> list:
@@ -78,7 +81,7 @@ class KeptPlans:
 
     def keep(self, plan_id, chunks, device):
         """Keep ``chunks`` (``[(index, work, slot)]``) of the feed's ``device`` under ``plan_id``; the plan."""
-        plan = self._plans[plan_id] = _KeptPlan(chunks, is_real_gpu(device))
+        plan = self._plans[plan_id] = _KeptPlan(chunks, device)
         self._plans.move_to_end(plan_id)
         while len(self._plans) > PLANS_KEPT:
             self._plans.popitem(last=False)
@@ -94,16 +97,20 @@ class KeptPlans:
         self._plans.clear()
 
 
-def run_kept(program, device, chunk, slot, rows, real_gpu):
-    """Run one kept chunk: its result written in place; what :meth:`OutputSlot.write` returns."""
-    if slot is None or real_gpu:  # the full path: page-locked inputs, a stream of its own
+def run_kept(program, device, chunk, slot, rows, plan):
+    """Run one kept chunk of ``plan``: its result written in place; what :meth:`OutputSlot.write` returns."""
+    if slot is None or plan.real_gpu:  # the full path: page-locked inputs, a stream of its own
         return _compute(program, device, chunk.work, slot)
     work = chunk.inputs()
     if rows and program.place_results and not program.takes_out and _nbytes(rows) >= PLACE_FROM:
         return run_and_write(program, slot, rows, lambda: program.run(device, work), device)  # a copy worth saving
+    on_host = getattr(program.do_work, "on_host", None) if plan.on_host else None  # dispatch's: nothing to move
     token = enter_device(device)  # running_on(device); no GPU to select
     try:
-        result = program.call(device, work, slot.views(rows) if rows and program.takes_out else None)
+        if on_host is not None and chunk.resolved is not None and program.preprocess is program.postprocess is None:
+            result = on_host(work)
+        else:
+            result = program.call(device, work, slot.views(rows) if rows and program.takes_out else None)
     finally:
         leave_device(token)
     return slot.write(result, device, rows=rows)
