@@ -273,8 +273,19 @@ POOL = SegmentPool()
 atexit.register(POOL.shutdown)
 
 
+_keepers = weakref.WeakSet()  # owners of segments kept for later calls beside the pool (replays' inputs)
+
+
+def kept_until_released(owner):
+    """Have :func:`release_pool` call ``owner.release_kept()``: it gives back what it keeps for later calls."""
+    _keepers.add(owner)
+
+
 def release_pool() -> int:
-    """Unlink the segments kept for later calls (:class:`SegmentPool`); the bytes released."""
+    """Unlink the segments kept for later calls (:class:`SegmentPool`, and those replay plans keep); the bytes
+    released."""
+    for owner in list(_keepers):
+        owner.release_kept()  # into the pool, released below
     held = POOL.held()
     POOL.release()
     return held

@@ -37,6 +37,7 @@ import numpy as np
 from dsched.checks import setting
 from dsched.dataplane.loaders import ArrayLoader, MappingLoader
 from dsched.dataplane.rundata import RunData, check_out
+from dsched.dataplane.segments import kept_until_released
 from dsched.dataplane.store import ArrayRef, RunStore, find_shared, share_generator
 from dsched.devices.ownership import cluster_generation, forget_cluster_info, has_dashboard
 from dsched.dispatch.steady import SteadyRun
@@ -80,6 +81,7 @@ class ReplayPlan:
         self.placed = None  # ((ArrayRef, view or None), ...) of the inputs, in the loader's order
         self.store = None  # the plan's own input segment
         self.waiting = None  # (lanes' descriptors, bell, poll) of its runs (ReplayRun._waiting)
+        self.running = False
         self._closer = None
 
     @classmethod
@@ -130,6 +132,12 @@ class ReplayPlan:
             p.source = None  # the caller's array is not kept past its call
         self.store, self.id, self.kept_by = store, secrets.token_hex(8), set()
         self._closer = weakref.finalize(self, store.close, True)
+        kept_until_released(self)
+
+    def release_kept(self):
+        """:func:`dsched.release_pool`: the input segment goes back (the next replay places the inputs anew)."""
+        if not self.running:
+            self.close()
 
     def message(self, feed, chunks, data, program) -> tuple:
         """``feed``'s message for this run: its chunks to keep (the first time) or the kept ones again."""
@@ -176,7 +184,7 @@ def run_replay(dispatcher, generator):
     dispatcher._last_generator = generator
     dispatcher.last_run = report = RunReport(dispatcher.mode, wall_start=time.time())
     run = ReplayRun(steady.client, data, report, feeds, plan, dispatcher)
-    ended = False
+    ended, plan.running = False, True
     try:
         run.loop()
         ended = True
@@ -185,6 +193,7 @@ def run_replay(dispatcher, generator):
         dispatcher._drop_steady()
         raise
     finally:
+        plan.running = False
         run.close()
         report.wall_stop = time.time()
         clean = ended and not run.undone and not run.failed

@@ -1,0 +1,212 @@
+"""Replays (dsched.dispatch.replay): a like run after a clean steady one sends each feed one small message.
+
+On worker processes (cpu and an emulated cuda:0, a CPU process claiming the device), without the dashboard.
+The scheduler cuts each batch in one wave (a chunk per device), so the policy's chunks repeat: the first call
+runs the full way, the second on the steady path (which leaves the plan), the next ones replay it. Checked:
+the chunks and results, the kept chunks on the feeds, inputs and outputs in shared memory, a failed chunk, a
+worker killed during a replay, Ctrl-C, and what never replays.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client
+
+import dsched
+from dsched.devices.ownership import cluster_info
+from dsched.dispatch import replay, steady
+from dsched.schedulers import PerformanceModelScheduler
+
+WAIT_LIMIT = 60
+
+
+@pytest.fixture(scope="module")
+def client():
+    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
+                                   dashboard_address=None) as cluster, Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """``{"steady": [...], "replay": [...]}``: the runs that took each way."""
+    seen = {"steady": [], "replay": []}
+    steady_loop, replay_loop = steady.SteadyRun.loop, replay.ReplayRun.loop
+
+    def steady_counted(self):
+        seen["steady"].append(self)
+        return steady_loop(self)
+
+    def replay_counted(self):
+        seen["replay"].append(self)
+        return replay_loop(self)
+
+    monkeypatch.setattr(steady.SteadyRun, "loop", steady_counted)
+    monkeypatch.setattr(replay.ReplayRun, "loop", replay_counted)
+    return seen
+
+
+def one_wave():
+    return dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[100, 300])
+
+
+def triple(work, device):
+    return 3.0 * work
+
+
+def fail_on_negatives(work, device):
+    if (work < 0).any():
+        raise ValueError(f"negative items at {np.flatnonzero(work < 0)[0]}")
+    return 2.0 * work
+
+
+def _chunks(report):
+    return [(str(r.device), r.offset, r.size) for r in report.records]
+
+
+def test_like_runs_replay_the_plan_with_the_same_chunks_and_results(client, runs):
+    d = dsched.WorkDispatcher(one_wave(), triple, join="concat", client=client)
+    x = np.arange(400.0)
+    for k in range(5):
+        np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x + k)), 3 * (x + k))
+        assert _chunks(d.last_run) == [("cpu", 0, 100), ("cuda:0", 100, 300)]
+    assert (len(runs["steady"]), len(runs["replay"])) == (1, 3)
+    plan = d._steady.replay
+    assert len(plan.kept_by) == 2  # each feed keeps the plan's chunks: the first replay sent them, the next not
+    assert [s.load for s in d.scheduler.status()] == [0, 0]  # never asked, never loaded
+    assert all(r.worker is not None and r.stop >= r.start > 0 for r in d.last_run.records)
+
+
+def test_dispatch_in_a_solver_loop_replays_with_its_outputs_fed_back(client, runs):
+    """The state each call returns (in shared memory) is the next call's input: referenced or copied, the
+    results are those of NumPy."""
+    s = one_wave()
+    step = lambda v, w: (v + w, 2.0 * w)  # noqa: E731
+    state, weight = np.arange(400.0), np.ones(400)
+    for _ in range(8):
+        state, weight = dsched.dispatch(step, state, weight, scheduler=s, client=client)
+    expected, w = np.arange(400.0), np.ones(400)
+    for _ in range(8):
+        expected, w = expected + w, 2.0 * w
+    np.testing.assert_array_equal(state, expected)
+    np.testing.assert_array_equal(weight, w)
+    assert len(runs["replay"]) == 6
+
+
+def test_out_arrays_in_shared_memory_are_written_in_place_by_replays(client, runs):
+    out = dsched.shared_empty(400)
+    d = dsched.WorkDispatcher(one_wave(), triple, join="concat", client=client, out=out)
+    x = np.arange(400.0)
+    for k in range(4):
+        assert d.run(dsched.ArrayLoader(x + k)) is out
+        np.testing.assert_array_equal(out, 3 * (x + k))
+    assert len(runs["replay"]) == 2
+    private = np.empty(400)  # private memory: the full way writes it, every time
+    d.out = private
+    np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x)), 3 * x)
+    assert private is d.last_run.output and len(runs["replay"]) == 2
+
+
+def test_a_failed_chunk_in_a_replay_keeps_the_others(client, runs):
+    d = dsched.WorkDispatcher(one_wave(), fail_on_negatives, join="concat", client=client)
+    x = np.arange(400.0)
+    for _ in range(3):
+        d.run(dsched.ArrayLoader(x))
+    bad = x.copy()
+    bad[250] = -1.0
+    with pytest.raises(ValueError, match="negative items at 150") as caught:
+        d.run(dsched.ArrayLoader(bad))
+    assert len(runs["replay"]) == 2
+    assert any("(cuda:0, items 100-399) failed" in note for note in caught.value.__notes__)
+    out = d.last_run.output
+    assert np.isnan(out[100:]).all()
+    np.testing.assert_array_equal(out[:100], 2 * x[:100])
+    # The failed run forgot the path: the full way, the steady path, then replays again.
+    for _ in range(3):
+        np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x)), 2 * x)
+    assert len(runs["replay"]) == 3
+
+
+def sleepy_double(work, device):
+    time.sleep(0.5 if str(device) == "cuda:0" and work[0] >= 1_000_000 else 0.0)
+    return 2.0 * work
+
+
+def _pid(client, device) -> int:
+    [address] = [a for a, w in cluster_info(client)["workers"].items() if f"dsched-{device}" in w["resources"]]
+    return client.run(os.getpid, workers=[address])[address]
+
+
+def test_a_worker_killed_during_a_replay_costs_only_its_chunk(client, runs):
+    """Its lane breaks: its chunk runs again the full way (on the restarted worker), into the same outputs."""
+    d = dsched.WorkDispatcher(one_wave(), sleepy_double, join="concat", client=client)
+    x = np.arange(400.0)
+    for _ in range(3):
+        d.run(dsched.ArrayLoader(x))
+    pid = _pid(client, "cuda:0")
+    killer = threading.Timer(0.2, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    slow = x + 1_000_000  # its chunk on cuda:0 sleeps: killed meanwhile
+    try:
+        out = d.run(dsched.ArrayLoader(slow))
+    finally:
+        killer.join()
+    assert len(runs["replay"]) == 2
+    np.testing.assert_array_equal(out, 2 * slow)
+    assert d._steady is None or d._steady.replay is None  # dropped with the lane
+    assert [s.load for s in d.scheduler.status()] == [0, 0]
+
+
+def test_ctrl_c_in_a_replay_drops_the_plan_and_the_next_call_runs(client, runs):
+    d = dsched.WorkDispatcher(one_wave(), sleepy_double, join="concat", client=client)
+    x = np.arange(400.0)
+    for _ in range(3):
+        d.run(dsched.ArrayLoader(x))
+    interrupter = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    interrupter.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            d.run(dsched.ArrayLoader(x + 1_000_000))
+    finally:
+        interrupter.join()
+    assert time.monotonic() - start < WAIT_LIMIT / 2
+    assert len(runs["replay"]) == 2 and d._steady is None
+    np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x)), 2 * x)
+
+
+def test_what_never_replays(client, runs):
+    x = np.arange(400.0)
+    with dask.config.set({"dsched.replay": False}):  # turned off
+        d = dsched.WorkDispatcher(one_wave(), triple, join="concat", client=client)
+        for _ in range(4):
+            d.run(dsched.ArrayLoader(x))
+    watched = dsched.WorkDispatcher(one_wave(), triple, join="concat", client=client,
+                                    on_chunk_done=lambda record: None)  # an observer is told of every chunk
+    for _ in range(4):
+        watched.run(dsched.ArrayLoader(x))
+    waves = dsched.WorkDispatcher(dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[10, 30]), triple,
+                                  join="concat", client=client)  # chunks cut as devices finish: not repeatable
+    for _ in range(4):
+        np.testing.assert_array_equal(waves.run(dsched.ArrayLoader(x)), 3 * x)
+    assert runs["replay"] == [] and len(runs["steady"]) == 3 * 3
+
+
+def test_only_a_policy_that_chooses_by_its_records_has_a_plan_key():
+    assert one_wave().plan_key() == ((dsched.Device("cpu"), 100, 100, 1.0), (dsched.Device("cuda:0"), 300, 300, 1.0))
+    assert dsched.SimpleScheduler("cpu", 4).plan_key() == ((dsched.Device("cpu"), 4, 4, 1.0),)
+    assert PerformanceModelScheduler(["cpu", "cuda:0"]).plan_key() is None
+
+    class LastListed(dsched.StaticHybridScheduler):
+        def _pick(self, available):
+            return available[-1]
+
+    assert LastListed(["cpu", "cuda:0"], batch_sizes=4).plan_key() is None
+    loaded = one_wave()
+    loaded.dispatched_work("cpu", 100)
+    assert loaded.plan_key() is None  # chunks in flight: its next choices are not a fresh batch's
