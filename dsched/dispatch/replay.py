@@ -28,6 +28,7 @@ turns replays off.
 
 from __future__ import annotations
 
+import pickle
 import secrets
 import time
 import weakref
@@ -47,7 +48,8 @@ from dsched.worker import lane as wire
 
 __all__ = ["ReplayPlan", "replay_enabled", "MISS"]
 
-MISS = object()  # what run() returns when the call cannot be a replay: the dispatcher runs it the usual way
+MISS = object()
+BLOBS_KEPT = 8  # output targets kept pickled per plan (the segment pool lends a few in turn)  # what run() returns when the call cannot be a replay: the dispatcher runs it the usual way
 
 
 def replay_enabled() -> bool:
@@ -82,6 +84,7 @@ class ReplayPlan:
         self.store = None  # the plan's own input segment
         self.waiting = None  # (lanes' descriptors, bell, poll) of its runs (ReplayRun._waiting)
         self.running = False
+        self.blobs = {}  # the output targets of recent calls, pickled (targets_blob)
         self._closer = None
 
     @classmethod
@@ -146,10 +149,20 @@ class ReplayPlan:
             rearm = (program if feed.program_id != program.dispatcher_id else None, feed.epoch)
             feed.rearm, feed.program_id = False, program.dispatcher_id
         if feed.id in self.kept_by:
-            return (wire.AGAIN, rearm, self.id, data.targets)
+            return (wire.AGAIN, rearm, self.id, self.targets_blob(data.targets))
         self.kept_by.add(feed.id)
         return (wire.KEEP, rearm, self.id,
                 [(r.index, self.works[i], data.slot(r.device, r.offset, r.offset + r.size, r.index)) for i, r in chunks])
+
+    def targets_blob(self, targets) -> bytes:
+        """``targets`` pickled: the same bytes for the same output segments, which a feed then reads once."""
+        key = tuple((t.token, t.offset) for t in targets)
+        blob = self.blobs.get(key)
+        if blob is None:
+            blob = self.blobs[key] = pickle.dumps(targets, protocol=5)
+            while len(self.blobs) > BLOBS_KEPT:
+                del self.blobs[next(iter(self.blobs))]
+        return blob
 
     def close(self):
         """Give the input segment back (the pool keeps it for the next call of its size), and close the bell."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import pickle
 import queue
 import select
 import threading
@@ -136,12 +137,13 @@ class _Inbox:
         if lane is not None:
             lane.close()
 
-    def reply(self, message):
-        """Send ``message`` on the lane; a client that went away loses only its reply."""
+    def reply(self, message, plain=False):
+        """Send ``message`` on the lane; a client that went away loses only its reply. ``plain``: it holds
+        nothing but plain values (no result, no error), which plain pickle writes."""
         lane = self.lane
         if lane is not None:
             try:
-                lane.send_bytes(lanes.dumps(message))
+                lane.send_bytes(pickle.dumps(message, protocol=5) if plain else lanes.dumps(message))
             except OSError:
                 self.drop_lane(lane)
 
@@ -522,8 +524,19 @@ class _Runner:
             inbox.reply((lanes.ENDED,))
             return
         program, device = inbox.program, self.device
-        self._run_all([(index, lambda c=chunk, s=slot, r=rows: run_kept(program, device, c, s, r, plan), None, None)
-                       for index, chunk, slot, rows in plan.jobs(None if kind == lanes.KEEP else payload)])
+        jobs = plan.jobs(None if kind == lanes.KEEP else payload)
+        if program is not self.program:  # the first chunks since the run's program came: initialise it first
+            self._run_all([(index, lambda c=chunk, s=slot, r=rows: run_kept(program, device, c, s, r, plan), None,
+                            None) for index, chunk, slot, rows in jobs])
+            return
+        for index, chunk, slot, rows in jobs:  # a replay's usual case, kept short: its chunks, each answered
+            start = time.time()
+            try:
+                value, ok = run_kept(program, device, chunk, slot, rows, plan), True
+            except Exception as err:  # the chunk's failure, not the feed's
+                value, ok = err, False
+            self.ran += 1
+            inbox.reply((lanes.DONE, index, ok, value, start, time.time()), plain=ok and value is None)
 
     def _run_all(self, chunks):
         """Run ``chunks`` (``(index, compute, work, slot)``) in turn, each answered as it ends."""

@@ -13,6 +13,7 @@ write of its result, and one small message each way.
 from __future__ import annotations
 
 import collections
+import pickle
 
 from dsched.dataplane.pinned import is_real_gpu
 from dsched.dataplane.store import SharedWork, SliceRef, resolve_work
@@ -60,10 +61,12 @@ class _KeptPlan:
         self.outputs = collections.OrderedDict()  # targets -> [(slot, rows)] per chunk
 
     def jobs(self, targets) -> list:
-        """``[(index, run)]``: each chunk's call with its outputs written into ``targets`` (``None``: the plan's)."""
+        """``[(index, chunk, slot, rows)]``: each chunk with its outputs written into ``targets``, pickled (the
+        client sends the same bytes for the same outputs: read once) or ``None`` for the plan's own."""
         slots = self.outputs.get(targets)
         if slots is None:
-            slots = [_with_rows(_retarget(c.slot, targets)) for c in self.chunks]
+            refs = None if targets is None else pickle.loads(targets)
+            slots = [_with_rows(_retarget(c.slot, refs)) for c in self.chunks]
             if all(rows is not None for slot, rows in slots if slot is not None):  # else: mapped as each runs
                 self.outputs[targets] = slots
             while len(self.outputs) > OUTPUTS_KEPT:

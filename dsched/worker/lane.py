@@ -19,8 +19,8 @@ Messages are pickled tuples (:func:`dumps`, :func:`loads`):
 - client to feed: ``("chunks", rearm, [(index, work, slot), ...])``, ``("stop",)``
   (parks come over Dask's comms, after ``dsched.feed-park-delay``);
 - client to feed, replays (:mod:`dsched.worker.kept`): ``("keep", rearm, plan id, [(index, work, slot), ...])``
-  runs the chunks and keeps them; ``("again", rearm, plan id, output targets)`` runs them again, writing into
-  that call's outputs;
+  runs the chunks and keeps them; ``("again", rearm, plan id, output targets pickled)`` runs them again, writing
+  into that call's outputs;
 - feed to client: ``("done", index, ok, value, start, stop)`` per chunk, or
   ``("ended",)`` when a parked feed had ended before a run's program reached it.
 """
