@@ -77,7 +77,7 @@ def test_like_runs_replay_the_plan_with_the_same_chunks_and_results(client, runs
         assert _chunks(d.last_run) == [("cpu", 0, 100), ("cuda:0", 100, 300)]
     assert (len(runs["steady"]), len(runs["replay"])) == (1, 3)
     plan = d._steady.replay
-    assert len(plan.kept_by) == 2  # each feed keeps the plan's chunks: the first replay sent them, the next not
+    assert len(plan.current.kept_by) == 2  # each feed keeps the plan's chunks: the first replay sent them, the next not
     assert [s.load for s in d.scheduler.status()] == [0, 0]  # never asked, never loaded
     assert all(r.worker is not None and r.stop >= r.start > 0 for r in d.last_run.records)
 

@@ -127,10 +127,10 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=N
     [(3, 3, 5), (2, 5)]
     """
     quick = None
-    if not kwargs and mode == "async" and trace_file is None and out is None and keep_grad is None:
-        quick = _plain_call(fn, args, scheduler, client, axis, out_axis, timeout, host_arrays)
+    if not kwargs and mode == "async" and trace_file is None and keep_grad is None and not overwrite:
+        quick = _plain_call(fn, args, scheduler, client, axis, out_axis, timeout, host_arrays, out)
         if quick is not None and _last.matches(fn, quick):  # like the last plain call of this thread
-            return _last.run(fn, args)
+            return _last.run(fn, args, out)
     call = PreparedCall(fn, args, kwargs, scheduler=scheduler, client=client, mode=mode, axis=axis,
                         out_axis=out_axis, trace_file=trace_file, out=out, overwrite=overwrite, timeout=timeout,
                         keep_grad=keep_grad, host_arrays=host_arrays)
@@ -138,12 +138,33 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=N
     return call.run()
 
 
-def _plain_call(fn, args, scheduler, client, axis, out_axis, timeout, host_arrays):
-    """What makes a call of NumPy arrays alone, with no keywords, like another: ``None`` for any other call."""
-    if type(axis) is not int or not all(type(a) is np.ndarray for a in args):
+def _plain_call(fn, args, scheduler, client, axis, out_axis, timeout, host_arrays, out):
+    """What makes a call of NumPy arrays alone (``out=`` NumPy arrays or none), with no keywords and an integer
+    axis (or one per argument), like another: ``None`` for any other call."""
+    if not (type(axis) is int or type(axis) is tuple and all(type(a) is int for a in axis)) or \
+            not all(type(a) is np.ndarray for a in args):
+        return None
+    outs = _arrays_key(out)
+    if outs is False:
         return None
     return (scheduler, client, axis, out_axis, timeout, host_arrays, setting("place-results", True),
-            setting("keep-grad", False), tuple((a.shape, a.dtype.str) for a in args))
+            setting("keep-grad", False), tuple((a.shape, a.dtype.str) for a in args), outs)
+
+
+def _arrays_key(out):
+    """The structure, shapes and dtypes of ``out`` (NumPy arrays in tuples and dicts, or ``None``); ``False`` for
+    anything else."""
+    if out is None:
+        return None
+    if type(out) is np.ndarray:
+        return out.shape, out.dtype.str
+    if type(out) is tuple:
+        keys = [_arrays_key(o) for o in out]
+        return False if any(k is False or k is None for k in keys) else ("tuple", *keys)
+    if type(out) is dict:
+        keys = [(name, _arrays_key(o)) for name, o in out.items()]
+        return False if any(k is False or k is None for _, k in keys) else ("dict", *keys)
+    return False
 
 
 class _LastCall(threading.local):
@@ -162,13 +183,13 @@ class _LastCall(threading.local):
         self.key, self.recent, self.signature = key, runner.recent, signature
         self.layout, self.loader = without_arrays(layout), loader.like({})
 
-    def run(self, fn, args):
+    def run(self, fn, args, out):
         client = self.key[1]
         if client is not None and getattr(client, "status", "running") != "running":
             self.key = None
             raise RuntimeError("dispatch: the client is closed")
         loader = self.loader.like(dict(zip(self.loader.axes, args)))
-        return self.recent.run(fn, loader, self.layout, None, False, None, self.signature)
+        return self.recent.run(fn, loader, self.layout, out, False, None, self.signature)
 
 
 _last = _LastCall()
@@ -220,7 +241,7 @@ class PreparedCall:
             result = reused.run(self.loader, layout, self.out, self.overwrite)
             if self.plain is not None:  # the next like call skips all of the above
                 signature, known = reused.known_layout(layout)
-                if known:
+                if known or self.out is not None:  # the result's layout is known, or out= declares it
                     _last.keep(self.plain, reused, layout, self.loader, signature)
             return result
         # Kept autograd needs the tensors themselves joined (torch.cat), not their values copied in place.

@@ -28,6 +28,7 @@ turns replays off.
 
 from __future__ import annotations
 
+import collections
 import pickle
 import secrets
 import time
@@ -39,17 +40,18 @@ from dsched.checks import setting
 from dsched.dataplane.loaders import ArrayLoader, MappingLoader
 from dsched.dataplane.rundata import RunData, check_out
 from dsched.dataplane.segments import kept_until_released
-from dsched.dataplane.store import ArrayRef, RunStore, find_shared, share_generator
+from dsched.dataplane.store import RunStore, find_shared, share_generator
 from dsched.devices.ownership import cluster_generation, forget_cluster_info, has_dashboard
 from dsched.dispatch.steady import SteadyRun
 from dsched.observe.collect import open_collectors
 from dsched.observe.report import ChunkRecord, RunReport
 from dsched.worker import lane as wire
 
-__all__ = ["ReplayPlan", "replay_enabled", "MISS"]
+__all__ = ["ReplayPlan", "replay_enabled", "plan_key", "MISS"]
 
 MISS = object()
-BLOBS_KEPT = 8  # output targets kept pickled per plan (the segment pool lends a few in turn)  # what run() returns when the call cannot be a replay: the dispatcher runs it the usual way
+BLOBS_KEPT = 8  # output targets kept pickled per plan (the segment pool lends a few in turn)
+INPUTS_KEPT = 3  # placements of a plan's inputs kept (a feed keeps dsched.worker.kept.PLANS_KEPT plans)  # what run() returns when the call cannot be a replay: the dispatcher runs it the usual way
 
 
 def replay_enabled() -> bool:
@@ -77,15 +79,12 @@ class ReplayPlan:
         self.total = generator.total
         self.kind = _inputs_of(generator)[0]
         self.shapes = _shapes(generator)
-        self.id = None  # the kept chunks' id on the feeds (a new one whenever the inputs' placements change)
-        self.kept_by = set()  # ids of the feeds that keep this id's chunks
-        self.works = None  # the chunks' work, as the feeds keep it
-        self.placed = None  # ((ArrayRef, view or None), ...) of the inputs, in the loader's order
-        self.store = None  # the plan's own input segment
+        self.inputs_kept = collections.OrderedDict()  # where the shared inputs lie -> _Inputs (recent last)
+        self.current = None  # this run's _Inputs
         self.waiting = None  # (lanes' descriptors, bell, poll) of its runs (ReplayRun._waiting)
         self.running = False
         self.blobs = {}  # the output targets of recent calls, pickled (targets_blob)
-        self._closer = None
+        kept_until_released(self)
 
     @classmethod
     def after(cls, path, run, scheduler, generator):
@@ -93,7 +92,7 @@ class ReplayPlan:
         a chunk came back before the batch was cut, or its inputs are not NumPy arrays."""
         if run.overlapped or run.failed or run.undone or not replay_enabled():
             return None
-        key = scheduler.plan_key()
+        key = run.plan_key  # as the run started (a policy that counts its chunks has moved on since)
         if key is None or _shapes(generator) is None:
             return None
         positions = {id(f): i for fs in run.feeds.values() for i, f in enumerate(fs)}
@@ -110,37 +109,29 @@ class ReplayPlan:
         return (client is path.client and client.status == "running" and cluster_generation(client) is path.generation
                 and dispatcher.timeout is None and dispatcher.trace_file is None
                 and dispatcher.on_chunk_done is None and not dispatcher.observers
-                and dispatcher.scheduler.plan_key() == self.key and not open_collectors()
+                and plan_key(dispatcher.scheduler) == self.key and not open_collectors()
                 and not has_dashboard(client) and replay_enabled())
 
     def inputs(self, generator):
-        """Place this run's inputs: copied into the plan's segment, or referenced where they lie in shared memory
-        (as the kept chunks read them). The first call, and one whose inputs lie elsewhere, get a new plan id."""
+        """Place this run's inputs: copied into a segment of the plan's, or referenced where they lie in shared
+        memory, as the chunks the feeds keep read them. Each placement of the inputs has chunks of its own (under
+        an id of its own): a solver that swaps two states from step to step has two."""
         arrays = _inputs_of(generator)[2]
-        if self.placed is None or any(view is None and _elsewhere(ref, array)
-                                      for (ref, view), array in zip(self.placed, arrays)):
-            self._place(generator)
-            return
-        for (_, view), array in zip(self.placed, arrays):
-            if view is not None:
-                np.copyto(view, array)
-
-    def _place(self, generator):
-        self.close()
-        store = RunStore(shared=True)
-        loader = share_generator(generator, store)
-        self.works = [loader.next(items)[1] for _, _, _, items in self.chunks]  # copies each chunk's rows
-        self.placed = tuple((p.ref, p.view) for p in loader.placements)
-        for p in loader.placements:
-            p.source = None  # the caller's array is not kept past its call
-        self.store, self.id, self.kept_by = store, secrets.token_hex(8), set()
-        self._closer = weakref.finalize(self, store.close, True)
-        kept_until_released(self)
+        where = tuple(None if ref is None else (ref.token, ref.offset) for ref in map(find_shared, arrays))
+        kept = self.inputs_kept.get(where)
+        if kept is None:
+            kept = self.inputs_kept[where] = _Inputs(generator, [items for *_, items in self.chunks])
+            while len(self.inputs_kept) > INPUTS_KEPT:
+                self.inputs_kept.popitem(last=False)[1].close()
+        else:
+            self.inputs_kept.move_to_end(where)
+            kept.copy(arrays)
+        self.current = kept
 
     def release_kept(self):
-        """:func:`dsched.release_pool`: the input segment goes back (the next replay places the inputs anew)."""
+        """:func:`dsched.release_pool`: the input segments go back (the next replay places the inputs anew)."""
         if not self.running:
-            self.close()
+            self.close_inputs()
 
     def message(self, feed, chunks, data, program) -> tuple:
         """``feed``'s message for this run: its chunks to keep (the first time) or the kept ones again."""
@@ -148,11 +139,17 @@ class ReplayPlan:
         if feed.rearm:  # its first message of the run takes it on, with the program if it holds another
             rearm = (program if feed.program_id != program.dispatcher_id else None, feed.epoch)
             feed.rearm, feed.program_id = False, program.dispatcher_id
-        if feed.id in self.kept_by:
-            return (wire.AGAIN, rearm, self.id, self.targets_blob(data.targets))
-        self.kept_by.add(feed.id)
-        return (wire.KEEP, rearm, self.id,
-                [(r.index, self.works[i], data.slot(r.device, r.offset, r.offset + r.size, r.index)) for i, r in chunks])
+        kept = self.current
+        if feed.id in kept.kept_by:
+            return (wire.AGAIN, rearm, kept.id, self.targets_blob(data.targets))
+        kept.kept_by.add(feed.id)
+        return (wire.KEEP, rearm, kept.id,
+                [(r.index, kept.works[i], data.slot(r.device, r.offset, r.offset + r.size, r.index)) for i, r in chunks])
+
+    def forget_feed(self, feed):
+        """``feed`` no longer keeps this run's chunks (its lane ended, or it refused them)."""
+        if self.current is not None:
+            self.current.kept_by.discard(feed.id)
 
     def targets_blob(self, targets) -> bytes:
         """``targets`` pickled: the same bytes for the same output segments, which a feed then reads once."""
@@ -165,16 +162,42 @@ class ReplayPlan:
         return blob
 
     def close(self):
-        """Give the input segment back (the pool keeps it for the next call of its size), and close the bell."""
-        if self._closer is not None:
-            self._closer()
-        self._closer = self.store = self.placed = self.works = None
+        """Give the input segments back (the pool keeps them for later calls of their sizes); close the bell."""
+        self.close_inputs()
         self.close_waiting()
+
+    def close_inputs(self):
+        while self.inputs_kept:
+            self.inputs_kept.popitem()[1].close()
+        self.current = None
 
     def close_waiting(self):
         if self.waiting is not None:
             self.waiting[1].close()
             self.waiting = None
+
+
+class _Inputs:
+    """One placement of a plan's inputs: a segment for those copied, the chunks' work that reads them (the feeds
+    keep it under :attr:`id`), and which feeds keep it."""
+
+    def __init__(self, generator, sizes):
+        self.store = RunStore(shared=True)
+        loader = share_generator(generator, self.store)
+        self.works = [loader.next(items)[1] for items in sizes]  # copies each chunk's rows
+        self.views = [p.view for p in loader.placements]  # None where an input is referenced where it lies
+        for placement in loader.placements:
+            placement.source = None  # the caller's array is not kept past its call
+        self.id, self.kept_by = secrets.token_hex(8), set()
+        self._closer = weakref.finalize(self, self.store.close, True)
+
+    def copy(self, arrays):
+        for view, array in zip(self.views, arrays):
+            if view is not None:
+                np.copyto(view, array)
+
+    def close(self):
+        self._closer()
 
 
 def run_replay(dispatcher, generator):
@@ -201,6 +224,7 @@ def run_replay(dispatcher, generator):
     try:
         run.loop()
         ended = True
+        getattr(dispatcher.scheduler, "replayed", _nothing)(len(plan.chunks))
     except BaseException:
         run.abandon()
         dispatcher._drop_steady()
@@ -272,7 +296,7 @@ class ReplayRun(SteadyRun):
             by_feed.setdefault(feed, []).append((i, record))
         for feed, chunks in by_feed.items():
             if feed.lane is None or not feed.lane.send(self.plan.message(feed, chunks, self.data, self.program)):
-                self.plan.kept_by.discard(feed.id)
+                self.plan.forget_feed(feed)
                 self._lane_ended(feed, lost=feed.lane is None)
         while self.in_flight:
             self._wait()
@@ -283,7 +307,7 @@ class ReplayRun(SteadyRun):
         except (EOFError, OSError):
             message = (wire.ENDED,)
         if message[0] != wire.DONE:  # its lane ended, or the feed no longer keeps the plan
-            self.plan.kept_by.discard(feed.id)
+            self.plan.forget_feed(feed)
             self._lane_ended(feed)
             return
         _, index, ok, value, start, stop = message
@@ -299,6 +323,16 @@ class ReplayRun(SteadyRun):
 
     def _give_back(self, record):
         """A replay took no load from the policy: nothing to give back."""
+
+
+def plan_key(scheduler):
+    """The policy's :meth:`~dsched.schedulers.base.WorkScheduler.plan_key`; ``None`` for a policy without one."""
+    key = getattr(scheduler, "plan_key", None)
+    return None if key is None else key()
+
+
+def _nothing(*args):
+    return None
 
 
 def _inputs_of(generator) -> tuple:
@@ -319,9 +353,3 @@ def _shapes(generator) -> tuple:
         return None
     return (keys and tuple(keys), tuple((a.shape, a.dtype.str, axis) for a, axis in zip(arrays, axes)),
             generator.total)
-
-
-def _elsewhere(ref: ArrayRef, array) -> bool:
-    """Whether ``array`` no longer lies where ``ref`` (an input the kept chunks read in shared memory) points."""
-    now = find_shared(array)
-    return now is None or (now.token, now.offset) != (ref.token, ref.offset)

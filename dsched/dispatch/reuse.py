@@ -73,7 +73,7 @@ class _Recent:
         known = self.layouts.get(signature)
         dispatcher.out, dispatcher.overwrite = out, bool(overwrite)
         dispatcher._layout = known
-        dispatcher._layout_probe = None if known is not None else self._learning(probe, signature)
+        dispatcher._layout_probe = None if known is not None or probe is None else self._learning(probe, signature)
         try:
             return dispatcher.run(loader)
         finally:  # the caller's model and arrays, in and out, are not kept here (lent outputs go back to the pool)

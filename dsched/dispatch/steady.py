@@ -142,6 +142,8 @@ class SteadyRun:
         self.failed = False
         self.sent = []  # (device, feed, offset, items) of each chunk, in the order sent: what a replay repeats
         self.overlapped = False  # a chunk was answered before the policy had cut the whole batch
+        key = getattr(scheduler, "plan_key", None)
+        self.plan_key = None if key is None or next_chunk is None else key()  # what a replay of this run needs
         self.notices = queue.SimpleQueue()  # from the event loop: feed tasks that ended, workers that left
         self.bell, self.poller, self.by_fd = self._waiting(feeds)
         for fs in feeds.values():
@@ -149,6 +151,10 @@ class SteadyRun:
                 feed.sent, feed.backlog, feed.owner, feed.rearm = 0, collections.deque(), self, True
         with _state.parked_lock:
             _running(client).add(self)  # told when a worker leaves (lose_worker)
+        for fs in feeds.values():
+            for feed in fs:  # a task that ended between its take and now told no run (it had no owner): told here
+                if feed.future.status != "pending":
+                    self.put(feed.future)
         self.cancellation = current_cancellation()
         if self.cancellation is not None:
             self.cancellation.bind(self.bell.ring)

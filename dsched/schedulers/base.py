@@ -100,6 +100,10 @@ class WorkScheduler:
                 return None
             return tuple((s.device, s.batch_size, s.capacity, s.priority) for s in self._status)
 
+    def replayed(self, chunks: int) -> None:
+        """A dispatcher replayed ``chunks`` chunks of a plan this policy cut before, without asking it
+        (:meth:`plan_key`): a policy that counts what it handed out counts them."""
+
     def all_work_completed(self) -> bool:
         with self._lock:
             return all(s.load == 0 for s in self._status)

@@ -61,6 +61,21 @@ class PlannedChunks(WorkScheduler):
         with self._lock:
             self._next = int(index)
 
+    def plan_key(self):
+        """The planned chunks from the next one on: a run that starts there cuts the batch as they say (so a
+        dispatcher may replay it); ``None`` while chunks are in flight."""
+        with self._lock:
+            if any(s.load for s in self._status):
+                return None
+            return ("planned", self._next, tuple(self.chunks),
+                    tuple((s.device, s.batch_size, s.capacity, s.priority) for s in self._status))
+
+    def replayed(self, chunks: int) -> None:
+        """A dispatcher replayed ``chunks`` chunks of the plan without asking (:mod:`dsched.dispatch.replay`):
+        they count as handed out."""
+        with self._lock:
+            self._next += int(chunks)
+
     def schedule_work(self):
         with self._lock:
             if self._next >= len(self.chunks):
