@@ -210,3 +210,19 @@ def test_only_a_policy_that_chooses_by_its_records_has_a_plan_key():
     loaded = one_wave()
     loaded.dispatched_work("cpu", 100)
     assert loaded.plan_key() is None  # chunks in flight: its next choices are not a fresh batch's
+
+
+def scaled(work, device):
+    return work["x"] * work["scale"]
+
+
+def test_a_value_passed_whole_that_changes_is_sent_again(client, runs):
+    """A model's parameter (an entry of size 1, which every chunk holds by value) changes between calls: the kept
+    chunks hold the old one, so the call sends its chunks again."""
+    d = dsched.WorkDispatcher(one_wave(), scaled, join="concat", client=client)
+    x = np.arange(400.0)
+    for scale in (1.0, 1.0, 1.0, 2.0, 2.0, 3.0):
+        out = d.run(dsched.MappingLoader({"x": x, "scale": np.array([scale])}))
+        np.testing.assert_array_equal(out, scale * x)
+    assert len(runs["replay"]) == 4
+    assert len(d._steady.replay.inputs_kept) == 1  # the changed value replaced the kept chunks

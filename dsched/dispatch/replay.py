@@ -93,7 +93,7 @@ class ReplayPlan:
         if run.overlapped or run.failed or run.undone or not replay_enabled():
             return None
         key = run.plan_key  # as the run started (a policy that counts its chunks has moved on since)
-        if key is None or _shapes(generator) is None:
+        if key is None or _shapes(generator) is None or _whole_entries(generator) is None:
             return None
         positions = {id(f): i for fs in run.feeds.values() for i, f in enumerate(fs)}
         return cls(path, [(device, positions[id(feed)], offset, items) for device, feed, offset, items in run.sent],
@@ -119,6 +119,9 @@ class ReplayPlan:
         arrays = _inputs_of(generator)[2]
         where = tuple(None if ref is None else (ref.token, ref.offset) for ref in map(find_shared, arrays))
         kept = self.inputs_kept.get(where)
+        if kept is not None and not kept.same_whole(generator):  # a value passed whole changed (a parameter)
+            self.inputs_kept.pop(where).close()
+            kept = None
         if kept is None:
             kept = self.inputs_kept[where] = _Inputs(generator, [items for *_, items in self.chunks])
             while len(self.inputs_kept) > INPUTS_KEPT:
@@ -186,10 +189,25 @@ class _Inputs:
         loader = share_generator(generator, self.store)
         self.works = [loader.next(items)[1] for items in sizes]  # copies each chunk's rows
         self.views = [p.view for p in loader.placements]  # None where an input is referenced where it lies
+        self.whole = _whole_entries(generator)  # the entries every chunk holds by value, as the feeds keep them
         for placement in loader.placements:
             placement.source = None  # the caller's array is not kept past its call
         self.id, self.kept_by = secrets.token_hex(8), set()
         self._closer = weakref.finalize(self, self.store.close, True)
+
+    def same_whole(self, generator) -> bool:
+        """Whether the entries passed whole to every chunk hold the values the kept chunks hold."""
+        if self.whole is None:  # values that cannot be compared: placed anew on every call
+            return False
+        for key, kept in self.whole.items():
+            value = generator.mapping[key]
+            if type(kept) is np.ndarray:
+                if type(value) is not np.ndarray or value.shape != kept.shape or value.dtype != kept.dtype or \
+                        not np.array_equal(value, kept, equal_nan=kept.dtype.kind in "fc"):
+                    return False
+            elif type(value) is not type(kept) or not value == kept:
+                return False
+        return True
 
     def copy(self, arrays):
         for view, array in zip(self.views, arrays):
@@ -343,6 +361,27 @@ def _inputs_of(generator) -> tuple:
         keys = sorted(generator._batched, key=list(generator.mapping).index)
         return MappingLoader, keys, [generator.mapping[k] for k in keys], [generator.axes[k] for k in keys]
     return None, None, [], []
+
+
+_PLAIN = (int, float, complex, bool, str, bytes, type(None))
+
+
+def _whole_entries(generator) -> dict:
+    """``{key: value}`` of a mapping loader's entries passed whole to every chunk (a model's parameters), NumPy
+    arrays copied; ``None`` if one is of a type whose values cannot be compared here."""
+    if not isinstance(generator, MappingLoader):
+        return {}
+    whole = {}
+    for key, value in generator.mapping.items():
+        if key in generator._batched:
+            continue
+        if type(value) is np.ndarray and not value.dtype.hasobject:
+            whole[key] = value.copy()
+        elif type(value) in _PLAIN or isinstance(value, np.generic):
+            whole[key] = value
+        else:
+            return None
+    return whole
 
 
 def _shapes(generator) -> tuple:
