@@ -316,6 +316,7 @@ class ReplayRun(SteadyRun):
             if feed.lane is None or not feed.lane.send(self.plan.message(feed, chunks, self.data, self.program)):
                 self.plan.forget_feed(feed)
                 self._lane_ended(feed, lost=feed.lane is None)
+        self.report.sent = time.time()
         while self.in_flight:
             self._wait()
 
@@ -334,7 +335,7 @@ class ReplayRun(SteadyRun):
             return
         record = entry[0]
         feed.sent -= 1
-        record.start, record.stop, record.worker = start, stop, feed.address
+        record.start, record.stop, record.worker, record.heard = start, stop, feed.address, time.time()
         if not ok:
             record.error, self.failed = value, True
             self.data.failed(record)

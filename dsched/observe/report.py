@@ -30,6 +30,7 @@ class ChunkRecord:
     error: BaseException | None = None
     offset: int = 0  # the chunk's first item in the batch
     predicted: float | None = None
+    heard: float = 0.0  # when the client heard of its end (a replay's chunks: dsched.dispatch.replay)
 
     @property
     def duration(self) -> float:
@@ -59,6 +60,7 @@ class RunReport:
     results: list = field(default_factory=list)
     wall_start: float = 0.0
     wall_stop: float = 0.0
+    sent: float = 0.0  # when a replay's last message went (dsched.dispatch.replay)
     output: object = None
 
     @property

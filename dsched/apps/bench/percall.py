@@ -10,8 +10,11 @@ dashboard but for the row that says so) (``cpu`` and an **emulated**
   What a same-host message costs in Python, with no framework at all;
 - ``dsched.dispatch``: the one-call form on a no-op, inputs and outputs of 2
   x 100 rows through the data plane;
-- ``WorkDispatcher.run``: the same through one dispatcher kept across calls, and
-  a timeline of such a call from the run's hooks (:class:`Timeline`);
+- ``WorkDispatcher.run``: the same through one dispatcher kept across calls (its
+  runs, like the one-call form's, are replays: :mod:`dsched.dispatch.replay`), with
+  the timeline of such a call from its report (:func:`_phases`), and of a
+  run on the steady path from its hooks (:class:`Timeline`: a run with an
+  observer does not replay);
 - ``dsched.dispatch, dashboard on``: the one-call form on a cluster whose
   scheduler serves dsched's dashboard page (``LocalHybridCluster``'s default):
   the page hears of each call's chunks before it returns, one more message to
@@ -129,7 +132,14 @@ def time_dsched(client, calls, warmup) -> dict:
 
     dispatcher = dsched.WorkDispatcher(scheduler, lambda work, device: {"x": work["x"]}, join="concat",
                                        output_spec={"x": ((3,), "f8")}, client=client)
-    out["WorkDispatcher.run"] = median_us(lambda: dispatcher.run(MappingLoader({"x": x})), calls, warmup)
+    replays = []
+
+    def replayed():
+        dispatcher.run(MappingLoader({"x": x}))
+        replays.append(_phases(dispatcher.last_run))  # not the report: it holds the outputs, which go back
+
+    out["WorkDispatcher.run"] = median_us(replayed, calls, warmup)
+    out["replay timeline"] = replay_timeline(replays[warmup:])
     timeline = Timeline()
     watched = dsched.WorkDispatcher(scheduler, lambda work, device: {"x": work["x"]}, join="concat",
                                     output_spec={"x": ((3,), "f8")}, client=client, observers=[timeline])
@@ -223,6 +233,28 @@ class Timeline(dsched.RunObserver):
         """Microseconds per phase, medians over the calls watched."""
         return {phase: statistics.median(run[phase] for run in self.runs) * 1e6 for phase in self.PHASES} \
             if self.runs else {}
+
+
+def _phases(report):
+    """A replayed run's :class:`Timeline` phases in seconds, from its report alone (a replay tells no observer):
+    ``set-up`` until its last message went; ``None`` for a run that was not a replay."""
+    records = report.records
+    if not report.sent or not records or not all(r.heard for r in records):
+        return None
+    return {
+        "set-up": report.sent - report.wall_start,
+        "to the worker": statistics.median(r.start - report.sent for r in records),
+        "on the worker": statistics.median(r.stop - r.start for r in records),
+        "back": statistics.median(r.heard - r.stop for r in records),
+        "end of the call": report.wall_stop - max(r.heard for r in records),
+        "whole call": report.wall_stop - report.wall_start,
+    }
+
+
+def replay_timeline(runs) -> dict:
+    """Microseconds per phase (medians) of replayed runs' :func:`_phases`."""
+    runs = [run for run in runs if run is not None]
+    return {phase: statistics.median(run[phase] for run in runs) * 1e6 for phase in Timeline.PHASES} if runs else {}
 
 
 def _busy(x, seconds):
@@ -324,6 +356,7 @@ def run_percall_benchmarks(*, quick=False, calls=None, sets=None, say=print) -> 
             Client(cluster, set_as_default=False) as client:
         rows.update(time_dsched(client, calls, warmup))
         timeline = rows.pop("timeline")
+        replay = rows.pop("replay timeline")
         say("percall: /dev/shm over repeated Batch.set")
         shm = shm_growth(client, sets or (100 if quick else 1000))
         say("percall: a future's overlap with the caller's work")
@@ -345,8 +378,8 @@ def run_percall_benchmarks(*, quick=False, calls=None, sets=None, say=print) -> 
     ratios = {name: us / limit for name, us in rows.items()}
     targets = {f"{name} <= {bound:g} x the pipe round trip": ratios[name] <= bound for name, bound in TARGETS.items()}
     targets[f"/dev/shm flat over {shm['sets']:,} Batch.set calls"] = shm["after"] - shm["before"] < shm["field_bytes"]
-    return {"calls": calls, "rows": rows, "ratios": ratios, "targets": targets, "timeline": timeline, "shm": shm,
-            "overlap": overlap,
+    return {"calls": calls, "rows": rows, "ratios": ratios, "targets": targets, "timeline": timeline,
+            "replay timeline": replay, "shm": shm, "overlap": overlap,
             "emulation": "the cuda:0 worker is emulated (a CPU process): two worker processes, no GPU"}
 
 
@@ -358,12 +391,14 @@ def format_percall(results) -> str:
         mark = "" if target is None else f"<= {target:g} x: {verdict(ratio <= target)}"
         shown = f"{us:,.0f} us" if us >= 10 else f"{us:.1f} us"
         lines.append(f"{name:<44}{shown:>12}{ratio:>8.1f}x  {mark}")
-    timeline = results.get("timeline") or {}
-    if timeline:
-        lines.append("")
-        lines.append("one WorkDispatcher.run, phase by phase (medians; 'to the worker', 'on the worker' and 'back' "
-                     "per chunk, the two chunks at once):")
-        lines.append("  " + ", ".join(f"{phase} {us:,.0f} us" for phase, us in timeline.items()))
+    for key, what in (("replay timeline", "one WorkDispatcher.run replayed (the rows above)"),
+                      ("timeline", "one WorkDispatcher.run on the steady path, watched by an observer")):
+        timeline = results.get(key) or {}
+        if timeline:
+            lines.append("")
+            lines.append(f"{what}, phase by phase (medians; 'to the worker', 'on the worker' and 'back' per chunk, "
+                         "the two chunks at once):")
+            lines.append("  " + ", ".join(f"{phase} {us:,.0f} us" for phase, us in timeline.items()))
     overlap = results.get("overlap")
     if overlap:
         lines.append(f"a future: the caller's {overlap['work seconds'] * 1e3:.0f} ms of work ran beside the chunks for "
