@@ -220,6 +220,7 @@ class _Inputs:
 
 def run_replay(dispatcher, generator):
     """Run ``generator`` as a replay of the dispatcher's plan; its value, or :data:`MISS` where it may not be one."""
+    start = time.time()
     steady = dispatcher._steady
     plan = steady.replay
     if not plan.applies(dispatcher, generator):
@@ -236,7 +237,7 @@ def run_replay(dispatcher, generator):
         dispatcher._drop_steady()
         return MISS
     dispatcher._last_generator = generator
-    dispatcher.last_run = report = RunReport(dispatcher.mode, wall_start=time.time())
+    dispatcher.last_run = report = RunReport(dispatcher.mode, wall_start=start)
     run = ReplayRun(steady.client, data, report, feeds, plan, dispatcher)
     ended, plan.running = False, True
     try:
