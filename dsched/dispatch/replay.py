@@ -302,6 +302,8 @@ class ReplayRun(SteadyRun):
         self.plan.close_waiting()  # the poll no longer watches the lane's descriptor, which a new lane may reuse
         super()._lane_ended(feed, lost)
 
+    watch_at_start = False  # the messages go first: what watches the run is set up while the feeds work
+
     def loop(self):
         records, now = self.report.records, time.time()
         by_feed = {}
@@ -318,6 +320,7 @@ class ReplayRun(SteadyRun):
                 self.plan.forget_feed(feed)
                 self._lane_ended(feed, lost=feed.lane is None)
         self.report.sent = time.time()
+        self._watch()
         while self.in_flight:
             self._wait()
 

@@ -134,7 +134,8 @@ class SteadyRun:
 
     def __init__(self, client, data, report, feeds, *, run_id, scheduler, program, next_chunk, observers):
         self.client, self.data, self.report, self.feeds, self.run_id = client, data, report, feeds, run_id
-        self.events = [] if has_dashboard(client) else None  # the page's chunk events, sent off the path at close
+        # The page's chunk events, sent off the path at close (a replay runs only without the page).
+        self.events = [] if run_id is not None and has_dashboard(client) else None
         self.scheduler, self.program, self.next_chunk, self.observers = scheduler, program, next_chunk, observers
         self.observe = getattr(scheduler, "observe", None)  # a policy that learns from chunk timings
         self.in_flight = {}  # record index -> (record, feed), sent and not yet answered
@@ -149,9 +150,17 @@ class SteadyRun:
         for fs in feeds.values():
             for feed in fs:
                 feed.sent, feed.backlog, feed.owner, feed.rearm = 0, collections.deque(), self, True
+        self.cancellation = None
+        if self.watch_at_start:
+            self._watch()
+
+    watch_at_start = True  # a replay watches once its messages went (dsched.dispatch.replay)
+
+    def _watch(self):
+        """Be told of workers that leave, of feed tasks that ended, and of a cancel."""
         with _state.parked_lock:
-            _running(client).add(self)  # told when a worker leaves (lose_worker)
-        for fs in feeds.values():
+            _running(self.client).add(self)  # told when a worker leaves (lose_worker)
+        for fs in self.feeds.values():
             for feed in fs:  # a task that ended between its take and now told no run (it had no owner): told here
                 if feed.future.status != "pending":
                     self.put(feed.future)
