@@ -260,15 +260,16 @@ class WorkDispatcher:
                 client = self.client
                 steady = self._steady if self._steady is not None and steady_path_enabled() and \
                     self._steady.holds(client, generator) else None
-                if steady is not None:  # its outputs must be written in place too (out= may be other arrays)
-                    data = self._open_data(generator, out, client, owners=steady.owners, layout=steady.layout)
-                feeds = steady.take_feeds() if steady is not None and data.writes_in_place_everywhere() else None
+                feeds = steady.take_feeds() if steady is not None else None
                 if feeds is not None:  # like the last run, which went over fast lanes alone: its feeds again
+                    data = self._open_data(generator, out, client, owners=steady.owners, layout=steady.layout)
+                    if not data.writes_in_place_everywhere():  # out= arrays this run that workers cannot write
+                        steady.give_back(feeds)
+                        data.close(clean=True)  # nothing ran: its segments go back to the pool
+                        data = feeds = None
+                if feeds is not None:
                     undone = self._run_steady(client, data, report, feeds, observers)
                 else:
-                    if data is not None:
-                        data.close()
-                        data = None
                     self._drop_steady()
                     cluster = recent_cluster_info(client, self.scheduler)  # read once: it answers every question
                     # A device whose worker is restarting is waited for (dsched.lost-device-timeout), not refused.

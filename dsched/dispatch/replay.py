@@ -228,12 +228,12 @@ def run_replay(dispatcher, generator):
     out = check_out(dispatcher.out, generator.total, dispatcher.axis, dispatcher.overwrite)
     data = ReplayData(generator, steady.layout, dispatcher.axis, out)
     if not data.writes_in_place_everywhere():  # an out= array in this process's memory: the full path writes it
-        data.close()
+        data.close(clean=True)  # nothing ran: its segments go back to the pool
         return MISS
     plan.inputs(generator)
     feeds = steady.take_feeds()
     if feeds is None:  # a feed ended since: the full run, without the path
-        data.close()
+        data.close(clean=True)
         dispatcher._drop_steady()
         return MISS
     dispatcher._last_generator = generator

@@ -118,6 +118,11 @@ class SteadyPath:
         return by_device
 
 
+    def give_back(self, feeds):
+        """Park again ``feeds`` (from :meth:`take_feeds`) that no run used."""
+        _repark(self.client, [f for fs in feeds.values() for f in fs])
+
+
 class SteadyRun:
     """One run on the steady path: the policy's loop over the lanes of feeds taken from the parked ones.
 
