@@ -18,6 +18,7 @@ import pytest
 from distributed import Client
 
 import dsched
+from chunk_models import chunks_of, fail_on_negatives, triple
 from dsched.devices.ownership import cluster_info
 from dsched.dispatch import replay, steady
 from dsched.schedulers import PerformanceModelScheduler
@@ -55,26 +56,12 @@ def one_wave():
     return dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[100, 300])
 
 
-def triple(work, device):
-    return 3.0 * work
-
-
-def fail_on_negatives(work, device):
-    if (work < 0).any():
-        raise ValueError(f"negative items at {np.flatnonzero(work < 0)[0]}")
-    return 2.0 * work
-
-
-def _chunks(report):
-    return [(str(r.device), r.offset, r.size) for r in report.records]
-
-
 def test_like_runs_replay_the_plan_with_the_same_chunks_and_results(client, runs):
     d = dsched.WorkDispatcher(one_wave(), triple, join="concat", client=client)
     x = np.arange(400.0)
     for k in range(5):
         np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x + k)), 3 * (x + k))
-        assert _chunks(d.last_run) == [("cpu", 0, 100), ("cuda:0", 100, 300)]
+        assert chunks_of(d.last_run) == [("cpu", 0, 100), ("cuda:0", 100, 300)]
     assert (len(runs["steady"]), len(runs["replay"])) == (1, 3)
     plan = d._steady.replay
     assert len(plan.current.kept_by) == 2  # each feed keeps the plan's chunks: the first replay sent them, the next not

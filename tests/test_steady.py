@@ -16,6 +16,7 @@ import pytest
 from distributed import Client
 
 import dsched
+from chunk_models import chunks_of, fail_on_negatives, triple
 from dsched.devices.ownership import cluster_info
 from dsched.dispatch import steady
 from dsched.dispatch.parking import release_parked
@@ -48,20 +49,6 @@ def scheduler():
     return dsched.StaticHybridScheduler(["cpu", "cuda:0"], batch_sizes=[100, 300], capacities=[200, 600])
 
 
-def triple(work, device):
-    return 3.0 * work
-
-
-def fail_on_negatives(work, device):
-    if (work < 0).any():
-        raise ValueError(f"negative items at {np.flatnonzero(work < 0)[0]}")
-    return 2.0 * work
-
-
-def _chunks(report):
-    return [(str(r.device), r.offset, r.size) for r in report.records]
-
-
 def test_a_like_run_takes_the_steady_path_with_the_same_chunks_and_results(client, steady_runs):
     d = dsched.WorkDispatcher(scheduler(), triple, join="concat", client=client)
     x = np.arange(2000.0)
@@ -69,7 +56,7 @@ def test_a_like_run_takes_the_steady_path_with_the_same_chunks_and_results(clien
     assert d._steady is not None and steady_runs == []
     for k in range(3):
         np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x + k)), 3 * (x + k))
-        chunks = _chunks(d.last_run)  # which device takes which chunk follows the completions: sizes do not
+        chunks = chunks_of(d.last_run)  # which device takes which chunk follows the completions: sizes do not
         assert [offset for _, offset, _ in chunks] == list(np.cumsum([0] + [n for *_, n in chunks[:-1]]))
         assert sum(n for *_, n in chunks) == 2000
         assert {(device, n) for device, _, n in chunks[:-1]} <= {("cpu", 100), ("cuda:0", 300)}

@@ -299,6 +299,7 @@ class ReplayRun(SteadyRun):
         """The plan keeps its bell for its next call."""
 
     def _lane_ended(self, feed, lost=False):
+        self.plan.forget_feed(feed)  # it no longer keeps the plan's chunks (it ended, or refused them)
         self.plan.close_waiting()  # the poll no longer watches the lane's descriptor, which a new lane may reuse
         super()._lane_ended(feed, lost)
 
@@ -317,7 +318,6 @@ class ReplayRun(SteadyRun):
             by_feed.setdefault(feed, []).append((i, record))
         for feed, chunks in by_feed.items():
             if feed.lane is None or not feed.lane.send(self.plan.message(feed, chunks, self.data, self.program)):
-                self.plan.forget_feed(feed)
                 self._lane_ended(feed, lost=feed.lane is None)
         self.report.sent = time.time()
         self._watch()
@@ -325,21 +325,11 @@ class ReplayRun(SteadyRun):
             self._wait()
 
     def _receive(self, feed):
-        try:
-            message = feed.lane.receive()
-        except (EOFError, OSError):
-            message = (wire.ENDED,)
-        if message[0] != wire.DONE:  # its lane ended, or the feed no longer keeps the plan
-            self.plan.forget_feed(feed)
-            self._lane_ended(feed)
+        answer = self._answer(feed)
+        if answer is None:
             return
-        _, index, ok, value, start, stop = message
-        entry = self.in_flight.pop(index, None)
-        if entry is None:
-            return
-        record = entry[0]
-        feed.sent -= 1
-        record.start, record.stop, record.worker, record.heard = start, stop, feed.address, time.time()
+        record, ok, value = answer
+        record.heard = time.time()
         if not ok:
             record.error, self.failed = value, True
             self.data.failed(record)

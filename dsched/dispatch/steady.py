@@ -247,30 +247,40 @@ class SteadyRun:
         while not self.notices.empty():
             self._notice(self.notices.get())
 
-    def _receive(self, feed):
+    def _answer(self, feed):
+        """``(record, ok, value)`` of the chunk ``feed`` answered, taken from those in flight, its timings and
+        worker noted; ``None`` when its lane ended (its chunks are left to the full run: it ended, or its parked
+        feed had ended before the run took it), or for an answer to no chunk in flight."""
         try:
             message = feed.lane.receive()
         except (EOFError, OSError):
             message = (wire.ENDED,)
-        if message[0] != wire.DONE:  # its lane ended, or its parked feed had ended before the run took it
+        if message[0] != wire.DONE:
             self._lane_ended(feed)
-            return
+            return None
         _, index, ok, value, start, stop = message
         entry = self.in_flight.pop(index, None)
         if entry is None:
-            return
+            return None
         record = entry[0]
         feed.sent -= 1
+        record.start, record.stop, record.worker = start, stop, feed.address
+        return record, ok, value
+
+    def _receive(self, feed):
+        answer = self._answer(feed)
+        if answer is None:
+            return
+        record, ok, value = answer
         self.overlapped = self.overlapped or self.data.generator.has_more()
         self._give_back(record)
-        record.start, record.stop, record.worker = start, stop, feed.address
         if self.events is not None:
             self.events.append(self._event("done" if ok else "failed", record, feed))
         if not ok:
             record.error, self.failed = value, True
             self.data.failed(record)
-        elif self.observe is not None and stop > start:
-            self.observe(record.device, record.size, stop - start)
+        elif self.observe is not None and record.stop > record.start:
+            self.observe(record.device, record.size, record.stop - record.start)
         self.observers.chunk_completed(record)
         self._pump(feed)
 

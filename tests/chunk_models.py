@@ -1,0 +1,21 @@
+"""Models the steady-path and replay tests run, and what they read of a run's report.
+
+Importable by name (not defined in a test module twice): the worker processes unpickle them by reference.
+"""
+
+import numpy as np
+
+
+def triple(work, device):
+    return 3.0 * work
+
+
+def fail_on_negatives(work, device):
+    if (work < 0).any():
+        raise ValueError(f"negative items at {np.flatnonzero(work < 0)[0]}")
+    return 2.0 * work
+
+
+def chunks_of(report):
+    """``[(device, offset, items)]`` of a run's chunks, in dispatch order."""
+    return [(str(r.device), r.offset, r.size) for r in report.records]
