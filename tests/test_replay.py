@@ -213,3 +213,28 @@ def test_a_value_passed_whole_that_changes_is_sent_again(client, runs):
         np.testing.assert_array_equal(out, scale * x)
     assert len(runs["replay"]) == 4
     assert len(d._steady.replay.inputs_kept) == 1  # the changed value replaced the kept chunks
+
+
+def _forget_kept_plans():
+    from dsched.worker import feed
+
+    with feed._inboxes_lock:
+        inboxes = list(feed._inboxes.values())
+    for inbox in inboxes:
+        inbox.kept.clear()
+    return len(inboxes)
+
+
+def test_a_feed_that_no_longer_keeps_the_plan_sends_its_chunk_the_full_way(client, runs):
+    """A feed refuses ``again`` for a plan it does not keep (it let it go): that chunk runs the full way, into the
+    same outputs, and the next calls replay again."""
+    d = dsched.WorkDispatcher(one_wave(), triple, join="concat", client=client)
+    x = np.arange(400.0)
+    for _ in range(3):
+        d.run(dsched.ArrayLoader(x))
+    assert all(client.run(_forget_kept_plans).values())
+    np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x + 1)), 3 * (x + 1))
+    assert len(runs["replay"]) == 2 and (d._steady is None or d._steady.replay is None)
+    for k in range(3):  # the full way, the steady path, a replay that keeps the chunks anew
+        np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x + k)), 3 * (x + k))
+    assert len(runs["replay"]) == 3 and [s.load for s in d.scheduler.status()] == [0, 0]

@@ -4,13 +4,15 @@ A run on the steady path (:mod:`dsched.dispatch.steady`) still asks its policy f
 every chunk, places its inputs, and describes each chunk to its feed. Where the
 policy's chunks depend on nothing but its own records (:meth:`WorkScheduler.plan_key
 <dsched.schedulers.base.WorkScheduler.plan_key>`: :class:`~dsched.SimpleScheduler`,
-:class:`~dsched.StaticHybridScheduler`) and the whole batch was cut before any chunk
+:class:`~dsched.StaticHybridScheduler`, a ``Batch``'s planned chunks) and the whole batch was cut before any chunk
 came back, the next like run cuts it the same way. So a clean steady run leaves a
 :class:`ReplayPlan`, and the dispatcher's next run over inputs of the same shapes
 *replays* it:
 
 - the inputs are copied into the plan's own input segment (or, already in shared
-  memory, referenced where they lie, as the chunks the feeds keep name them);
+  memory, referenced where they lie, as the chunks the feeds keep name them); the
+  values every chunk holds whole (a model's parameters) must be those kept, or the
+  chunks are sent again;
 - the outputs are allocated as on any run;
 - each feed gets one small message, :data:`~dsched.worker.lane.AGAIN`: the plan's id
   and this call's output segments. The feeds keep the plan's chunks, their inputs
@@ -49,9 +51,9 @@ from dsched.worker import lane as wire
 
 __all__ = ["ReplayPlan", "replay_enabled", "plan_key", "MISS"]
 
-MISS = object()
+MISS = object()  # what run_replay returns when the call cannot be a replay: the dispatcher runs it the usual way
 BLOBS_KEPT = 8  # output targets kept pickled per plan (the segment pool lends a few in turn)
-INPUTS_KEPT = 3  # placements of a plan's inputs kept (a feed keeps dsched.worker.kept.PLANS_KEPT plans)  # what run() returns when the call cannot be a replay: the dispatcher runs it the usual way
+INPUTS_KEPT = 3  # placements of a plan's inputs kept (a feed keeps dsched.worker.kept.PLANS_KEPT plans)
 
 
 def replay_enabled() -> bool:
