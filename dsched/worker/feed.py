@@ -72,7 +72,7 @@ class _Inbox:
         self.epoch = 0  # of the last park or rearm applied
         self.woken = False  # a _WAKE is queued and not yet taken
         self.lane = None  # the client's fast-lane connection (dsched.worker.lane), read by the feed's thread
-        self._polled = None  # (lane, select.poll) of the feed's thread (_poller)
+        self._polled = None  # (lane, select.poll, bell's and lane's descriptors) of the feed's thread (_poller)
         self.kept = KeptPlans()  # the chunks of replayed plans (dsched.worker.kept), the feed's thread's
         # Rung on every put, so the feed's thread waits on its queue and its lane at once.
         self.bell = lanes.Bell()
@@ -89,17 +89,17 @@ class _Inbox:
         if self.closed:  # its bell is closed too: the feed looks at why and ends
             return _WAKE
         try:
-            ready = self._poller(lane).poll(timeout * 1000)
+            poller, bell, lane_fd = self._poller(lane)
+            ready = poller.poll(timeout * 1000)
         except (OSError, ValueError):  # closed while waiting (the inbox closed)
             return _WAKE
-        bell = self.bell.waitable.fileno()
         if any(fd == bell for fd, _ in ready):
             self.bell.clear()
             try:
                 return self.queue.get_nowait()
             except queue.Empty:
                 pass
-        if lane is not None and any(fd != bell for fd, _ in ready):
+        if lane is not None and any(fd == lane_fd for fd, _ in ready):
             try:
                 return LANE, lanes.loads(lane.recv_bytes())
             except (EOFError, OSError):  # the client went away: the feed's task ends by its cancel or stop
@@ -107,15 +107,17 @@ class _Inbox:
         return _WAKE
 
     def _poller(self, lane):
-        """The feed's thread's poll over its bell and ``lane``, made again only when the lane changes (making one
-        per wait costs more than the wait)."""
+        """``(poll, bell's descriptor, lane's descriptor)``: the feed's thread's poll over its bell and ``lane``,
+        made again only when the lane changes (making one per wait costs more than the wait). The descriptors
+        are those registered: one closed meanwhile reads -1, and its number may be another socket's by then."""
         if self._polled is None or self._polled[0] is not lane:
-            poller = select.poll()
-            poller.register(self.bell.waitable, select.POLLIN)
-            if lane is not None:
-                poller.register(lane.fileno(), select.POLLIN)
-            self._polled = (lane, poller)
-        return self._polled[1]
+            poller, bell = select.poll(), self.bell.waitable.fileno()
+            poller.register(bell, select.POLLIN)
+            lane_fd = None if lane is None else lane.fileno()
+            if lane_fd is not None:
+                poller.register(lane_fd, select.POLLIN)
+            self._polled = (lane, poller, bell, lane_fd)
+        return self._polled[1:]
 
     def attach_lane(self, connection):
         """The client's fast lane (from the accept thread); a closed inbox closes it, so the client knows."""
