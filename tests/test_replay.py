@@ -238,3 +238,21 @@ def test_a_feed_that_no_longer_keeps_the_plan_sends_its_chunk_the_full_way(clien
     for k in range(3):  # the full way, the steady path, a replay that keeps the chunks anew
         np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x + k)), 3 * (x + k))
     assert len(runs["replay"]) == 3 and [s.load for s in d.scheduler.status()] == [0, 0]
+
+
+def test_two_threads_running_one_dispatcher_each_get_their_own_results(client, runs):
+    """One thread replays; another calls meanwhile, finds the plan in use and runs the full way, leaving the
+    replay's inputs alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = dsched.WorkDispatcher(one_wave(), sleepy_double, join="concat", client=client)
+    x = np.arange(400.0)
+    with ThreadPoolExecutor(1) as replaying:  # parked feeds are their thread's: one thread for the replays
+        for _ in range(3):
+            replaying.submit(d.run, dsched.ArrayLoader(x)).result(timeout=WAIT_LIMIT)
+        slow = x + 1_000_000  # its chunk on cuda:0 takes 0.5 s: the other call comes meanwhile
+        first = replaying.submit(d.run, dsched.ArrayLoader(slow))
+        time.sleep(0.1)
+        np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x + 7)), 2 * (x + 7))
+        np.testing.assert_array_equal(first.result(timeout=WAIT_LIMIT), 2 * slow)
+    assert len(runs["replay"]) == 2 and [s.load for s in d.scheduler.status()] == [0, 0]

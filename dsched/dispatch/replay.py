@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import pickle
 import secrets
+import threading
 import time
 import weakref
 
@@ -84,7 +85,8 @@ class ReplayPlan:
         self.inputs_kept = collections.OrderedDict()  # where the shared inputs lie -> _Inputs (recent last)
         self.current = None  # this run's _Inputs
         self.waiting = None  # (lanes' descriptors, bell, poll) of its runs (ReplayRun._waiting)
-        self.running = False
+        self.lock = threading.Lock()  # held by the run that replays it (one at a time: one input segment)
+        self.closing = False  # dropped while a run replayed it: closed as that run ends
         self.blobs = {}  # the output targets of recent calls, pickled (targets_blob)
         kept_until_released(self)
 
@@ -134,9 +136,13 @@ class ReplayPlan:
         self.current = kept
 
     def release_kept(self):
-        """:func:`dsched.release_pool`: the input segments go back (the next replay places the inputs anew)."""
-        if not self.running:
-            self.close_inputs()
+        """:func:`dsched.release_pool`: the input segments go back (the next replay places the inputs anew), unless
+        a run replays the plan now."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self.close_inputs()
+            finally:
+                self.lock.release()
 
     def message(self, feed, chunks, data, program) -> tuple:
         """``feed``'s message for this run: its chunks to keep (the first time) or the kept ones again."""
@@ -167,9 +173,16 @@ class ReplayPlan:
         return blob
 
     def close(self):
-        """Give the input segments back (the pool keeps them for later calls of their sizes); close the bell."""
-        self.close_inputs()
-        self.close_waiting()
+        """Give the input segments back (the pool keeps them for later calls of their sizes) and close the bell;
+        a plan that a run replays now (on another thread) is closed as that run ends."""
+        if not self.lock.acquire(blocking=False):
+            self.closing = True
+            return
+        try:
+            self.close_inputs()
+            self.close_waiting()
+        finally:
+            self.lock.release()
 
     def close_inputs(self):
         while self.inputs_kept:
@@ -227,12 +240,22 @@ def run_replay(dispatcher, generator):
     plan = steady.replay
     if not plan.applies(dispatcher, generator):
         return MISS
+    if not plan.lock.acquire(blocking=False):  # another thread replays it now: its inputs' segment is in use
+        return MISS
+    try:
+        return _replay(dispatcher, generator, steady, plan, start)
+    finally:
+        plan.lock.release()
+        if plan.closing:  # dropped while it ran (by this run, or by a run on another thread)
+            plan.close()
+
+
+def _replay(dispatcher, generator, steady, plan, start):
     out = check_out(dispatcher.out, generator.total, dispatcher.axis, dispatcher.overwrite)
     data = ReplayData(generator, steady.layout, dispatcher.axis, out)
     if not data.writes_in_place_everywhere():  # an out= array in this process's memory: the full path writes it
         data.close(clean=True)  # nothing ran: its segments go back to the pool
         return MISS
-    plan.inputs(generator)
     feeds = steady.take_feeds()
     if feeds is None:  # a feed ended since: the full run, without the path
         data.close(clean=True)
@@ -240,19 +263,23 @@ def run_replay(dispatcher, generator):
         return MISS
     dispatcher._last_generator = generator
     dispatcher.last_run = report = RunReport(dispatcher.mode, wall_start=start)
-    run = ReplayRun(steady.client, data, report, feeds, plan, dispatcher)
-    ended, plan.running = False, True
+    run, ended = None, False
     try:
+        plan.inputs(generator)
+        run = ReplayRun(steady.client, data, report, feeds, plan, dispatcher)
         run.loop()
         ended = True
         getattr(dispatcher.scheduler, "replayed", _nothing)(len(plan.chunks))
     except BaseException:
-        run.abandon()
+        if run is None:
+            steady.give_back(feeds)
+        else:
+            run.abandon()
         dispatcher._drop_steady()
         raise
     finally:
-        plan.running = False
-        run.close()
+        if run is not None:
+            run.close()
         report.wall_stop = time.time()
         clean = ended and not run.undone and not run.failed
         dispatcher._close_data(data, report, clean=clean)
