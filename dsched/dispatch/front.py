@@ -177,17 +177,14 @@ class _LastCall(threading.local):
     def matches(self, fn, key) -> bool:
         if key != self.key or self.recent.fn is not fn:
             return False
-        return key[1] is not None or _default_client() is self.recent.client  # the default client may change
+        client = key[1] if key[1] is not None else _default_client()  # the default client may have changed
+        return client is self.recent.client and getattr(client, "status", "running") == "running"
 
     def keep(self, key, runner, layout, loader, signature):
         self.key, self.recent, self.signature = key, runner.recent, signature
         self.layout, self.loader = without_arrays(layout), loader.like({})
 
     def run(self, fn, args, out):
-        client = self.key[1]
-        if client is not None and getattr(client, "status", "running") != "running":
-            self.key = None
-            raise RuntimeError("dispatch: the client is closed")
         loader = self.loader.like(dict(zip(self.loader.axes, args)))
         return self.recent.run(fn, loader, self.layout, out, False, None, self.signature)
 
