@@ -1,4 +1,4 @@
-"""Models the steady-path and replay tests run, and what they read of a run's report.
+"""Models the steady-path and replay tests run, and what they read of the runs.
 
 Importable by name (not defined in a test module twice): the worker processes unpickle them by reference.
 """
@@ -19,3 +19,16 @@ def fail_on_negatives(work, device):
 def chunks_of(report):
     """``[(device, offset, items)]`` of a run's chunks, in dispatch order."""
     return [(str(r.device), r.offset, r.size) for r in report.records]
+
+
+def runs_taking(monkeypatch, cls) -> list:
+    """The runs of ``cls`` (a run class with a ``loop``: the steady path's, a replay's) started from now on, in
+    order."""
+    seen, loop = [], cls.loop
+
+    def counted(self):
+        seen.append(self)
+        return loop(self)
+
+    monkeypatch.setattr(cls, "loop", counted)
+    return seen

@@ -15,10 +15,9 @@ import time
 import dask
 import numpy as np
 import pytest
-from distributed import Client
 
 import dsched
-from chunk_models import chunks_of, fail_on_negatives, triple
+from chunk_models import chunks_of, fail_on_negatives, runs_taking, triple
 from dsched.devices.ownership import cluster_info
 from dsched.dispatch import replay, steady
 from dsched.schedulers import PerformanceModelScheduler
@@ -26,30 +25,16 @@ from dsched.schedulers import PerformanceModelScheduler
 WAIT_LIMIT = 60
 
 
-@pytest.fixture(scope="module")
-def client():
-    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
-                                   dashboard_address=None) as cluster, Client(cluster) as c:
-        yield c
+@pytest.fixture
+def client(process_client):
+    """The module's worker processes (conftest's ``process_client``)."""
+    return process_client
 
 
 @pytest.fixture
 def runs(monkeypatch):
     """``{"steady": [...], "replay": [...]}``: the runs that took each way."""
-    seen = {"steady": [], "replay": []}
-    steady_loop, replay_loop = steady.SteadyRun.loop, replay.ReplayRun.loop
-
-    def steady_counted(self):
-        seen["steady"].append(self)
-        return steady_loop(self)
-
-    def replay_counted(self):
-        seen["replay"].append(self)
-        return replay_loop(self)
-
-    monkeypatch.setattr(steady.SteadyRun, "loop", steady_counted)
-    monkeypatch.setattr(replay.ReplayRun, "loop", replay_counted)
-    return seen
+    return {"steady": runs_taking(monkeypatch, steady.SteadyRun), "replay": runs_taking(monkeypatch, replay.ReplayRun)}
 
 
 def one_wave():

@@ -16,7 +16,7 @@ import pytest
 from distributed import Client
 
 import dsched
-from chunk_models import chunks_of, fail_on_negatives, triple
+from chunk_models import chunks_of, fail_on_negatives, runs_taking, triple
 from dsched.devices.ownership import cluster_info
 from dsched.dispatch import steady
 from dsched.dispatch.parking import release_parked
@@ -24,25 +24,16 @@ from dsched.dispatch.parking import release_parked
 WAIT_LIMIT = 60
 
 
-@pytest.fixture(scope="module")
-def client():
-    with dsched.LocalHybridCluster(["cpu", "cuda:0"], emulate=True, processes=True, threads_per_worker=1,
-                                   dashboard_address=None) as cluster, Client(cluster) as c:
-        yield c
+@pytest.fixture
+def client(process_client):
+    """The module's worker processes (conftest's ``process_client``)."""
+    return process_client
 
 
 @pytest.fixture
 def steady_runs(monkeypatch):
-    """How many runs took the steady path."""
-    seen = []
-    loop = steady.SteadyRun.loop
-
-    def counted(self):
-        seen.append(self)
-        return loop(self)
-
-    monkeypatch.setattr(steady.SteadyRun, "loop", counted)
-    return seen
+    """The runs that took the steady path."""
+    return runs_taking(monkeypatch, steady.SteadyRun)
 
 
 def scheduler():

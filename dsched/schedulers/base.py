@@ -93,8 +93,10 @@ class WorkScheduler:
         sizes, capacities and priorities, while none carries a load (so a like run's chunks repeat while the
         key does, and a dispatcher may replay them: :mod:`dsched.dispatch.replay`); ``None`` for a policy that
         learns, plans a run's tail, or chooses by any other rule than this class's."""
-        if not _chooses_by_records(type(self)):
-            return None
+        return self._records_key() if _chooses_by_records(type(self)) else None
+
+    def _records_key(self):
+        """The devices' batch sizes, capacities and priorities; ``None`` while any carries a load."""
         with self._lock:
             if any(s.load for s in self._status):
                 return None

@@ -64,11 +64,8 @@ class PlannedChunks(WorkScheduler):
     def plan_key(self):
         """The planned chunks from the next one on: a run that starts there cuts the batch as they say (so a
         dispatcher may replay it); ``None`` while chunks are in flight."""
-        with self._lock:
-            if any(s.load for s in self._status):
-                return None
-            return ("planned", self._next, tuple(self.chunks),
-                    tuple((s.device, s.batch_size, s.capacity, s.priority) for s in self._status))
+        records = self._records_key()
+        return None if records is None else ("planned", self.dispatched, tuple(self.chunks), records)
 
     def replayed(self, chunks: int) -> None:
         """A dispatcher replayed ``chunks`` chunks of the plan without asking (:mod:`dsched.dispatch.replay`):
