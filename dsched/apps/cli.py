@@ -386,10 +386,7 @@ def _bench(args) -> int:
         print(f"dsched: error: --json: the folder of {args.json} does not exist", file=sys.stderr)
         return 2
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    command = " ".join(["dsched bench", *(["--quick"] if args.quick else []),
-                        *([f"--only {args.only}"] if args.only else []), *(["--processes"] if args.processes else []),
-                        *(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                          if k.startswith("neml2_") and v is not None and not (k == "neml2_steps" and v == 10))])
+    command = _bench_command(args)
     results, tables, failed = {"command": command, "machine": machine_info()}, [], []
     for suite in SUITES:
         if args.only in (None, suite):
@@ -412,6 +409,14 @@ def _bench(args) -> int:
         print(f"dsched: error: bench: the {', '.join(failed)} suite(s) failed (above); the others' tables are "
               "complete", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _bench_command(args) -> str:
+    """The ``dsched bench`` command line that ``args`` stand for (recorded with the results)."""
+    return " ".join(["dsched bench", *(["--quick"] if args.quick else []),
+                     *([f"--only {args.only}"] if args.only else []), *(["--processes"] if args.processes else []),
+                     *(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                       if k.startswith("neml2_") and v is not None and not (k == "neml2_steps" and v == 10))])
 
 
 #: the extra that brings a module a suite may need (zarr is a core dependency)
@@ -487,7 +492,17 @@ def _bench_gpu(args, say):
     missing = gpu_missing()
     if missing:  # one line: the table's
         return {"skipped": missing}, f"gpu suite skipped: {missing}"
-    results = run_gpu_benchmarks(quick=args.quick, progress=say)
+    checkpoint = None
+    if args.json:  # what was measured is on disk after each section: a run cut off at its bound keeps it
+        import json
+
+        header = {"command": _bench_command(args), "machine": machine_info(), "partial": True}
+
+        def checkpoint(so_far):
+            with open(args.json, "w") as f:
+                json.dump({**header, "gpu": so_far}, f, indent=2)
+
+    results = run_gpu_benchmarks(quick=args.quick, progress=say, checkpoint=checkpoint)
     return results, format_gpu_table(results)
 
 

@@ -190,13 +190,20 @@ def _neml2_call(scenario, model, inputs, device):
     return run, to_device
 
 
+#: The row of a section run on the CPU and the GPU together (radret's), against the section's dsched row on cuda:0.
+HYBRID_ROW = "NEML2Model.dispatch on cpu + cuda:0"
+
+
 def measure_radret(client, quick, repeats) -> dict:
     n, chunk = _size("radret_points", quick), _size("radret_chunk", quick)
+    cpu_chunk = chunk // 10  # NEML2's eager update is far slower per point on two CPU threads than on a GPU
     scenario, model, inputs = _radret_step(n)
     names = model.output_names
     gpu_run, gpu_state = _neml2_call(scenario, model, inputs, "cuda")
     state = gpu_state()
     scheduler = dsched.SimpleScheduler("cuda:0", chunk, capacity=2 * chunk)
+    hybrid = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [cpu_chunk, chunk],
+                                          capacities=[2 * cpu_chunk, 2 * chunk], priorities=[1, 2])
 
     def with_copies():
         out = gpu_run(gpu_state())
@@ -206,6 +213,7 @@ def measure_radret(client, quick, repeats) -> dict:
         "torch (NEML2), one call, tensors on the GPU": lambda: gpu_run(state),
         "torch (NEML2), one call, host -> GPU -> host": with_copies,
         "NEML2Model.dispatch on cuda:0": lambda: model.dispatch(inputs, scheduler=scheduler, client=client),
+        HYBRID_ROW: lambda: model.dispatch(inputs, scheduler=hybrid, client=client),
     }
     seconds, results = {}, {}
     for name, run in rows.items():
@@ -214,8 +222,10 @@ def measure_radret(client, quick, repeats) -> dict:
     cpu_run, cpu_state = _neml2_call(scenario, model, _sampled(inputs, n), "cpu")
     reference = {k: v.data.detach().numpy() for k, v in cpu_run(cpu_state()).items() if k in names}
     compared = {"NEML2Model.dispatch on cuda:0": results["NEML2Model.dispatch on cuda:0"],
+                HYBRID_ROW: results[HYBRID_ROW],
                 "torch (NEML2), one call": results["torch (NEML2), one call, host -> GPU -> host"]}
-    return {"points": n, "chunk": chunk, "seconds": seconds, "items_per_s": {k: n / s for k, s in seconds.items()},
+    return {"points": n, "chunk": chunk, "cpu_chunk": cpu_chunk, "seconds": seconds,
+            "items_per_s": {k: n / s for k, s in seconds.items()},
             "error": {k: _max_relative(_sampled(v, n), reference) for k, v in compared.items()}}
 
 
@@ -366,10 +376,19 @@ def gpu_info() -> dict:
     return info
 
 
-def run_gpu_benchmarks(*, quick=False, repeats=None, progress=None) -> dict:
+SECTIONS = ("j2", "radret", "transfer", "hybrid", "percall")
+
+
+def run_gpu_benchmarks(*, quick=False, repeats=None, progress=None, checkpoint=None) -> dict:
     """Every section on one cluster (``cpu`` and a real ``cuda:0``, worker processes); ``{"skipped": reason}``
-    without a GPU."""
+    without a GPU.
+
+    A section that raises is recorded in ``failed_sections`` (its error and traceback) and the next one runs: a
+    lent GPU machine's few minutes must not be lost to one broken row. ``checkpoint(results)`` is called after
+    each section, so that a caller can keep what was measured if the run is cut off.
+    """
     import importlib.util
+    import traceback
 
     from distributed import Client
 
@@ -378,23 +397,25 @@ def run_gpu_benchmarks(*, quick=False, repeats=None, progress=None) -> dict:
         return {"skipped": missing}
     say = progress or (lambda line: None)
     repeats = repeats or REPEATS[1 if quick else 0]
-    results = {"gpu": gpu_info(), "quick": quick, "repeats": repeats, "skipped_sections": {}}
+    results = {"gpu": gpu_info(), "quick": quick, "repeats": repeats, "skipped_sections": {}, "failed_sections": {}}
+    measures = {"j2": measure_j2, "radret": measure_radret, "transfer": measure_transfer,
+                "hybrid": measure_hybrid, "percall": lambda client, quick, repeats: measure_percall(client, quick)}
     with dsched.LocalHybridCluster(["cpu", "cuda:0"], processes=True, dashboard_address=None) as cluster, \
             Client(cluster, set_as_default=False) as client:
-        say("gpu: j2")
-        results["j2"] = measure_j2(client, quick, repeats)
-        if importlib.util.find_spec("neml2") is None:
-            results["skipped_sections"]["radret"] = "neml2 is not installed (pip install 'dsched[neml2]')"
-        else:
-            say("gpu: radret (NEML2)")
-            results["radret"] = measure_radret(client, quick, repeats)
-        say("gpu: transfer")
-        results["transfer"] = measure_transfer(client, quick, repeats)
-        say("gpu: hybrid")
-        results["hybrid"] = measure_hybrid(client, quick, repeats)
-        say("gpu: percall")
-        results["percall"] = measure_percall(client, quick)
-    results["figures"] = figures(results)
+        for section in SECTIONS:
+            if section == "radret" and importlib.util.find_spec("neml2") is None:
+                results["skipped_sections"]["radret"] = "neml2 is not installed (pip install 'dsched[neml2]')"
+                continue
+            say(f"gpu: {section}")
+            try:
+                results[section] = measures[section](client, quick, repeats)
+            except Exception as err:  # noqa: BLE001  recorded whole: the next section still runs
+                line = f"{type(err).__name__}: {err}".splitlines()[0]
+                results["failed_sections"][section] = {"error": line, "traceback": traceback.format_exc()}
+                say(f"gpu: {section}: failed: {line}")
+            results["figures"] = figures(results)
+            if checkpoint is not None:
+                checkpoint(results)
     return results
 
 
@@ -404,12 +425,14 @@ def figures(results) -> dict:
     for section in ("j2", "radret"):
         part = results.get(section)
         if part:
-            raw, copied, dsched_row = list(part["seconds"])  # the rows' order: on the GPU, with copies, dsched
+            raw, copied, dsched_row = list(part["seconds"])[:3]  # the rows' order: on the GPU, with copies, dsched
             seconds = part["seconds"]
             out[f"{section}: {dsched_row}, points/s"] = round(part["items_per_s"][dsched_row])
             out[f"{section}: dsched / one call with copies"] = round(seconds[copied] / seconds[dsched_row], 3)
             out[f"{section}: dsched / one call on the GPU"] = round(seconds[raw] / seconds[dsched_row], 3)
             out[f"{section}: largest relative difference from the CPU"] = max(part["error"].values())
+            if HYBRID_ROW in seconds:
+                out[f"{section}: {HYBRID_ROW} / {dsched_row}"] = round(seconds[dsched_row] / seconds[HYBRID_ROW], 3)
     if "transfer" in results:
         for row, rate in results["transfer"]["gb_per_s"].items():
             out[f"transfer: {row}, GB/s"] = round(rate, 2)
@@ -442,6 +465,8 @@ def format_gpu_table(results) -> str:
             lines.append(f"  {row:<48}{rate:>16,.0f} points/s{part['seconds'][row] * 1e3:>11.1f} ms")
         lines.append("  largest relative difference from the CPU: "
                      + ", ".join(f"{k} {v:.1e}" for k, v in part["error"].items()))
+    for section, failed in results.get("failed_sections", {}).items():
+        lines += ["", f"{section}: failed: {failed['error']}"]
     if "transfer" in results:
         part = results["transfer"]
         lines += ["", f"host -> GPU -> host, {part['bytes'] / 2**20:,.0f} MiB each way (GB/s counts both ways):"]
