@@ -3,6 +3,8 @@
 Importable by name (not defined in a test module twice): the worker processes unpickle them by reference.
 """
 
+import os
+
 import numpy as np
 
 
@@ -32,3 +34,24 @@ def runs_taking(monkeypatch, cls) -> list:
 
     monkeypatch.setattr(cls, "loop", counted)
     return seen
+
+
+def double_x(work, device):
+    return 2.0 * work["x"]
+
+
+def _load_only_in(pid, value):
+    if os.getpid() != pid:
+        raise RuntimeError("this value loads only in the process that made it")
+    return LoadsOnlyHere(value)
+
+
+class LoadsOnlyHere:
+    """A value that unpickles only in the process that made it: what a GPU array is to a worker without that GPU,
+    or an instance of a class to a worker whose Python lacks its module."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        return _load_only_in, (os.getpid(), self.value)

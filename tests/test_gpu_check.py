@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dsched.apps.bench.figures import blocks
@@ -116,3 +117,19 @@ def test_the_gpu_table_and_figures_read_a_results_file():
     filled = blocks({"command": "dsched bench --only gpu", "gpu": results})
     assert filled["gpu"].startswith("```text\n$ dsched bench --only gpu\nNVIDIA H100")
     assert "GPU: NVIDIA H100 80GB HBM3" in filled["machine"] and "emulated" not in filled["machine"]
+
+
+def test_the_gpu_benchs_neml2_peer_runs_on_the_cpu_and_equals_dispatch():
+    """The radret section's peer (NEML2 called by hand on the whole batch), run on the CPU: the GPU machine found
+    it importing a helper that had been renamed, which only a GPU run reached."""
+    pytest.importorskip("neml2")
+    import dsched
+    from dsched.apps.bench.gpu import _neml2_call, _radret_step
+
+    scenario, model, inputs = _radret_step(50)
+    run, state = _neml2_call(scenario, model, inputs, "cpu")
+    by_hand = run(state())
+    dispatched = model.dispatch(inputs, scheduler=dsched.SimpleScheduler("cpu", 20), mode="sync")
+    assert set(model.output_names) <= set(dispatched)
+    for name in model.output_names:  # an implicit update: Newton stops at its tolerance, batch by batch
+        np.testing.assert_allclose(by_hand[name].data.detach().numpy(), dispatched[name], rtol=1e-9, atol=1e-14)

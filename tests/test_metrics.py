@@ -335,20 +335,3 @@ def test_without_nvml_there_is_no_gpu_family_and_no_error(monkeypatch):
     monkeypatch.setattr(gpu, "_workers", [_worker("tcp://10.0.0.5:1", **{"dsched-cuda:0": 100})])
     assert gpu.gpu_memory(0) is None
     assert list(gpu._GpuCollector().collect()) == []
-
-
-@pytest.mark.gpu
-def test_a_gpu_worker_exports_its_memory_through_nvml():
-    pytest.importorskip("pynvml")
-    with LocalHybridCluster(["cuda:0"], dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
-        port = client.scheduler_info()["services"]["dashboard"]
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while not all(client.run(lambda dask_worker: "dsched-metrics" in dask_worker.plugins).values()):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        families = scrape(base)  # in-process workers share the scheduler's registry
-    used = values(families, "dsched_gpu_memory_used_bytes")
-    total = values(families, "dsched_gpu_memory_total_bytes")
-    assert set(used) == set(total) == {"cuda:0"}
-    assert 0 < used["cuda:0"] <= total["cuda:0"]

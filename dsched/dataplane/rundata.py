@@ -41,11 +41,14 @@ from dsched.dataplane.sources import holds_dask_rows, streams_dask, submit_rows
 from dsched.dataplane.store import (
     ArrayRef,
     RunStore,
+    SealedWork,
     classify_workers,
     find_shared,
+    in_gpu_memory,
     resolve_work,
     share_generator,
 )
+from dsched.devices import backends
 
 __all__ = ["RunData", "check_out", "direct_to_workers", "zarr_chunk_items"]
 
@@ -146,10 +149,13 @@ class RunData:
         """
         if holds_dask_rows(work):
             return submit_rows(work, self.client)
-        if device not in self.remote:
-            return work
+        if device not in self.remote:  # sealed for worker processes (in-process ones load nothing)
+            return SealedWork.of(work) if self.store.shared else work
+        work = resolve_work(work)
+        if not device.is_cuda:  # a CPU worker cannot unpickle a GPU array: it gets the rows' host copy
+            work = backends.map_arrays(lambda b, a: b.to_host(a) if in_gpu_memory(a) else a, work)
         # In a list: scatter would send a dict's values under the dict's own keys, shared by every chunk.
-        [future] = self.client.scatter([resolve_work(work)], workers=self.owners[device], direct=direct_to_workers(),
+        [future] = self.client.scatter([work], workers=self.owners[device], direct=direct_to_workers(),
                                        hash=False)
         return future
 

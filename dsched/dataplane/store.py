@@ -430,14 +430,66 @@ class SharedWork:
         return {k: (v.resolve(pinned) if isinstance(v, SliceRef) else v) for k, v in self.payload.items()}
 
 
+class SealedWork:
+    """A chunk's work pickled by the client and opened by the chunk itself, on its worker.
+
+    distributed drops a worker whose message does not load: an argument that cannot be unpickled there (a
+    class its Python lacks, a GPU array on a worker without that GPU) would take the worker down with every
+    chunk it held, and leave the run waiting for it. Sealed, it fails its own chunk, with the reason.
+    """
+
+    __slots__ = ("blob",)
+
+    def __init__(self, blob: bytes):
+        self.blob = blob
+
+    @classmethod
+    def of(cls, work):
+        from distributed.protocol.pickle import dumps  # cloudpickle where plain pickle cannot (a lambda)
+
+        return cls(dumps(work))
+
+    def __reduce__(self):
+        return SealedWork, (self.blob,)
+
+    def open(self):
+        from distributed.protocol.pickle import loads
+
+        try:
+            return loads(self.blob)
+        except Exception as err:
+            raise RuntimeError(f"the chunk's arguments cannot be loaded on this worker: "
+                               f"{type(err).__name__}: {err}".splitlines()[0]) from err
+
+
 def resolve_work(work, pinned=False):
     """The work a chunk's code sees: references resolved to array views (page-locked ones for a GPU with
     ``pinned``), rows of streamed inputs read (Zarr) or computed (Dask), anything else unchanged."""
+    if isinstance(work, SealedWork):
+        work = work.open()
     return resolve_rows(work.resolve(pinned) if isinstance(work, SharedWork) else work)
 
 
 def _shareable(array) -> bool:
-    return (isinstance(array, np.ndarray) and not array.dtype.hasobject) or _torch_cpu(array) or _neml2_cpu(array)
+    return (isinstance(array, np.ndarray) and not array.dtype.hasobject) or _torch_cpu(array) or _neml2_cpu(array) \
+        or in_gpu_memory(array)
+
+
+def in_gpu_memory(array) -> bool:
+    """A CuPy array, torch tensor or NEML2 tensor (no K axes) in GPU memory.
+
+    No other process can map it, and a worker without that GPU cannot even unpickle it (a CPU worker of a
+    real GPU machine sees no GPU): its chunks go as rows of one host copy, like a host array's, and each GPU
+    chunk copies its rows to its own device.
+    """
+    backend = backends.backend_of(array, strict=False)
+    if backend is backends.CUPY:
+        return True
+    if backend is backends.TORCH:
+        return type(array).__name__ == "Tensor" and array.device.type == "cuda"
+    if backend is backends.NEML2:
+        return getattr(array, "k_ndim", 0) == 0 and array.data.device.type == "cuda"
+    return False
 
 
 def _torch_cpu(array) -> bool:
@@ -457,6 +509,8 @@ def _host_and_template(array, axis):
     The template is empty and owns its storage: a chunk carries its rows, by
     reference, and nothing of the batch (a view's pickle holds its whole storage).
     """
+    if in_gpu_memory(array):
+        array = backends.to_host(array)  # CuPy gives NumPy; torch and NEML2 give CPU tensors of the same type
     if isinstance(array, np.ndarray):
         return array, None
     return backends.host_view(array), backends.template(array, axis)
@@ -465,8 +519,8 @@ def _host_and_template(array, axis):
 def share_generator(generator, store: RunStore):
     """``generator`` handing out references instead of slices, its NumPy arrays placed in ``store`` once.
 
-    Array and mapping loaders over NumPy arrays are shared; any other generator
-    (slices, CuPy arrays, user generators) is returned unchanged.
+    Array and mapping loaders over NumPy arrays, CPU tensors and arrays in GPU memory (copied to the host once)
+    are shared; any other generator (slices, user generators) is returned unchanged.
     """
     if isinstance(generator, Ranges):  # a re-run of what a run left undone: share its source
         shared = share_generator(generator.source, store)

@@ -43,6 +43,7 @@ batch axis counts their *dynamic batch* axes only, so an ``SR2`` of shape
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -101,7 +102,30 @@ def torch_device(device=None):
     import torch
 
     cuda = _real_cuda(device)
-    return torch.device("cpu") if cuda is None else torch.device("cuda", cuda_local_ordinal(cuda))
+    if cuda is None:
+        return torch.device("cpu")
+    if not _linalg_loaded:
+        _load_cuda_linalg(torch)
+    return torch.device("cuda", cuda_local_ordinal(cuda))
+
+
+_linalg_loaded = False  # torch's CUDA linear algebra is loaded in this process
+_linalg_lock = threading.Lock()
+
+
+def _load_cuda_linalg(torch) -> None:
+    """Load torch's CUDA linear algebra once per process, one thread at a time.
+
+    torch loads it lazily, at the first linear-algebra call on a GPU, and two threads making that first call
+    at once fail with "lazy wrapper should be called at most once" (pytorch/pytorch#90613): a GPU worker's
+    two threads starting their first NEML2 chunks did, on a real GPU.
+    """
+    global _linalg_loaded
+    with _linalg_lock:
+        if not _linalg_loaded:
+            torch.linalg.solve(torch.eye(1, device="cuda", dtype=torch.float64),
+                               torch.ones(1, device="cuda", dtype=torch.float64))
+            _linalg_loaded = True
 
 
 def _index(axis: int, start: int, stop: int):
@@ -173,9 +197,16 @@ class NumPyBackend(Backend):
         cuda = _real_cuda(device)
         if cuda is None:
             return x
-        # Unchanged from dsched's first data path: NumPy inputs of a real GPU chunk become CuPy.
+        # NumPy inputs of a real GPU chunk become CuPy.
         cupy = _cupy_for(cuda)
         with cupy.cuda.Device(cuda_local_ordinal(cuda)):
+            if isinstance(x, np.ndarray) and x.ndim and x.flags.c_contiguous and x.dtype.char in _CUPY_TYPES:
+                # One copy, straight from x, on the current stream (the chunk's). cupy.asarray would first copy
+                # x into a page-locked buffer of its own, even where x is page-locked already (dsched's shared
+                # segments are, on a GPU worker): a host memcpy at a few GB/s before every transfer.
+                out = cupy.empty(x.shape, dtype=x.dtype)
+                out.set(x)
+                return out
             return cupy.asarray(x)
 
     def to_host(self, x, keep_grad=False):
@@ -186,6 +217,9 @@ class NumPyBackend(Backend):
 
     def empty_like(self, like, n, axis):
         return np.empty(_shape_with(np.shape(like), axis, n), dtype=like.dtype)
+
+
+_CUPY_TYPES = "?bhilqBHILQefdFD"  # the NumPy types CuPy arrays hold
 
 
 def _cupy_for(device):

@@ -104,6 +104,10 @@ class _Inbox:
                 return LANE, lanes.loads(lane.recv_bytes())
             except (EOFError, OSError):  # the client went away: the feed's task ends by its cancel or stop
                 self.drop_lane(lane)
+            except Exception:  # noqa: BLE001  a message this worker cannot load (an argument it cannot unpickle):
+                # its chunks are unknown, so the lane goes; the client runs them again as tasks, whose sealed
+                # work fails each chunk with the reason (dsched.dataplane.store.SealedWork)
+                self.drop_lane(lane)
         return _WAKE
 
     def _poller(self, lane):

@@ -172,14 +172,15 @@ def _neml2_call(scenario, model, inputs, device):
     """NEML2 called by hand on every point at once on ``device`` (``"cpu"`` or ``"cuda"``): ``(run, to_device)``."""
     import torch
 
-    from dsched.models.neml2 import _as_neml2_value, _load
+    from dsched.models.neml2 import _load
+    from dsched.models.neml2_evaluate import as_neml2_value
 
     device = torch.device(device)
     loaded = _load(scenario.input, scenario.model, scenario.overrides).to(device=device)
     spec = loaded.input_spec
 
     def to_device():
-        return {name: _as_neml2_value(value, spec[name], device, torch) for name, value in inputs.items()}
+        return {name: as_neml2_value(value, spec[name], device, torch) for name, value in inputs.items()}
 
     def run(state):
         out = loaded.call_by_name(state)
@@ -284,17 +285,40 @@ class _J2Work:
         return j2_update(work["strain"], work["plastic_strain"], work["alpha"])
 
 
-def _policy_run(client, scheduler, inputs) -> tuple[float, dict, dict]:
-    """One timed run of ``scheduler`` over ``inputs``: seconds, the joined outputs, points per device."""
-    dispatcher = dsched.WorkDispatcher(scheduler, _J2Work(), join="concat", client=client)
+def _policy_run(client, scheduler, inputs) -> tuple[float, dict, dict, dict]:
+    """One timed run of ``scheduler`` over ``inputs``: seconds, the joined outputs, points per device, and each
+    device's timeline (:func:`_timeline`)."""
+    # The outputs declared: without them the chunks sent before the first result returns would send their
+    # results back by value (a learning policy's later runs send every chunk at once: all of them).
+    spec = {name: (value.shape[1:], value.dtype) for name, value in j2_update(*(a[:1] for a in inputs)).items()}
+    dispatcher = dsched.WorkDispatcher(scheduler, _J2Work(), join="concat", output_spec=spec, client=client)
     loader = MappingLoader({"strain": inputs[0], "plastic_strain": inputs[1], "alpha": inputs[2]})
-    start = time.perf_counter()
+    began, start = time.time(), time.perf_counter()
     out = dispatcher.run(loader)
     seconds = time.perf_counter() - start
     points = {}
     for record in dispatcher.last_run.records:
         points[str(record.device)] = points.get(str(record.device), 0) + record.size
-    return seconds, out, points
+    return seconds, out, points, _timeline(dispatcher.last_run.records, began, seconds)
+
+
+def _timeline(records, began, seconds) -> dict:
+    """Per device, from its chunks' worker timings: chunks, the seconds they ran (summed over the worker's
+    threads), their first start and last end after the run began, and the run's tail after that last end.
+    What a profile of a hybrid run needs: a device that ends early and waits, or a tail spent on the other."""
+    out = {}
+    for record in records:
+        entry = out.setdefault(str(record.device), {"chunks": 0, "busy_s": 0.0, "first_start_s": float("inf"),
+                                                    "last_stop_s": 0.0})
+        entry["chunks"] += 1
+        entry["busy_s"] += record.stop - record.start
+        entry["first_start_s"] = min(entry["first_start_s"], record.start - began)
+        entry["last_stop_s"] = max(entry["last_stop_s"], record.stop - began)
+    for entry in out.values():
+        entry["tail_s"] = seconds - entry["last_stop_s"]
+        for key in ("busy_s", "first_start_s", "last_stop_s", "tail_s"):
+            entry[key] = round(entry[key], 4)
+    return out
 
 
 def measure_hybrid(client, quick, repeats) -> dict:
@@ -303,24 +327,26 @@ def measure_hybrid(client, quick, repeats) -> dict:
     alone = dsched.SimpleScheduler("cuda:0", gpu_chunk, capacity=2 * gpu_chunk)
     static = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [cpu_chunk, gpu_chunk],
                                           capacities=[2 * cpu_chunk, 2 * gpu_chunk], priorities=[1, 2])
-    seconds, shares, outs = {}, {}, {}
+    seconds, shares, outs, timelines = {}, {}, {}, {}
     for name, scheduler in (("cuda:0 alone", alone), ("cpu + cuda:0, StaticHybridScheduler", static)):
         _policy_run(client, scheduler, inputs)  # warm-up
         runs = [_policy_run(client, scheduler, inputs) for _ in range(repeats)]
         best = min(runs, key=lambda r: r[0])
-        seconds[name], outs[name], shares[name] = best
+        seconds[name], outs[name], shares[name], timelines[name] = best
     learning = dsched.PerformanceModelScheduler(["cpu", "cuda:0"], batch_sizes=[cpu_chunk, gpu_chunk], save=False)
     runs = [_policy_run(client, learning, inputs) for _ in range(POLICY_RUNS[1 if quick else 0])]
     first, best = runs[0], min(runs[1:], key=lambda r: r[0])
     for name, run in (("cpu + cuda:0, PerformanceModelScheduler, first run", first),
                       ("cpu + cuda:0, PerformanceModelScheduler, best later run", best)):
-        seconds[name], outs[name], shares[name] = run
+        seconds[name], outs[name], shares[name], timelines[name] = run
     reference = j2_update(*(a[SAMPLE] for a in inputs))
     error = {name: _max_relative(_sampled(out), reference) for name, out in outs.items()}
     rate = {k: n / s for k, s in seconds.items()}
     return {"points": n, "chunks": {"cpu": cpu_chunk, "cuda:0": gpu_chunk}, "seconds": seconds, "items_per_s": rate,
             "vs_gpu_alone": {k: r / rate["cuda:0 alone"] for k, r in rate.items()},
-            "cpu_share": {k: s.get("cpu", 0) / n for k, s in shares.items()}, "error": error}
+            "cpu_share": {k: s.get("cpu", 0) / n for k, s in shares.items()}, "error": error,
+            "timeline": timelines,
+            "all_seconds": {"cpu + cuda:0, PerformanceModelScheduler, every run": [round(r[0], 4) for r in runs]}}
 
 
 # --- percall ---------------------------------------------------------------------
