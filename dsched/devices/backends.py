@@ -104,7 +104,7 @@ def torch_device(device=None):
     cuda = _real_cuda(device)
     if cuda is None:
         return torch.device("cpu")
-    if not _linalg_loaded:
+    if not _linalg_loaded and torch.cuda.is_available():
         _load_cuda_linalg(torch)
     return torch.device("cuda", cuda_local_ordinal(cuda))
 
