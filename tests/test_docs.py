@@ -134,6 +134,17 @@ def test_every_figure_block_is_what_the_bench_json_renders():
         assert fill(text, filled) == text, f"{page.name}: a bench block differs from docs/results/bench.json"
 
 
+def test_the_gpu_pages_blocks_are_what_the_gpu_checks_bench_json_renders():
+    """docs/gpu.md's GPU tables come from the GPU check's file, docs/results/gpu-bench.json (a machine without a
+    GPU skips that suite, so the CPU run's file leaves them alone)."""
+    from dsched.apps.bench.figures import blocks, fill
+
+    filled = blocks(json.loads((ROOT / "docs" / "results" / "gpu-bench.json").read_text()))
+    assert {"gpu", "gpu-targets"} <= set(filled)
+    page = (ROOT / "docs" / "gpu.md").read_text(encoding="utf-8")
+    assert fill(page, {k: filled[k] for k in ("gpu", "gpu-targets")}) == page
+
+
 def test_the_readme_s_benchmarks_are_a_headline_table_against_the_peers():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = re.search(r"^## Benchmarks\n(.*?)(?=^## )", readme, re.S | re.M).group(1)

@@ -13,6 +13,7 @@ rewrites every marked block from the file: ``bench:<suite>`` (``percall``,
 with their targets, ``bench:headline`` dsched against each peer (NumPy, Dask,
 Ray, NEML2; :mod:`dsched.apps.bench.headline`), ``bench:break-even`` the model
 time per call that distributing a call needs (from the percall suite),
+``bench:gpu-targets`` the GPU suite's figures against their targets,
 ``bench:machine`` the machine and command they come from, and ``bench:setup``
 the same without the load and the date. A block whose suite is not in the file,
 or was skipped or failed in it (``gpu`` without a GPU, ``neml2`` without
@@ -39,7 +40,7 @@ import sys
 from dsched.apps.bench.batch import format_load_steps
 from dsched.apps.bench.data import format_data_table
 from dsched.apps.bench.fe import format_fe_table
-from dsched.apps.bench.gpu import format_gpu_table
+from dsched.apps.bench.gpu import format_gpu_table, format_gpu_targets
 from dsched.apps.bench.headline import headline
 from dsched.apps.bench.neml2 import format_neml2_table
 from dsched.apps.bench.percall import format_percall
@@ -64,6 +65,8 @@ def blocks(results: dict) -> dict:
     for suite, formatter in FORMATTERS.items():
         if isinstance(results.get(suite), dict) and not {"skipped", "failed"} & set(results[suite]):  # kept
             out[suite] = f"```text\n$ {results.get('command', 'dsched bench')}\n{formatter(results[suite])}\n```"
+    if "gpu" in out:
+        out["gpu-targets"] = format_gpu_targets(results["gpu"])
     return out
 
 

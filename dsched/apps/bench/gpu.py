@@ -42,7 +42,7 @@ from dsched.dataplane.loaders import MappingLoader
 from dsched.devices import backends
 from dsched.models.j2 import j2_update, loading_strain
 
-__all__ = ["gpu_missing", "run_gpu_benchmarks", "format_gpu_table"]
+__all__ = ["gpu_missing", "run_gpu_benchmarks", "format_gpu_table", "format_gpu_targets"]
 
 SIZES = {  # (full, quick)
     "j2_points": (2_000_000, 200_000), "j2_chunk": (262_144, 65_536),
@@ -511,4 +511,49 @@ def format_gpu_table(results) -> str:
         lines += ["", f"one call of a no-op, 2 chunks of 100 rows (median of {part['calls']}):"]
         for row, us in part["us"].items():
             lines.append(f"  {row:<48}{us:>10,.0f} us")
+    return "\n".join(lines)
+
+
+def _ratio(section, numerator, denominator):
+    """A figure read from a section: ``denominator``'s seconds over ``numerator``'s (above 1: ``numerator`` is
+    faster)."""
+    return lambda results: results[section]["seconds"][denominator] / results[section]["seconds"][numerator]
+
+
+#: The GPU issue's targets: ``(figure, section, how it is read from the section's results, the least it may be)``.
+#: For CPU + GPU against GPU alone the issue asks > 1.0 where the CPU adds throughput, and never below 0.98.
+GPU_TARGETS = [
+    ("J2: dsched.dispatch / one CuPy call with copies", "j2",
+     _ratio("j2", "dsched.dispatch on cuda:0", "CuPy, one call, host -> GPU -> host"), 0.95),
+    ("radret: NEML2Model.dispatch / one NEML2 call with copies", "radret",
+     _ratio("radret", "NEML2Model.dispatch on cuda:0", "torch (NEML2), one call, host -> GPU -> host"), 0.95),
+    ("transfer: dsched.dispatch of x -> x / CuPy, pageable", "transfer",
+     _ratio("transfer", "dsched.dispatch of x -> x on cuda:0", "CuPy, pageable host memory"), 0.8),
+    ("transfer: dsched, shared input and out= / CuPy, page-locked", "transfer",
+     _ratio("transfer", "dsched.dispatch, shared input and out=", "CuPy, page-locked host memory"), 0.8),
+    ("J2: cpu + cuda:0, StaticHybridScheduler / cuda:0 alone", "hybrid",
+     _ratio("hybrid", "cpu + cuda:0, StaticHybridScheduler", "cuda:0 alone"), 0.98),
+    ("J2: cpu + cuda:0, PerformanceModelScheduler (best later run) / cuda:0 alone", "hybrid",
+     _ratio("hybrid", "cpu + cuda:0, PerformanceModelScheduler, best later run", "cuda:0 alone"), 0.98),
+    ("radret: cpu + cuda:0 / cuda:0 alone", "radret",
+     _ratio("radret", HYBRID_ROW, "NEML2Model.dispatch on cuda:0"), 0.98),
+]
+
+
+def format_gpu_targets(results) -> str:
+    """The suite's figures against the GPU issue's targets, as a Markdown table (docs/gpu.md's block)."""
+    lines = ["| figure | this run | target | |", "|---|---|---|---|"]
+    for name, section, read, target in GPU_TARGETS:
+        failed = results.get("failed_sections", {}).get(section)
+        try:
+            value = read(results)
+        except (KeyError, TypeError, ZeroDivisionError):
+            why = f"failed: {failed['error']}" if failed else "not in this run"
+            lines.append(f"| {name} | — | ≥ {target} | not measured ({why}) |")
+            continue
+        lines.append(f"| {name} | {value:.3f} | ≥ {target} | {'met' if value >= target else '**missed**'} |")
+    percall = results.get("percall", {}).get("us", {})
+    if percall:
+        lines.append("| per call on the GPU worker (a no-op, 2 chunks of 100 rows) | "
+                     + ", ".join(f"{row}: {us:,.0f} µs" for row, us in percall.items()) + " | — | |")
     return "\n".join(lines)
