@@ -10,6 +10,9 @@ dashboard but for the row that says so) (``cpu`` and an **emulated**
   What a same-host message costs in Python, with no framework at all;
 - ``dsched.dispatch``: the one-call form on a no-op, inputs and outputs of 2
   x 100 rows through the data plane;
+- ``dsched.dispatch, no lane spin``: the same with ``dsched.lane-spin`` at 0, the run
+  sleeping in ``poll`` at once while it waits for the replies (what the look before
+  sleeping saves: :mod:`dsched.dispatch.steady`);
 - ``WorkDispatcher.run``: the same through one dispatcher kept across calls (its
   runs, like the one-call form's, are replays: :mod:`dsched.dispatch.replay`), with
   the timeline of such a call from its report (:func:`_phases`), and of a
@@ -46,6 +49,7 @@ import statistics
 import time
 from multiprocessing import get_context
 
+import dask
 import numpy as np
 from distributed import Client
 
@@ -128,6 +132,9 @@ def time_dsched(client, calls, warmup) -> dict:
     x = np.zeros((2 * ROWS, 3))
     out = {"dsched.dispatch": median_us(lambda: dsched.dispatch(_echo, x, scheduler=scheduler, client=client),
                                          calls, warmup)}
+    with dask.config.set({"dsched.lane-spin": 0}):  # the run sleeps in poll at once: what the look saves
+        out["dsched.dispatch, no lane spin"] = median_us(
+            lambda: dsched.dispatch(_echo, x, scheduler=scheduler, client=client), calls, warmup)
     from dsched.dataplane.loaders import MappingLoader
 
     dispatcher = dsched.WorkDispatcher(scheduler, lambda work, device: {"x": work["x"]}, join="concat",
