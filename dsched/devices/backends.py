@@ -104,16 +104,17 @@ def torch_device(device=None):
     cuda = _real_cuda(device)
     if cuda is None:
         return torch.device("cpu")
+    device = torch.device("cuda", cuda_local_ordinal(cuda))
     if not _linalg_loaded and torch.cuda.is_available():
-        _load_cuda_linalg(torch)
-    return torch.device("cuda", cuda_local_ordinal(cuda))
+        _load_cuda_linalg(torch, device)
+    return device
 
 
 _linalg_loaded = False  # torch's CUDA linear algebra is loaded in this process
 _linalg_lock = threading.Lock()
 
 
-def _load_cuda_linalg(torch) -> None:
+def _load_cuda_linalg(torch, device) -> None:
     """Load torch's CUDA linear algebra once per process, one thread at a time.
 
     torch loads it lazily, at the first linear-algebra call on a GPU, and two threads making that first call
@@ -123,8 +124,9 @@ def _load_cuda_linalg(torch) -> None:
     global _linalg_loaded
     with _linalg_lock:
         if not _linalg_loaded:
-            torch.linalg.solve(torch.eye(1, device="cuda", dtype=torch.float64),
-                               torch.ones(1, device="cuda", dtype=torch.float64))
+            # on the chunk's own GPU: a call on another would make a CUDA context there
+            torch.linalg.solve(torch.eye(1, device=device, dtype=torch.float64),
+                               torch.ones(1, device=device, dtype=torch.float64))
             _linalg_loaded = True
 
 
@@ -201,9 +203,9 @@ class NumPyBackend(Backend):
         cupy = _cupy_for(cuda)
         with cupy.cuda.Device(cuda_local_ordinal(cuda)):
             if isinstance(x, np.ndarray) and x.ndim and x.flags.c_contiguous and x.dtype.char in _CUPY_TYPES:
-                # One copy, straight from x, on the current stream (the chunk's). cupy.asarray would first copy
-                # x into a page-locked buffer of its own, even where x is page-locked already (dsched's shared
-                # segments are, on a GPU worker): a host memcpy at a few GB/s before every transfer.
+                # One copy, straight from x (synchronous: x may change once this returns). cupy.asarray would
+                # first copy x into a page-locked buffer of its own, even where x is page-locked already
+                # (dsched's shared segments are, on a GPU worker): a host memcpy at a few GB/s per transfer.
                 out = cupy.empty(x.shape, dtype=x.dtype)
                 out.set(x)
                 return out
