@@ -56,3 +56,20 @@ def test_on_the_fast_lanes_of_like_runs_too(client):
     assert REASON in str(caught.value)
     assert workers(client) == before
     np.testing.assert_array_equal(d.run(dsched.MappingLoader({"x": x, "w": 1.0})), 2.0 * x)
+
+
+def test_sealed_work_keeps_a_large_whole_array_out_of_the_blob():
+    """A sealed chunk's large arrays stay out of band, as Dask's own pickling keeps them: no copy per chunk."""
+    import pickle
+
+    from dsched.dataplane.store import SealedWork
+
+    table = np.arange(1_000_000.0)
+    sealed = SealedWork.of({"x": "rows", "table": table})
+    assert len(sealed.blob) < 10_000 and sum(memoryview(b).nbytes for b in sealed.buffers) == table.nbytes
+    frames = []
+    data = pickle.dumps(sealed, protocol=5, buffer_callback=frames.append)  # as Dask sends a task's arguments
+    assert len(data) < 10_000
+    opened = pickle.loads(data, buffers=frames).open()
+    assert opened["x"] == "rows"
+    np.testing.assert_array_equal(opened["table"], table)

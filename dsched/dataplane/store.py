@@ -438,25 +438,28 @@ class SealedWork:
     chunk it held, and leave the run waiting for it. Sealed, it fails its own chunk, with the reason.
     """
 
-    __slots__ = ("blob",)
+    __slots__ = ("blob", "buffers")
 
-    def __init__(self, blob: bytes):
-        self.blob = blob
+    def __init__(self, blob: bytes, buffers=()):
+        self.blob, self.buffers = blob, list(buffers)
 
     @classmethod
     def of(cls, work):
         from distributed.protocol.pickle import dumps  # cloudpickle where plain pickle cannot (a lambda)
 
-        return cls(dumps(work))
+        # Large arrays passed whole stay out of band (pickle protocol 5): Dask's own pickling of the task then
+        # sends their memory as it is, as it did before the work was sealed, instead of a copy in the blob.
+        buffers = []
+        return cls(dumps(work, buffer_callback=buffers.append), buffers)
 
     def __reduce__(self):
-        return SealedWork, (self.blob,)
+        return SealedWork, (self.blob, self.buffers)
 
     def open(self):
         from distributed.protocol.pickle import loads
 
         try:
-            return loads(self.blob)
+            return loads(self.blob, buffers=self.buffers)
         except Exception as err:
             raise RuntimeError(f"the chunk's arguments cannot be loaded on this worker: "
                                f"{type(err).__name__}: {err}".splitlines()[0]) from err
