@@ -262,3 +262,23 @@ def test_a_chunk_failed_before_the_outputs_existed_has_nan_rows_not_a_past_calls
         d.run(SliceGenerator(0, 200))
     output = d.last_run.output
     assert np.isnan(output[:100]).all() and (output[100:] == 1.0).all()
+
+
+@pytest.mark.timeout(30)  # a look that waited out its 60 s with a message there fails here
+def test_look_returns_what_is_ready_and_nothing_once_its_time_is_up():
+    """Both ends of a lane look before they sleep (dsched.lane-spin, dsched.feed-spin): a message already there is
+    found at once, and a look that finds nothing gives up instead of sleeping."""
+    import select
+
+    from dsched.worker.lane import look
+
+    read, write = os.pipe()
+    try:
+        poller = select.poll()
+        poller.register(read, select.POLLIN)
+        assert look(poller, 0.001) == []
+        os.write(write, b"x")
+        assert look(poller, 60.0) == [(read, select.POLLIN)]
+    finally:
+        os.close(read)
+        os.close(write)

@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import atexit
 import collections
-import os
 import queue
 import select
-import time
 
 
 from dsched.checks import setting
@@ -48,7 +46,7 @@ from dsched.dispatch.parking import _park, _running, _state, _take_parked, tell_
 from dsched.names import is_feed_key
 from dsched.observe.dashboard.client import tell_page
 from dsched.worker import lane as wire
-from dsched.worker.lane import Bell
+from dsched.worker.lane import Bell, look
 
 __all__ = ["SteadyPath", "SteadyRun", "steady_path_enabled"]
 
@@ -240,7 +238,7 @@ class SteadyRun:
 
     def _wait(self):
         """Wait for replies (or a notice), and account for what came."""
-        for fd, _ in (self.spin and self._spin()) or self.poller.poll():
+        for fd, _ in (self.spin and look(self.poller, self.spin)) or self.poller.poll():
             if fd == self.bell.waitable.fileno():
                 self.bell.clear()
                 if self.cancellation is not None:
@@ -251,17 +249,6 @@ class SteadyRun:
                 self._receive(feed)
         while not self.notices.empty():
             self._notice(self.notices.get())
-
-    def _spin(self) -> list:
-        """Look for replies for up to ``dsched.lane-spin`` seconds before sleeping in ``poll``: a reply due in a
-        hundred microseconds then finds this thread awake, where waking it would cost about as much again on
-        a virtual machine (``sched_yield`` between looks lets a worker on this core run)."""
-        poll, deadline = self.poller.poll, time.perf_counter() + self.spin
-        while True:
-            ready = poll(0)
-            if ready or time.perf_counter() >= deadline:
-                return ready
-            os.sched_yield()
 
     def _answer(self, feed):
         """``(record, ok, value)`` of the chunk ``feed`` answered, taken from those in flight, its timings and

@@ -32,6 +32,7 @@ from distributed import get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol.serialize import ToPickle
 
+from dsched.checks import setting
 from dsched.names import CHUNK_EVENT_TOPIC, FEED_WORKER_PLUGIN
 from dsched.worker import lane as lanes
 from dsched.worker.chunk import _compute, _initialise
@@ -46,6 +47,8 @@ ENDED = "ended"  # the reply to chunks that rearm a parked feed which had ended:
 # With the dashboard on the scheduler, a feed tells it of each chunk as it starts and ends:
 # (phase "start", "done" or "failed", run id, client id, device, items, worker address, chunk key, start, stop).
 _POLL = 0.05  # seconds between an idle feed's checks that its task is still wanted and nobody waits for it
+#: seconds a feed that just took a fast-lane message looks for the next before it sleeps (``dsched.feed-spin``)
+SPIN = 300e-6
 _WAKE = ("wake",)  # queued for a feed whose worker was given a task: it looks at once whether to give way
 LANE = "lane"  # what Inbox.next tags a message from the feed's fast lane with
 
@@ -74,6 +77,8 @@ class _Inbox:
         self.lane = None  # the client's fast-lane connection (dsched.worker.lane), read by the feed's thread
         self._polled = None  # (lane, select.poll, bell's and lane's descriptors) of the feed's thread (_poller)
         self.kept = KeptPlans()  # the chunks of replayed plans (dsched.worker.kept), the feed's thread's
+        self.spin = float(setting("feed-spin", SPIN))
+        self.hot = False  # its last wait ended with a lane message: the next one looks before it sleeps
         # Rung on every put, so the feed's thread waits on its queue and its lane at once.
         self.bell = lanes.Bell()
 
@@ -90,7 +95,9 @@ class _Inbox:
             return _WAKE
         try:
             poller, bell, lane_fd = self._poller(lane)
-            ready = poller.poll(timeout * 1000)
+            ready = lanes.look(poller, self.spin) if self.hot and self.spin else None  # a call's next, soon
+            self.hot = False
+            ready = ready or poller.poll(timeout * 1000)
         except (OSError, ValueError):  # closed while waiting (the inbox closed)
             return _WAKE
         if any(fd == bell for fd, _ in ready):
@@ -101,7 +108,9 @@ class _Inbox:
                 pass
         if lane is not None and any(fd == lane_fd for fd, _ in ready):
             try:
-                return LANE, lanes.loads(lane.recv_bytes())
+                message = lanes.loads(lane.recv_bytes())
+                self.hot = True
+                return LANE, message
             except (EOFError, OSError):  # the client went away: the feed's task ends by its cancel or stop
                 self.drop_lane(lane)
             except Exception:  # noqa: BLE001  a message this worker cannot load (an argument it cannot unpickle):

@@ -42,7 +42,7 @@ import cloudpickle
 
 from dsched.dataplane.segments import _unlinked
 
-__all__ = ["Bell", "LaneServer", "lane_server", "lane_directory", "dumps", "loads", "sweep_stale_lanes"]
+__all__ = ["Bell", "LaneServer", "lane_server", "lane_directory", "dumps", "loads", "look", "sweep_stale_lanes"]
 
 CHUNKS, STOP, DONE, ENDED = "chunks", "stop", "done", "ended"
 KEEP, AGAIN = "keep", "again"  # a replayed plan's chunks, kept and run; a kept plan run again (dsched.worker.kept)
@@ -65,6 +65,22 @@ def dumps(message) -> bytes:
 
 def loads(data: bytes):
     return pickle.loads(data)
+
+
+def look(poller, seconds: float) -> list:
+    """``poller.poll()``'s ready descriptors, looked for without sleeping for up to ``seconds``; ``[]`` if none came.
+
+    Both ends of a lane look before they sleep in ``poll`` (``dsched.lane-spin`` for a run waiting for its
+    replies, ``dsched.feed-spin`` for a feed waiting for the next call): a message due within a few hundred
+    microseconds then finds its reader awake, where waking a sleeping thread costs about as much again on a
+    virtual machine. ``sched_yield`` between looks lets another thread of this core run.
+    """
+    deadline = time.perf_counter() + seconds
+    while True:
+        ready = poller.poll(0)
+        if ready or time.perf_counter() >= deadline:
+            return ready
+        os.sched_yield()
 
 
 class Bell:
