@@ -47,8 +47,9 @@ ENDED = "ended"  # the reply to chunks that rearm a parked feed which had ended:
 # With the dashboard on the scheduler, a feed tells it of each chunk as it starts and ends:
 # (phase "start", "done" or "failed", run id, client id, device, items, worker address, chunk key, start, stop).
 _POLL = 0.05  # seconds between an idle feed's checks that its task is still wanted and nobody waits for it
-#: seconds a feed that just took a fast-lane message looks for the next before it sleeps (``dsched.feed-spin``)
+#: seconds a feed looks for a short call's next fast-lane message before it sleeps (``dsched.feed-spin``)
 SPIN = 300e-6
+_SHORT_WORK = 1e-3  # seconds: a message whose work took less is a short call's, whose next comes soon
 _WAKE = ("wake",)  # queued for a feed whose worker was given a task: it looks at once whether to give way
 LANE = "lane"  # what Inbox.next tags a message from the feed's fast lane with
 
@@ -78,7 +79,7 @@ class _Inbox:
         self._polled = None  # (lane, select.poll, bell's and lane's descriptors) of the feed's thread (_poller)
         self.kept = KeptPlans()  # the chunks of replayed plans (dsched.worker.kept), the feed's thread's
         self.spin = float(setting("feed-spin", SPIN))
-        self.hot = False  # its last wait ended with a lane message: the next one looks before it sleeps
+        self.taken = None  # time.perf_counter() its last wait ended with a lane message, else None
         # Rung on every put, so the feed's thread waits on its queue and its lane at once.
         self.bell = lanes.Bell()
 
@@ -95,8 +96,8 @@ class _Inbox:
             return _WAKE
         try:
             poller, bell, lane_fd = self._poller(lane)
-            ready = lanes.look(poller, self.spin) if self.hot and self.spin else None  # a call's next, soon
-            self.hot = False
+            ready = lanes.look(poller, self.spin) if self._soon() else None
+            self.taken = None
             ready = ready or poller.poll(timeout * 1000)
         except (OSError, ValueError):  # closed while waiting (the inbox closed)
             return _WAKE
@@ -109,7 +110,7 @@ class _Inbox:
         if lane is not None and any(fd == lane_fd for fd, _ in ready):
             try:
                 message = lanes.loads(lane.recv_bytes())
-                self.hot = True
+                self.taken = time.perf_counter()
                 return LANE, message
             except (EOFError, OSError):  # the client went away: the feed's task ends by its cancel or stop
                 self.drop_lane(lane)
@@ -118,6 +119,11 @@ class _Inbox:
                 # work fails each chunk with the reason (dsched.dataplane.store.SealedWork)
                 self.drop_lane(lane)
         return _WAKE
+
+    def _soon(self) -> bool:
+        """Whether the next message is likely within ``dsched.feed-spin``: the last one came over the lane and
+        its work took under a millisecond (a solver's short calls; long chunks leave the core to others)."""
+        return bool(self.spin) and self.taken is not None and time.perf_counter() - self.taken < _SHORT_WORK
 
     def _poller(self, lane):
         """``(poll, bell's descriptor, lane's descriptor)``: the feed's thread's poll over its bell and ``lane``,

@@ -71,7 +71,7 @@ def look(poller, seconds: float) -> list:
     """``poller.poll()``'s ready descriptors, looked for without sleeping for up to ``seconds``; ``[]`` if none came.
 
     Both ends of a lane look before they sleep in ``poll`` (``dsched.lane-spin`` for a run waiting for its
-    replies, ``dsched.feed-spin`` for a feed waiting for the next call): a message due within a few hundred
+    replies, ``dsched.feed-spin`` for a feed waiting for a short call's next): a message due within a few hundred
     microseconds then finds its reader awake, where waking a sleeping thread costs about as much again on a
     virtual machine. ``sched_yield`` between looks lets another thread of this core run.
     """
