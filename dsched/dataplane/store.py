@@ -474,8 +474,8 @@ def resolve_work(work, pinned=False):
 
 
 def _shareable(array) -> bool:
-    return (isinstance(array, np.ndarray) and not array.dtype.hasobject) or _torch_cpu(array) or _neml2_cpu(array) \
-        or in_gpu_memory(array)
+    return (isinstance(array, np.ndarray) and not array.dtype.hasobject) or _torch_on(array, "cpu") \
+        or _neml2_on(array, "cpu") or in_gpu_memory(array)
 
 
 def in_gpu_memory(array) -> bool:
@@ -485,25 +485,21 @@ def in_gpu_memory(array) -> bool:
     real GPU machine sees no GPU): its chunks go as rows of one host copy, like a host array's, and each GPU
     chunk copies its rows to its own device.
     """
-    backend = backends.backend_of(array, strict=False)
-    if backend is backends.CUPY:
-        return True
-    if backend is backends.TORCH:
-        return type(array).__name__ == "Tensor" and array.device.type == "cuda"
-    if backend is backends.NEML2:
-        return getattr(array, "k_ndim", 0) == 0 and array.data.device.type == "cuda"
-    return False
+    return backends.backend_of(array, strict=False) is backends.CUPY or _torch_on(array, "cuda") \
+        or _neml2_on(array, "cuda")
 
 
-def _torch_cpu(array) -> bool:
+def _torch_on(array, kind: str) -> bool:
+    """A torch tensor (not a subclass, such as a ``Parameter``) on a device of ``kind`` (``"cpu"``, ``"cuda"``)."""
     return type(array).__module__.partition(".")[0] == "torch" and getattr(array, "device", None) is not None \
-        and array.device.type == "cpu" and type(array).__name__ == "Tensor"
+        and array.device.type == kind and type(array).__name__ == "Tensor"
 
 
-def _neml2_cpu(array) -> bool:
-    """A NEML2 typed tensor (or dynamic-base Tensor) on the CPU whose batch axes lead its data (no K axes)."""
+def _neml2_on(array, kind: str) -> bool:
+    """A NEML2 typed tensor (or dynamic-base Tensor) on a device of ``kind`` whose batch axes lead its data (no K
+    axes)."""
     return type(array).__module__.partition(".")[0] == "neml2" and backends.backend_of(array, strict=False) \
-        is backends.NEML2 and _torch_cpu(array.data) and getattr(array, "k_ndim", 0) == 0
+        is backends.NEML2 and _torch_on(array.data, kind) and getattr(array, "k_ndim", 0) == 0
 
 
 def _host_and_template(array, axis):

@@ -45,12 +45,12 @@ from dsched.dataplane.rundata import RunData, check_out
 from dsched.dataplane.segments import kept_until_released
 from dsched.dataplane.store import RunStore, find_shared, share_generator
 from dsched.devices.ownership import cluster_generation, forget_cluster_info, has_dashboard
-from dsched.dispatch.steady import SteadyRun
+from dsched.dispatch.steady import SteadyRun, plan_key
 from dsched.observe.collect import open_collectors
 from dsched.observe.report import ChunkRecord, RunReport
 from dsched.worker import lane as wire
 
-__all__ = ["ReplayPlan", "replay_enabled", "plan_key", "MISS"]
+__all__ = ["ReplayPlan", "replay_enabled", "MISS"]
 
 MISS = object()  # what run_replay returns when the call cannot be a replay: the dispatcher runs it the usual way
 BLOBS_KEPT = 8  # output targets kept pickled per plan (the segment pool lends a few in turn)
@@ -365,12 +365,6 @@ class ReplayRun(SteadyRun):
 
     def _give_back(self, record):
         """A replay took no load from the policy: nothing to give back."""
-
-
-def plan_key(scheduler):
-    """The policy's :meth:`~dsched.schedulers.base.WorkScheduler.plan_key`; ``None`` for a policy without one."""
-    key = getattr(scheduler, "plan_key", None)
-    return None if key is None else key()
 
 
 def _nothing(*args):

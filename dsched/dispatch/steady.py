@@ -48,7 +48,7 @@ from dsched.observe.dashboard.client import tell_page
 from dsched.worker import lane as wire
 from dsched.worker.lane import Bell, look
 
-__all__ = ["SteadyPath", "SteadyRun", "steady_path_enabled"]
+__all__ = ["SteadyPath", "SteadyRun", "plan_key", "steady_path_enabled"]
 
 #: seconds a waiting run looks for replies before it sleeps (Dask config ``dsched.lane-spin``; 0: it sleeps at once)
 SPIN = 200e-6
@@ -150,8 +150,7 @@ class SteadyRun:
         self.failed = False
         self.sent = []  # (device, feed, offset, items) of each chunk, in the order sent: what a replay repeats
         self.overlapped = False  # a chunk was answered before the policy had cut the whole batch
-        key = getattr(scheduler, "plan_key", None)
-        self.plan_key = None if key is None or next_chunk is None else key()  # what a replay of this run needs
+        self.plan_key = None if next_chunk is None else plan_key(scheduler)  # what a replay of this run needs
         self.notices = queue.SimpleQueue()  # from the event loop: feed tasks that ended, workers that left
         self.bell, self.poller, self.by_fd = self._waiting(feeds)
         for fs in feeds.values():
@@ -367,6 +366,12 @@ class SteadyRun:
             kept = [(r, v) for r, v in zip(self.report.records, self.report.results) if r.index not in lost]
             self.report.records[:] = [r for r, _ in kept]
             self.report.results[:] = [v for _, v in kept]
+
+
+def plan_key(scheduler):
+    """The policy's :meth:`~dsched.schedulers.base.WorkScheduler.plan_key`; ``None`` for a policy without one."""
+    key = getattr(scheduler, "plan_key", None)
+    return None if key is None else key()
 
 
 def inputs_signature(generator):
