@@ -150,12 +150,12 @@ class Batch:
             raise ValueError(f"fn: expected a callable, got {fn!r}")
         reads, writes, outputs = (_names(v, n) for v, n in ((reads, "reads"), (writes, "writes"),
                                                              (outputs, "outputs")))
-        known = set(self.fields)
+        knows = self._backend.knows
         for field_name, names in (("reads", reads), ("writes", writes)):
             for name in names:
-                if name not in known:
+                if not knows(name):
                     raise ValueError(f"{field_name}: no field {name!r} in this batch "
-                                     f"(fields: {', '.join(sorted(known))})")
+                                     f"(fields: {', '.join(self.fields)})")
         written = tuple(dict.fromkeys(writes + outputs))
         if not written and not out:
             raise ValueError("writes: an update must write at least one field or out= array "
@@ -248,7 +248,7 @@ class Batch:
     # --- checks --------------------------------------------------------------------
 
     def _check_field(self, field):
-        if field not in self.fields:
+        if not self._backend.knows(field):
             raise ValueError(f"field: no field {field!r} in this batch (fields: {', '.join(self.fields)})")
 
     def _check_open(self):

@@ -147,6 +147,10 @@ class HostBatch:
     def fields(self) -> list:
         return sorted(self._names)
 
+    def knows(self, field) -> bool:
+        """Whether ``field`` is a field, or will be once the updates pushed ran."""
+        return field in self._names
+
     # --- operations, in program order ------------------------------------------------
 
     def update(self, spec, arrays, axis, out) -> HostUpdate:
@@ -286,8 +290,9 @@ class HostBatch:
         args = [self._rows[start:], *(a[start:] for a in reads), *(a[rows] for a in inputs.values()),
                 *(a[start:] for a in outs.values())]
         axes = (0,) * (1 + len(reads)) + (axis,) * len(inputs) + (0,) * len(outs)
-        out = None if targets is None else ({f: t[start:] for f, t in targets.items()},
-                                            {n: o[start:] for n, o in outs.items()})
+        # In place, the results come flat (ChunkUpdate): one array alone is written by dispatch's shortest path.
+        out = None if targets is None else _flat([t[start:] for t in targets.values()] +
+                                                 [o[start:] for o in outs.values()])
         return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
                         out=out, host_arrays=True)
 
@@ -446,6 +451,11 @@ def _without_run_notes(errors) -> list:
 
 def _nothing(job):
     del job
+
+
+def _flat(arrays):
+    """An in-place update's ``out``, as :class:`ChunkUpdate` returns its results: one array, or a tuple of them."""
+    return arrays[0] if len(arrays) == 1 else tuple(arrays)
 
 
 class _ChunkPartial:

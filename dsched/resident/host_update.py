@@ -8,8 +8,10 @@ every array is split into the batch's chunks, and each chunk's rows reach
 both read and written writable with ``inplace``, the update's ``out`` rows
 writable), checks what ``fn`` returned with the same messages
 (:func:`~dsched.resident.tasks.checked_result`), and returns
-``(fields written, out rows)``, which dispatch writes in place: into the spare
-arrays of the fields written and the caller's ``out`` arrays. What it raises
+the fields written and the out rows, which dispatch writes in place: into the
+spare arrays of the fields written and the caller's ``out`` arrays (flat, in that
+order: one array alone takes dispatch's shortest path; while the layouts are
+learned, ``(fields, out rows)`` by name, for dispatch to make the arrays). What it raises
 names the batch's chunk (an attribute, and a note), so the batch knows which
 chunks failed.
 
@@ -88,12 +90,19 @@ class ChunkUpdate:
         fields = {field: _to_host(value) for field, value in checked_result(spec, chunk, result).items()}
         if self.layouts is not None:
             for field, value in fields.items():
-                found, kept = layout_of(value), self.layouts[field]
+                kept = self.layouts[field]
+                if value.shape[1:] == kept[0] and value.dtype.str == kept[1]:
+                    continue
+                found = layout_of(value)
                 if found != kept:
                     raise LayoutChanged(f"update {spec.label!r}: {chunk}: field {field!r} has items of shape "
                                         f"{found[0]} and dtype {np.dtype(found[1])}; the field's are {kept[0]}, "
                                         f"{np.dtype(kept[1])}")
-        return fields, outs
+        if self.layouts is None:  # learning the layouts: dispatch makes the arrays, by name
+            return fields, outs
+        # In place: the fields written, then the out rows, flat, as the batch's out= lists them.
+        values = [fields[field] for field in spec.writes] + [outs[name] for name in self.outs]
+        return values[0] if len(values) == 1 else tuple(values)
 
     def _chunk(self, rows):
         """The batch's chunk whose rows these are (``rows``: each item's chunk index)."""

@@ -12,17 +12,30 @@ as :meth:`dsched.DispatchFuture.cancel` does).
 A caller that waits for a job the queue's thread has not started runs it itself
 (:meth:`JobQueue.help`): a solver's ``update`` then ``get`` costs one call, with no
 hand-off to another thread and back.
+
+Nor a wake-up of the queue's thread. On a busy node, waking a thread that then
+finds nothing to do costs as much as the step itself (it takes a core from the
+caller and the workers). So once a caller came for a job within
+:data:`HAND_OFF_SECONDS` of its push, the queue takes its caller for a solver: a
+push no longer wakes the thread, which looks every :data:`HAND_OFF_SECONDS` and runs
+only a job no caller came for in that time. A job that waited so (an update
+overlapped with the caller's own work) puts the queue back to waking its thread on
+every push: an overlapped update starts late at most once, by that much.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import time
 from concurrent.futures import CancelledError
 
 from dsched.dispatch.completion import Cancellation, cancellable
 
-__all__ = ["Job", "JobQueue"]
+__all__ = ["Job", "JobQueue", "HAND_OFF_SECONDS"]
+
+HAND_OFF_SECONDS = 0.002  # a solver's queue: how long a pushed job waits for its caller before the thread runs it
+IDLE_LOOKS = 25  # looks of a solver's queue's thread with no push between, before it sleeps until the next push
 
 
 class Job:
@@ -37,6 +50,8 @@ class Job:
         self.label, self.reads, self.writes, self.work = label, tuple(reads), tuple(writes), work
         self.error = None
         self.reported = False
+        self.pushed = 0.0  # time.monotonic() of its push
+        self.awaited = False  # a caller came for it within HAND_OFF_SECONDS of its push
         self.cancellation = Cancellation()
         self._ended = threading.Event()
 
@@ -82,20 +97,29 @@ class JobQueue:
         self._cond = threading.Condition()
         self._thread = None
         self._stopped = False
+        self._solver = False  # the last job's caller came for it at once: pushes leave the thread be
+        self._pushes = 0
+        self._asleep = False  # the thread waits for a push with no time limit: the next push must wake it
 
     def push(self, job):
         with self._cond:
             if self._stopped:
                 raise RuntimeError("this Batch is closed")
+            job.pushed = time.monotonic()
             self._pending.append(job)
+            self._pushes += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
                 self._thread.start()
-            self._cond.notify_all()
+            if self._asleep or not self._solver:  # a solver's queue: its thread looks by itself (module docs)
+                self._asleep = False  # woken now, whenever it next runs
+                self._cond.notify_all()
 
     def help(self, job):
         """Until ``job`` has ended: run on this thread the jobs up to it that no thread has started, in order;
         wait for those another thread runs."""
+        if not job.awaited and time.monotonic() - job.pushed < HAND_OFF_SECONDS:
+            job.awaited = True
         while not job.done:
             head = self._claim(until=job)
             if head is None:
@@ -130,18 +154,42 @@ class JobQueue:
         with self._cond:
             self._pending.popleft()
             self._running = None
-            self._cond.notify_all()
+            self._solver = job.awaited
+            if self._pending:  # the next one may be the thread's to run
+                self._cond.notify_all()
 
     def _serve(self):
         while True:
             with self._cond:
-                while self._running is not None or not self._pending:
-                    if self._stopped and not self._pending:
-                        return
-                    self._cond.wait()
-                job = self._running = self._pending[0]
+                job = self._next_for_thread()
+                if job is None:
+                    return
             try:
                 job.run()
             finally:
                 self._release(job)
                 job = None  # an idle lane keeps no job (nor its arrays) alive
+
+    def _next_for_thread(self):
+        """(Under the lock) the job the thread runs next, once there is one for it; ``None`` once stopped and
+        done. A solver's queue leaves each job to its caller for :data:`HAND_OFF_SECONDS`."""
+        idle, pushes = 0, self._pushes
+        while True:
+            if pushes != self._pushes:
+                idle, pushes = 0, self._pushes
+            if self._running is None and self._pending:
+                head = self._pending[0]
+                wait = 0.0 if self._stopped or not self._solver else head.pushed + HAND_OFF_SECONDS - time.monotonic()
+                if wait <= 0:
+                    self._running = head
+                    return head
+                self._cond.wait(wait)
+            elif self._stopped and not self._pending:
+                return None
+            elif self._solver and idle < IDLE_LOOKS:  # a solver between steps: look again soon, unasked
+                idle += 1
+                self._cond.wait(HAND_OFF_SECONDS)
+            else:
+                self._asleep = True
+                self._cond.wait()
+                self._asleep = False

@@ -130,6 +130,10 @@ class TaskBatch:
     def fields(self) -> list:
         return sorted({field for field, _ in self._vars})
 
+    def knows(self, field) -> bool:
+        """Whether ``field`` is a field, or will be once the updates pushed ran (every field has a chunk 0)."""
+        return (field, 0) in self._vars
+
     def update(self, spec, arrays, axis, out) -> Update:
         """:meth:`dsched.Batch.update`: ``spec`` (fn, label, reads, writes and outputs, inplace, kwargs) checked,
         ``arrays`` its own inputs along ``axis``, ``out`` its out= arrays."""

@@ -161,9 +161,13 @@ def _update(spec, chunk, versions, inputs=None, out=None):
 def checked_result(spec, chunk, result) -> dict:
     """What an update's ``fn`` returned on ``chunk``: ``{field: value}`` of the fields it writes, each with the
     chunk's items along axis 0; a :class:`ChunkResultError` naming the update, the chunk and the field otherwise."""
-    where = f"update {spec.label!r}: {chunk}"
     if result is None and not spec.writes:  # it wrote only into its out= rows
         result = {}
+    if type(result) is dict and len(result) == len(spec.writes) and all(
+            type(result.get(f)) is np.ndarray and result[f].ndim and len(result[f]) == chunk.size
+            for f in spec.writes):
+        return result if tuple(result) == spec.writes else {field: result[field] for field in spec.writes}
+    where = f"update {spec.label!r}: {chunk}"  # the checks one by one, for the message
     if not isinstance(result, dict):
         raise ChunkResultError(f"{where} returned {type(result).__name__}; expected a dict of the fields it "
                                f"writes ({', '.join(spec.writes)})")
@@ -185,6 +189,8 @@ def checked_result(spec, chunk, result) -> dict:
 
 def _to_host(array) -> np.ndarray:
     """A version in host memory, as NumPy (CuPy, torch and NEML2 tensors alike)."""
+    if type(array) is np.ndarray:  # the usual case, without asking every backend
+        return array
     if backends.backend_of(array, strict=False) is None:
         return np.asarray(array)
     return backends.host_view(backends.to_host(array))
