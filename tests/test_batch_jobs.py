@@ -68,7 +68,7 @@ def test_an_update_no_caller_comes_for_still_runs_and_the_queue_wakes_its_thread
     queue, ran = solver_queue
     overlapped = _job("overlapped", ran)
     queue.push(overlapped)
-    overlapped._ended.wait(10)  # a bound on a hang: the thread takes it within HAND_OFF_SECONDS
+    assert overlapped.wait(10)  # a bound on a hang: the thread takes it within HAND_OFF_SECONDS
     assert overlapped.done and ran[-1] == ("overlapped", "test-batch")
     assert not queue._solver
     notified = queue._cond.notified
@@ -82,7 +82,7 @@ def test_jobs_run_in_push_order_whoever_runs_them(solver_queue):
     for job in jobs:
         queue.push(job)
     queue.help(jobs[2])  # runs u0..u2 here (or waits for the one the thread took)
-    jobs[4]._ended.wait(10)
+    assert jobs[4].wait(10)
     assert [label for label, _ in ran[1:]] == ["u0", "u1", "u2", "u3", "u4"]
 
 

@@ -53,15 +53,20 @@ class Job:
         self.pushed = 0.0  # time.monotonic() of its push
         self.awaited = False  # a caller came for it within HAND_OFF_SECONDS of its push
         self.cancellation = Cancellation()
-        self._ended = threading.Event()
+        self._ended = threading.Lock()  # held until the job has ended (cheaper to make than an Event, per step)
+        self._ended.acquire()
 
     @property
     def done(self) -> bool:
-        return self._ended.is_set()
+        return not self._ended.locked()
 
-    def wait(self):
-        """Wait until the job has ended (a Ctrl-C interrupts the wait, not the job)."""
-        self._ended.wait()
+    def wait(self, timeout=None) -> bool:
+        """Wait until the job has ended, at most ``timeout`` seconds (a Ctrl-C interrupts the wait, not the job);
+        whether it has."""
+        if not self._ended.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        self._ended.release()
+        return True
 
     def cancel(self):
         """A job not started never runs; a running one stops its dispatch where it waits next."""
@@ -79,7 +84,7 @@ class Job:
             raise
         finally:
             self.work = None  # the update's inputs and out arrays are not kept once it ran
-            self._ended.set()
+            self._ended.release()
 
     def __repr__(self):
         state = "failed" if self.error is not None else "done" if self.done else "pending"
