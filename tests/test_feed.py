@@ -493,3 +493,26 @@ def test_a_park_that_comes_before_its_feed_started_ends_the_feed_as_it_starts():
     inbox = _inbox(feed, create=False)
     assert inbox is not None and inbox.closed and "retired" in str(inbox.error)
     assert not inbox.rearm(object(), 2)  # a run that takes it finds it ended, and starts a new feed
+
+
+def test_send_now_sends_new_tasks_without_waiting_for_the_clients_batch_window(client):
+    """A run's new feed tasks go to the scheduler at once: here the client's window is made to last an hour, so
+    the task below reaches the scheduler only because send_now sends it."""
+    import threading
+
+    from dsched.dispatch.completion import send_now
+
+    stream, held = client.scheduler_comm, threading.Event()
+
+    def hold_for_an_hour():
+        stream.next_deadline = time.time() + 3600
+        held.set()
+
+    client.loop.add_callback(hold_for_an_hour)
+    assert held.wait(10)
+    try:
+        future = client.submit(int, "7", pure=False)
+        send_now(client)
+        assert future.result(timeout=60) == 7
+    finally:
+        send_now(client)  # the window as Dask keeps it

@@ -37,8 +37,8 @@ client starts a successor task on that inbox, which queues behind the
 others. Without contention a feed lives as long as its run.
 
 A solver calls again and again, and a feed's task takes a scheduler round
-trip to start (about 10 ms here, a quarter of a 100,000-point call). So when
-a run ends without the dashboard, its feeds are *parked* rather than stopped:
+trip to start (about 10 ms here, a quarter of a 100,000-point call, though sent at once: ``send_now``).
+So when a run ends without the dashboard, its feeds are *parked* rather than stopped:
 each waits on its worker, holding its thread and its share of the device,
 for ``dsched.feed-linger`` seconds (2 by default; 0 stops them at once). The
 client's next run from the same thread, of any dispatcher, takes them: its
@@ -48,14 +48,13 @@ is up. A feed with a fast lane is told it is parked only after
 ``dsched.feed-park-delay`` seconds (0.25 by default) without a next run: a
 solver's next call usually comes sooner and takes it on, so a call pays no park
 message and its worker no wake-up for one. One that had ended unnoticed
-refuses those chunks, and the run sends
-them to a new feed on that worker; one whose worker is gone fails them, and
-they run again as tasks while the run starts feeds where the device is now.
+refuses those chunks, and the run sends them to a new feed on that worker; one
+whose worker is gone fails them, and they run again as tasks while the run
+starts feeds where the device is now.
 
-The worker side (:mod:`dsched.worker.feed`) is a handler installed by
-:class:`FeedPlugin`, registered by the dispatcher on first use. This module
-is the client's side: a run's :class:`Feeds`, and the parked feeds kept
-between runs (:func:`release_parked`).
+The worker side (:mod:`dsched.worker.feed`) is a handler installed by :class:`FeedPlugin`, registered by
+the dispatcher on first use. This module is the client's side: a run's :class:`Feeds`, and the parked feeds
+kept between runs (:func:`release_parked`).
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ from distributed.protocol.serialize import ToPickle
 from dsched.dataplane.store import classify_workers
 from dsched.devices.device import device_resource, placement_device
 from dsched.devices.ownership import device_owners
-from dsched.dispatch.completion import ask_worker, notify_when_done, until_done, watch_worker
+from dsched.dispatch.completion import ask_worker, notify_when_done, send_now, until_done, watch_worker
 from dsched.dispatch.lanes import FastLanes, lanes_enabled, open_lane
 from dsched.dispatch.parking import (
     ANSWER_WAIT,
@@ -425,20 +424,21 @@ class Feeds(FastLanes):
         Each feed holds its share of the worker's device resource, so that feeds
         keep the bound a worker's capacity sets on the items it runs at once.
         """
+        started = False
         for device, addresses in wanted.items():
             opened = self._lanes(device, addresses)
-            # Known to the run before anything can fail: an interrupted run cancels them (a rearmed feed
-            # would otherwise wait for chunks that never come).
-            self._feeds[device].extend(opened)
+            self._feeds[device].extend(opened)  # known before anything can fail: an interrupted run cancels them
             for feed in opened:
                 if feed.future is None:
                     self._submit(feed, feed.id)
+                    started = True
                     if self._fast_lane:  # opened after the task is on its way: its start and this overlap
                         feed.lane = open_lane(self.client, feed.address, feed.id)
                 else:  # parked: the run's program goes with its first chunks; no round trip before them
                     # Its task's notices come to this run from now on: one that retires gets its successor.
                     self._by_key[feed.future.key], feed.owner, feed.rearm = feed, self, True
-        # After the tasks: a subscription first would hold them back (tasks.py).
+        if started:  # new tasks: not held for the client's batch window (nor behind the subscriptions below)
+            send_now(self.client)
         for address in {a for addresses in wanted.values() for a in addresses}:
             watch_worker(self.client, address, _worker_left)
 

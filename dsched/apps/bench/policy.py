@@ -14,8 +14,11 @@ of the repeats reported:
   :class:`StaticHybridScheduler` (batch sizes proportional to speed, two
   chunks of capacity) and :class:`PerformanceModelScheduler` (its models
   calibrated by an earlier run). Efficiency is items/s over
-  ``sum_d b_d / (t0 + b_d / r_d)`` for the full-size chunks ``b_d`` of
-  those durations;
+  ``sum_d b_d / (t0 + b_d / r_d)``, every device busy back to back on the
+  way's own chunks ``b_d``: ``rate x duration`` for the first three (each
+  chunk then takes ``t0`` longer), and for the policy the median of the
+  chunks it ran (its model sizes them to take those durations ``t0``
+  included, so about 10 % smaller at 10 ms);
 - ``fast``: a CPU at 10k items/s beside a CUDA device 150 times faster:
   the fast device alone (a :class:`SimpleScheduler`), both under
   StaticHybridScheduler, both under the new policy; the ratio of each wall
@@ -69,9 +72,10 @@ def _speeds(devices):
     return {d.device: (d.t0, d.rate) for d in devices}
 
 
-def _dispatch(client, scheduler, devices, total):
-    """One run of ``total`` items under ``scheduler``: (wall seconds, {device: items})."""
-    return timed_dispatch(client, scheduler, _DoWork(_speeds(devices)), total)
+def _dispatch(client, scheduler, devices, total, chunk_sizes=None):
+    """One run of ``total`` items under ``scheduler``: (wall seconds, {device: items}); ``chunk_sizes`` as
+    :func:`timed_dispatch` fills it."""
+    return timed_dispatch(client, scheduler, _DoWork(_speeds(devices)), total, chunk_sizes)
 
 
 def _static(devices, sizes):
@@ -93,16 +97,21 @@ def _hybrid(client, devices, chunk_seconds, total, repeats, map_chunks, profile_
     map_chunk = -(-total // map_chunks)
     speeds = _speeds(devices)
     _calibrate(client, devices, chunk_seconds, total, profile_dir)
+    policy_chunks = []  # the policy's median chunk per device, per run: its own chunks take chunk_seconds, t0 included
     ways = {
         "client.map": (lambda: _run_client_map(client, devices, total, map_chunk, speeds), [map_chunk] * len(devices)),
         "threads": (lambda: _run_threads(client, devices, total, sizes, speeds), sizes),
         "StaticHybridScheduler": (lambda: _dispatch(client, _static(devices, sizes), devices, total), sizes),
         "PerformanceModelScheduler": (
-            lambda: _dispatch(client, _policy(devices, chunk_seconds, profile_dir, client), devices, total), sizes),
+            lambda: _dispatch(client, _policy(devices, chunk_seconds, profile_dir, client), devices, total,
+                              policy_chunks), None),
     }
     rows = _interleave(client, ways, repeats)
     for name, row in rows.items():
-        row["ideal_items_per_s"] = ideal_items_per_s(devices, ways[name][1])
+        own = ways[name][1] or [round(statistics.median(run.get(d.device, 0) for run in policy_chunks))
+                                for d in devices]
+        row["ideal_chunk_sizes"] = list(own)
+        row["ideal_items_per_s"] = ideal_items_per_s(devices, own)
         row["items_per_s"] = total / row["wall_s"]
         row["efficiency"] = row["items_per_s"] / row["ideal_items_per_s"]
         row["efficiency_all"] = [total / w / row["ideal_items_per_s"] for w in row["wall_s_all"]]
@@ -240,6 +249,12 @@ def format_policy_table(results) -> str:
         secs = ", ".join(f"{d} {s * 1e3:g} ms" for d, s in block["chunk_seconds"].items())
         lines += ["", f"hybrid: cpu 200k items/s, cuda:0 and cuda:1 1M items/s; chunks {secs}"]
         lines += _rows_table(block["rows"], "efficiency", "efficiency")
+        policy = block["rows"]["PerformanceModelScheduler"].get("ideal_chunk_sizes")
+        if policy:  # (results written before each way's ideal had its own chunks have none)
+            sizes = ", ".join(f"{n:,}" for n in policy)
+            lines.append(f"efficiency: of every device busy back to back on the way's own chunks: rate x duration "
+                         f"({', '.join(f'{n:,}' for n in block['batch_sizes'])}), or for the policy the median "
+                         f"of its chunks, sized by its model to take the durations t0 included ({sizes})")
     fast = results["fast"]
     lines += ["", f"fast pair: cpu 10k items/s beside {fast['fast_device']} 1.5M items/s (150x); 20 ms chunks"]
     lines += _rows_table(fast["rows"], "vs alone", "vs_alone")

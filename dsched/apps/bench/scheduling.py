@@ -181,16 +181,22 @@ def _run_dsched(client, devices, total, batch_sizes, speeds):
     return timed_dispatch(client, scheduler, _emulated_do_work(speeds), total)
 
 
-def timed_dispatch(client, scheduler, do_work, total):
-    """One async run of ``total`` items of ``do_work`` (counting its items): (wall seconds, {device: items})."""
+def timed_dispatch(client, scheduler, do_work, total, chunk_sizes=None):
+    """One async run of ``total`` items of ``do_work`` (counting its items): (wall seconds, {device: items}).
+
+    ``chunk_sizes``: a list, given ``{device: its median chunk size}`` of the run.
+    """
     dispatcher = WorkDispatcher(scheduler, do_work, reduce=sum, client=client)
     start = time.perf_counter()
     done = dispatcher.run(SliceGenerator(0, total))
     wall = time.perf_counter() - start
     assert done == total, (done, total)
-    per_device = {}
+    per_device, sizes = {}, {}
     for r in dispatcher.last_run.records:
         per_device[str(r.device)] = per_device.get(str(r.device), 0) + r.size
+        sizes.setdefault(str(r.device), []).append(r.size)
+    if chunk_sizes is not None:
+        chunk_sizes.append({device: statistics.median(n) for device, n in sizes.items()})
     return wall, per_device
 
 
