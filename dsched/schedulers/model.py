@@ -56,6 +56,7 @@ __all__ = ["PerformanceModelScheduler"]
 
 MAX_PLAN_CHUNKS = 1_000_000  # dsched.array's bound on a plan
 _SAVING: list = []  # threads writing cost files: a scheduler reading them waits for these first
+SAVE_DELAY = 0.05  # seconds a run's cost files wait: the run ends and returns first (the write would slow it)
 
 
 def wait_for_saves() -> None:
@@ -369,8 +370,10 @@ class PerformanceModelScheduler(WorkScheduler):
         if not self._remaining and all(lane.load == 0 for lane in self._lanes.values()) and \
                 (not self._hooked or not any(lane.pending for lane in self._lanes.values())):
             self._dirty = False
-            # Off the dispatcher's thread: the run's last completion should not wait for a file.
-            saving = threading.Thread(target=self.save_costs, name="dsched-save-costs")
+            # Off the dispatcher's thread, and after the run has returned: its end should not wait for a file,
+            # nor share the interpreter with one being written.
+            saving = threading.Timer(SAVE_DELAY, self.save_costs)
+            saving.name = "dsched-save-costs"
             _SAVING.append(saving)
             saving.start()
 
