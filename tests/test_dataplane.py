@@ -524,3 +524,16 @@ def test_a_model_that_takes_out_computes_straight_into_the_output_rows(process_c
     rows = {k: np.empty_like(v) for k, v in reference.items()}
     got = j2_update(*inputs, out=rows)
     assert all(got[k] is rows[k] and np.array_equal(got[k], reference[k]) for k in reference)
+
+
+def test_an_array_found_in_shared_memory_is_not_found_once_its_segment_is_freed():
+    """The same array passed call after call is looked up once; freeing its segment forgets where it lay."""
+    from dsched.dataplane.segments import free_shared, shared_empty
+    from dsched.dataplane.store import find_shared
+
+    array = shared_empty((100, 3), np.float64)
+    first = find_shared(array)
+    again = find_shared(array)
+    assert first is not None and again == first and find_shared(array[10:]).offset == 10 * 3 * 8
+    assert free_shared(array)
+    assert find_shared(array) is None

@@ -435,12 +435,17 @@ def record_semaphores(owner, names):
 _user_segments: dict = {}
 _releasers: dict = {}  # token -> what unlinks the segment under a user's arrays now (free_shared)
 _user_lock = threading.RLock()  # re-entrant: a lease's end (a finalizer) may run in a collection under it
+# Arrays found in those segments, id -> (a weak reference to the array, its (token, offset)), while no segment is
+# noted or forgotten: a solver passes the same arrays call after call (a batch's fields).
+_found: dict = {}
+FOUND_KEPT = 64
 
 
 def note_user_segment(token, address, size):
     """Arrays over the segment ``token`` (mapped at ``address``, ``size`` bytes) are the user's from now on."""
     with _user_lock:
         _user_segments[token] = (address, max(int(size), 1))
+        _found.clear()
 
 
 def forget_user_segment(token):
@@ -448,6 +453,7 @@ def forget_user_segment(token):
     with _user_lock:
         _user_segments.pop(token, None)
         _releasers.pop(token, None)
+        _found.clear()
 
 
 def on_free(token, release):
@@ -529,9 +535,15 @@ def _release_user_segment(token, path):
 
 def _shared_location(array):
     """``(token, offset)`` of ``array``'s bytes in one of this process's :func:`shared_empty` segments, or ``None``."""
+    seen = _found.get(id(array))
+    if seen is not None and seen[0]() is array:
+        return seen[1]
     start = array.__array_interface__["data"][0]
     with _user_lock:
         for token, (address, size) in list(_user_segments.items()):  # a finalizer may forget one meanwhile
             if address <= start and start + array.nbytes <= address + size:
+                if len(_found) >= FOUND_KEPT:
+                    _found.clear()
+                _found[id(array)] = (weakref.ref(array), (token, start - address))
                 return token, start - address
     return None

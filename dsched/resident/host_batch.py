@@ -287,12 +287,12 @@ class HostBatch:
     def _dispatch(self, program, start, reads, inputs, axis, outs, targets):
         """``dispatch`` of ``program`` over items ``start:``; with ``targets`` (else the arrays it makes) as ``out``."""
         rows = (slice(None),) * axis + (slice(start, None),)
-        args = [self._rows[start:], *(a[start:] for a in reads), *(a[rows] for a in inputs.values()),
-                *(a[start:] for a in outs.values())]
+        part = _whole if start == 0 else lambda a: a[start:]  # the same arrays each step: found where they lie once
+        args = [part(self._rows), *map(part, reads), *((a if start == 0 else a[rows]) for a in inputs.values()),
+                *map(part, outs.values())]
         axes = (0,) * (1 + len(reads)) + (axis,) * len(inputs) + (0,) * len(outs)
         # In place, the results come flat (ChunkUpdate): one array alone is written by dispatch's shortest path.
-        out = None if targets is None else _flat([t[start:] for t in targets.values()] +
-                                                 [o[start:] for o in outs.values()])
+        out = None if targets is None else _flat([*map(part, targets.values()), *map(part, outs.values())])
         return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
                         out=out, host_arrays=True)
 
@@ -451,6 +451,10 @@ def _without_run_notes(errors) -> list:
 
 def _nothing(job):
     del job
+
+
+def _whole(array):
+    return array
 
 
 def _flat(arrays):
