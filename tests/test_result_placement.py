@@ -242,10 +242,12 @@ def test_a_model_returning_new_arrays_is_placed_after_its_first_chunk_and_its_re
             np.testing.assert_array_equal(out[name], expected)
     seen = _since(_counts(client), before)
     # 20 chunks of 20,000 rows a call (in-process, the first on each device comes back by value: the layout is
-    # learned from it): the first two written in place on each worker (or thread) are watched, the others placed
+    # learned from it): the first two written in place on each worker (or thread) are watched, the others placed.
+    # In-process, the four threads share one process's plans and watch at once: two chunks watched at once on two
+    # threads may disagree (their allocations lie apart), and more are watched; still, most chunks are placed.
     written = 3 * (20 if cluster == "processes" else 18)
     assert seen["missed"] == 0 and seen["kept"] == 0
-    assert 2 <= seen["watched"] <= 8 and seen["placed"] == written - seen["watched"]
+    assert 2 <= seen["watched"] <= written // 3 and seen["placed"] == written - seen["watched"]
 
 
 def test_an_output_that_is_a_view_of_another_is_right(scheduler, process_client):
