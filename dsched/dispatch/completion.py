@@ -171,7 +171,7 @@ def send_now(client) -> None:
     window ends.
 
     Dask's client sends the scheduler at most one batch of messages every 10 ms (its ``BatchedSend``). A run's
-    first tasks then wait for the window to end: about 5 ms on average, a cost paid by every run that starts
+    first tasks would wait for what is left of the window: half of it on average, paid by every run that starts
     its feeds (the first call, or one after the feeds' linger). Done on the client's event loop; nothing where
     the stream is not the one this knows (another version of ``distributed``).
     """
