@@ -286,13 +286,11 @@ class HostBatch:
 
     def _dispatch(self, program, start, reads, inputs, axis, outs, targets):
         """``dispatch`` of ``program`` over items ``start:``; with ``targets`` (else the arrays it makes) as ``out``."""
-        rows = (slice(None),) * axis + (slice(start, None),)
-        part = _whole if start == 0 else lambda a: a[start:]  # the same arrays each step: found where they lie once
-        args = [part(self._rows), *map(part, reads), *((a if start == 0 else a[rows]) for a in inputs.values()),
-                *map(part, outs.values())]
+        args = [_items_from(self._rows, start), *(_items_from(a, start) for a in reads),
+                *(_items_from(a, start, axis) for a in inputs.values()), *(_items_from(a, start) for a in outs.values())]
         axes = (0,) * (1 + len(reads)) + (axis,) * len(inputs) + (0,) * len(outs)
         # In place, the results come flat (ChunkUpdate): one array alone is written by dispatch's shortest path.
-        out = None if targets is None else _flat([*map(part, targets.values()), *map(part, outs.values())])
+        out = None if targets is None else _flat([_items_from(a, start) for a in (*targets.values(), *outs.values())])
         return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
                         out=out, host_arrays=True)
 
@@ -453,8 +451,10 @@ def _nothing(job):
     del job
 
 
-def _whole(array):
-    return array
+def _items_from(array, start, axis=0):
+    """``array``'s items from ``start`` on along ``axis``: from 0, the array itself (a solver's step passes the same
+    arrays every time, so they are found where they lie in shared memory once)."""
+    return array if start == 0 else array[(slice(None),) * axis + (slice(start, None),)]
 
 
 def _flat(arrays):

@@ -37,8 +37,8 @@ class LayoutChanged(ChunkResultError):
 
 
 def layout_of(array) -> tuple:
-    """``(item shape, dtype string)`` of a field's array: what a chunk's result must keep."""
-    return tuple(array.shape[1:]), np.dtype(array.dtype).str
+    """``(item shape, dtype string)`` of a field's NumPy array: what a chunk's result must keep."""
+    return array.shape[1:], array.dtype.str
 
 
 class ChunkUpdate:
@@ -90,10 +90,7 @@ class ChunkUpdate:
         fields = {field: _to_host(value) for field, value in checked_result(spec, chunk, result).items()}
         if self.layouts is not None:
             for field, value in fields.items():
-                kept = self.layouts[field]
-                if value.shape[1:] == kept[0] and value.dtype.str == kept[1]:
-                    continue
-                found = layout_of(value)
+                found, kept = layout_of(value), self.layouts[field]
                 if found != kept:
                     raise LayoutChanged(f"update {spec.label!r}: {chunk}: field {field!r} has items of shape "
                                         f"{found[0]} and dtype {np.dtype(found[1])}; the field's are {kept[0]}, "
