@@ -333,6 +333,44 @@ def test_shared_memory_is_released_at_close(process_client):
         batch.get("x")
 
 
+def _keys_of(dask_worker, prefix):
+    return sorted(str(k) for k in dask_worker.data if str(k).startswith(prefix))
+
+
+def test_close_frees_every_version_on_the_workers_while_updates_are_still_referenced(process_client):
+    """An Update handle kept after close() (a driver keeps its last run's) must not keep its chunks' fields in
+    the workers' memory until a garbage collection: close() releases every version at once."""
+    batch = Batch({"x": np.arange(30.0)}, hybrid_scheduler(10, 20), client=process_client, memory="device")
+    kept = batch.update(lambda x: {"y": 2 * x}, reads=["x"], outputs=["y"])
+    kept.wait()
+    prefix = batch._backend._id
+    assert sum(len(keys) for keys in process_client.run(_keys_of, prefix=prefix).values()) >= 2
+    batch.close()
+    deadline = time.monotonic() + 10  # the release reaches the workers through the scheduler
+    while any(process_client.run(_keys_of, prefix=prefix).values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert process_client.run(_keys_of, prefix=prefix) == {w: [] for w in process_client.run(os.getpid)}
+    assert kept.done()
+    kept.wait()  # a finished update stays finished: waiting on it after close() returns at once
+
+
+def _boom(x):
+    raise ValueError("boom in the update")
+
+
+def test_an_update_asked_after_close_tells_how_it_ended(hybrid_client):
+    batch = Batch({"x": np.arange(30.0)}, hybrid_scheduler(10, 20), client=hybrid_client, memory="device")
+    good = batch.update(lambda x: {"y": 2 * x}, reads=["x"], outputs=["y"])
+    bad = batch.update(_boom, reads=["x"], outputs=["z"])
+    with pytest.raises(ValueError, match="boom in the update"):
+        bad.wait()
+    batch.close()
+    assert good.done() and bad.done()
+    good.wait()
+    with pytest.raises(ValueError, match="boom in the update"):
+        bad.wait()
+
+
 def test_load_steps_example_runs_and_checks_itself():
     import subprocess
     import sys

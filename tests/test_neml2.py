@@ -184,9 +184,9 @@ def test_a_chunk_larger_than_its_block_equals_neml2_on_the_same_blocks(kind):
 
 
 def test_a_bad_block_is_reported_before_any_work():
-    with pytest.raises(ValueError, match=r"block: expected an integer >= 1 or None, got 0"):
+    with pytest.raises(ValueError, match=r"block: expected an integer >= 1, None or 'auto', got 0"):
         NEML2Model(ELASTIC, "model", block=0)
-    with pytest.raises(ValueError, match=r"block: expected an integer >= 1 or None, got 2.5"):
+    with pytest.raises(ValueError, match=r"block: expected an integer >= 1, None or 'auto', got 2.5"):
         NEML2Model(ELASTIC, "model", block=2.5)
 
 

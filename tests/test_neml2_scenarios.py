@@ -226,7 +226,7 @@ def test_bench_options_name_the_option(tmp_path):
         options(parser.parse_args(["--neml2-points", "1"]))
     parsed = options(parser.parse_args(["--neml2-scenarios", "radret,chaboche2", "--quick"]))
     assert parsed["scenarios"] == ["radret", "chaboche2"] and parsed["quick"]
-    assert parsed["block"] == 25_000 and parsed["points"] is None  # NEML2Model's default blocks, each scenario's size
+    assert parsed["block"] == "auto" and parsed["points"] is None  # NEML2Model's default blocks, each scenario's size
     parsed = options(parser.parse_args(["--neml2-block", "none", "--neml2-points", "100000"]))
     assert parsed["block"] is None and parsed["points"] == 100_000
 

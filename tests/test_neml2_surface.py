@@ -178,6 +178,16 @@ def test_bad_arguments_name_the_field_before_any_work():
         NEML2Model(ELASTIC, "model", compile={"dynamic": True})
 
 
+def test_a_compiled_model_calls_neml2_once_per_chunk_unless_given_a_block():
+    from dsched.models.row_blocks import BLOCK
+
+    assert NEML2Model(ELASTIC, "model").block == BLOCK
+    assert NEML2Model(ELASTIC, "model", compile=True).block is None
+    assert NEML2Model(ELASTIC, "model", compile=True, block=7).block == 7
+    with pytest.raises(ValueError, match=r"block: expected an integer >= 1, None or 'auto', got 'big'"):
+        NEML2Model(ELASTIC, "model", block="big")
+
+
 # --- compiled models ------------------------------------------------------------------
 
 

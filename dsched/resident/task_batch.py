@@ -46,6 +46,7 @@ import itertools
 import math
 import secrets
 import threading
+import weakref
 
 import numpy as np
 
@@ -65,6 +66,7 @@ from dsched.resident.tasks import (
     _on_loop_thread,
     _ordered,
     _partial,
+    _record_outcome,
     _resolve,
     _Task,
     _update,
@@ -122,6 +124,10 @@ class TaskBatch:
         self._seen_layouts = {}  # field -> (item shape, dtype) its last get found
         self._set_segments = {}  # field -> SetSegment: where set() writes its values, again and again
         self._set_stores = []  # their stores, unlinked at close()
+        # Every task handed to Dask that something still refers to (an Update kept by a caller, a reference
+        # cycle), with its ops' payloads: close() records how each ended and releases it, so the workers free
+        # the fields now rather than at the client's next garbage collection.
+        self._futures = weakref.WeakKeyDictionary()
         # The first values wait for the first operation, to go to Dask with it (one message, one task).
         self._held = True
         self._load_values(arrays, "init")
@@ -291,10 +297,12 @@ class TaskBatch:
             return
         self._closed = True
         with self._lock:
-            # Dropping the client's references releases every version (Dask frees them); pending tasks still
-            # finish, reading the lineage's shared memory by name, so the segments go after they end.
+            # Releasing the batch's futures frees every version on the workers; pending tasks still finish,
+            # reading the lineage's shared memory by name, so the segments go after they end.
             with self._submit_lock:
                 for queue in self._queued.values():  # never handed to Dask: nothing to wait for
+                    for op in queue:
+                        op.payload.outcome = ("cancelled", None)
                     queue.clear()
             pending = [var.last_write.payload.future for var in self._vars.values()
                        if var.last_write.payload.future is not None]
@@ -304,6 +312,9 @@ class TaskBatch:
             _wait(pending)
         finally:
             del pending
+            for future, payloads in list(self._futures.items()):
+                _record_outcome(future, payloads)
+                future.release()
         self._release_inputs(everything=True)
         self._store.close()
         for store in self._set_stores:
@@ -381,6 +392,7 @@ class TaskBatch:
         else:
             func, args, key, resources, after = _fused_call(ops)
         future = self.client.submit(_ordered, func, after, *args, key=key, resources=resources, pure=False)
+        self._futures[future] = [op.payload for op in ops]
         for index, op in enumerate(ops):
             op.payload.call = None
             op.payload.future = future

@@ -44,13 +44,14 @@ class _Task:
     """An engine op's payload: its task until it is handed to Dask, then its future; the versions it replaces
     until it succeeds (for rollback)."""
 
-    __slots__ = ("future", "previous", "submitted", "call", "member")
+    __slots__ = ("future", "previous", "submitted", "call", "member", "outcome")
 
     def __init__(self, call, previous):
         self.call, self.previous = call, previous  # call: (func, args, key, resources) until submitted
         self.future = None
         self.member = None  # in a fused task (see _run_fused): its index there
         self.submitted = threading.Event()
+        self.outcome = None  # (status, error), kept when its batch closes and its future is released
 
     def result(self):
         """The future, once the task was handed to Dask (waits for that)."""
@@ -247,10 +248,14 @@ class Update:
         return [task.result() for task in self._tasks]
 
     def done(self) -> bool:
-        return all(task.submitted.is_set() and task.future.done() for task in self._tasks)
+        return all(task.outcome is not None or (task.submitted.is_set() and task.future.done())
+                   for task in self._tasks)
 
     def wait(self):
-        _wait_tasks(self._tasks)
+        if all(task.outcome is not None for task in self._tasks):  # its batch is closed: its futures are gone
+            _raise_outcomes(self._tasks)
+        else:
+            _wait_tasks(self._tasks)
         return self
 
     def __repr__(self):
@@ -259,17 +264,35 @@ class Update:
 
 
 def _raise_failures(futures):
+    _raise_errors(future.exception() for future in futures if future.status == "error")
+
+
+def _raise_errors(found):
+    """Raise the errors (each once; several as an :class:`~dsched.AggregateError`), if any."""
     errors, seen = [], set()
-    for future in futures:
-        if future.status == "error":
-            error = future.exception()
-            if id(error) not in seen and str(error) not in {str(e) for e in errors}:
-                seen.add(id(error))
-                errors.append(error)
+    for error in found:
+        if id(error) not in seen and str(error) not in {str(e) for e in errors}:
+            seen.add(id(error))
+            errors.append(error)
     if len(errors) == 1:
         raise errors[0]
     if errors:
         raise AggregateError.of(errors)
+
+
+def _record_outcome(future, payloads):
+    """Keep how ``future`` ended on its ops' payloads, before its batch releases it."""
+    status = future.status
+    outcome = (status, future.exception() if status == "error" else None)
+    for payload in payloads:
+        payload.outcome = outcome
+
+
+def _raise_outcomes(tasks):
+    """Raise what the recorded outcomes say failed; a RuntimeError for a task its batch closed before it ran."""
+    if any(task.outcome[0] not in ("finished", "error") for task in tasks):
+        raise RuntimeError("this update had not run when its Batch was closed")
+    _raise_errors(task.outcome[1] for task in tasks if task.outcome[0] == "error")
 
 
 def _wait(futures):

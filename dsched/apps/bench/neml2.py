@@ -100,7 +100,7 @@ REPEATS = 5  # measured rounds: the machine's noise is a tenth of a row's time, 
 
 
 def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS, forms=FORMS, progress=None,
-                     block=BLOCK, compile=None, aoti=None) -> dict:
+                     block="auto", compile=None, aoti=None) -> dict:
     """Every row of one scenario: ``{"rate": {row: points x steps / s}, "seconds", "error", ...}``.
 
     ``block``: the dsched forms' :class:`NEML2Model` ``block`` (points per NEML2 call on a CPU). ``compile``
@@ -143,7 +143,7 @@ def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS
     extra = measure_compiled(scenario, client, histories, halves, compile=compile, aoti=aoti, repeats=repeats,
                              block=block, progress=progress)
     return {**extra, "scenario": scenario.name, "source": scenario.source, "points": n, "steps": steps, "repeats": repeats,
-            "halves": halves, "block": block, "seconds": best, "rate": rate,
+            "halves": halves, "block": model.block, "seconds": best, "rate": rate,
             "efficiency": {form: rate[form] / rate["limit"] for form in runs},
             "vs_side_by_side": {form: rate[form] / rate["side_by_side"] for form in runs},
             "vs_lockstep": {form: rate[form] / rate["lockstep"] for form in runs},
@@ -184,7 +184,7 @@ def _scenarios(names, benchmarks, quick, points=None):
 
 
 def run_neml2_benchmarks(*, quick=False, steps=10, repeats=None, scenarios=None, benchmarks=None,
-                         forms=FORMS, progress=None, block=BLOCK, points=None, compile=None, aoti=None) -> dict:
+                         forms=FORMS, progress=None, block="auto", points=None, compile=None, aoti=None) -> dict:
     """Every scenario on one cluster (two single-thread worker processes); the results and the targets' verdicts."""
     import torch
     from distributed import Client
@@ -201,7 +201,8 @@ def run_neml2_benchmarks(*, quick=False, steps=10, repeats=None, scenarios=None,
                                              progress=progress, block=block, compile=compile, aoti=aoti))
     torch.set_num_threads(threads)
     return {"scenarios": measured, "steps": steps, "repeats": repeats, "quick": quick,
-            "benchmarks": str(benchmarks) if benchmarks else None, "forms": list(forms), "block": block,
+            "benchmarks": str(benchmarks) if benchmarks else None, "forms": list(forms),
+            "block": BLOCK if block == "auto" else block,
             "compile": compile, "aoti": str(aoti) if aoti else None,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "load": {"before": load, "after": os.getloadavg() if load is not None else None},
@@ -293,8 +294,8 @@ def add_arguments(parser):
     parser.add_argument("--neml2-points", type=int, metavar="N",
                         help="neml2 suite: points of every scenario (default: each scenario's own)")
     parser.add_argument("--neml2-block", metavar="POINTS",
-                        help=f"neml2 suite: points per NEML2 call on a CPU in the dsched forms (default {BLOCK}; "
-                             "'none': one call per chunk)")
+                        help=f"neml2 suite: points per NEML2 call on a CPU in the dsched forms (default {BLOCK}, "
+                             "compiled rows one call per chunk; 'none': one call per chunk)")
     parser.add_argument("--neml2-compile", metavar="MODE", nargs="?", const="default",
                         help="neml2 suite: add compiled rows (neml2.compile with torch.compile's MODE, 'default' "
                              "when none is given, or backend=NAME): NEML2 compiled against dsched's forms with "
@@ -326,7 +327,7 @@ def options(args) -> dict:
 
 def _block(text):
     if text is None:
-        return BLOCK
+        return "auto"  # NEML2Model's own: BLOCK for the eager forms, one call per chunk for compiled ones
     if str(text).lower() == "none":
         return None
     try:

@@ -26,8 +26,9 @@ Compilation happens in the warm-up round. The graphs ``torch.compile`` has
 built in the workers are counted after it and after the measured rounds:
 the difference (recompilations with a fixed batch) must be zero. Compiled
 results are compared with NEML2 compiled on the same pieces of the halves (a
-compiled ``NEML2Model`` evaluates fixed pieces of ``block`` rows, a short one
-padded) and on the whole batch, both relative to the largest output.
+compiled ``NEML2Model`` evaluates each chunk in one call by default, or in
+fixed pieces of ``--neml2-block`` rows, a short one padded) and on the whole
+batch, both relative to the largest output.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def measure_compiled(scenario, client, histories, halves, *, compile=None, aoti=
                                 repeats, progress, "compiled")
         out["compiled"]["options"] = compile
         out["compiled"]["param_vjp"] = param_vjp_error(model, scenario, histories, halves, client)
-        bounds = [n for half in halves for a, b in pieces(half, block) for n in [b - a]]
+        out["compiled"]["block"] = model.block  # None: one NEML2 call per chunk (NEML2Model's default compiled)
+        bounds = [n for half in halves for a, b in pieces(half, model.block) for n in [b - a]]
         same, _ = run_neml2_driver(scenario, histories, chunks=bounds, threads=1, compile=compile)
         whole, results = out["compiled"].pop("whole"), out["compiled"].pop("results")
         out["compiled"]["error"] = {form: errors(result, same, whole) for form, result in results.items()}
@@ -84,7 +86,7 @@ def measure_compiled(scenario, client, histories, halves, *, compile=None, aoti=
         out["aoti"] = _rows(scenario, client, histories, halves, model, AOTI_FORMS, {"artifacts": root}, repeats,
                             progress, "AOTI")
         out["aoti"]["root"] = str(root)
-        blocks = [b - a for half in halves for a, b in spans(half, block)]  # as the eager forms cut their halves
+        blocks = [b - a for half in halves for a, b in spans(half, model.block)]  # as the eager forms cut halves
         halved, _ = run_neml2_driver(scenario, histories, chunks=blocks, threads=1, artifacts=root)
         whole, results = out["aoti"].pop("whole"), out["aoti"].pop("results")
         out["aoti"]["error"] = {form: errors(result, halved, whole) for form, result in results.items()}
