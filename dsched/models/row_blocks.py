@@ -22,10 +22,12 @@ equals NEML2 run on the same blocks (as a chunked batch equals NEML2 run on
 the same chunks), and one whole call within the solver's tolerance.
 
 A compiled model (``neml2.compile``, ``torch.compile`` with static shapes)
-builds one graph per distinct batch size, so its chunks are cut in *fixed*
-pieces of ``block`` rows (:func:`pieces`) and a short piece is padded up to a
-size already compiled (:class:`PaddedSizes`, :func:`padded`): a device then
-sees its batch size and its block, not every size a short last chunk has.
+builds one graph per distinct batch size. It calls NEML2 once per chunk unless
+given a ``block`` (its fused kernels keep no large temporaries); with one, its
+chunks are cut in *fixed* pieces of ``block`` rows (:func:`pieces`). Either way
+a chunk or piece is padded up to a size already compiled (:class:`PaddedSizes`,
+:func:`padded`): a device then sees its batch size, not every size a short last
+chunk has.
 
 >>> spans(10, 4)
 [(0, 4), (4, 7), (7, 10)]
