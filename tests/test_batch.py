@@ -337,6 +337,20 @@ def _keys_of(dask_worker, prefix):
     return sorted(str(k) for k in dask_worker.data if str(k).startswith(prefix))
 
 
+def test_a_long_batch_keeps_one_version_per_chunk_on_the_workers(process_client):
+    """Superseded versions leave the workers as the batch goes: 40 updates leave one version per chunk."""
+    with Batch({"x": np.arange(30.0)}, hybrid_scheduler(10, 20), client=process_client, memory="device") as batch:
+        for _ in range(40):
+            batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])
+        batch.wait()
+        prefix = batch._backend._id
+        deadline = time.monotonic() + 10  # releases reach the workers through the scheduler
+        while sum(map(len, process_client.run(_keys_of, prefix=prefix).values())) > 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(len(keys) for keys in process_client.run(_keys_of, prefix=prefix).values()) == [1, 1]
+        np.testing.assert_array_equal(batch.get("x"), np.arange(30.0) + 40)
+
+
 def test_close_frees_every_version_on_the_workers_while_updates_are_still_referenced(process_client):
     """An Update handle kept after close() (a driver keeps its last run's) must not keep its chunks' fields in
     the workers' memory until a garbage collection: close() releases every version at once."""

@@ -126,9 +126,7 @@ class NEML2Model:
         chunk. GPU chunks are never cut. ``"auto"`` (the default):
         :data:`~dsched.models.row_blocks.BLOCK` (25,000) for an eager model,
         ``None`` for a compiled one, whose fused kernels keep no large
-        temporaries and whose cost per call is NEML2's Python around them
-        (one call per chunk of NEML2's elasticity scenario ran its 10 steps
-        in about half the time of 25,000-point pieces).
+        temporaries and whose cost per call is NEML2's Python around them.
     compile : bool, str or dict
         Compile each worker thread's copy once with ``neml2.compile``
         (``torch.compile`` with static shapes): ``True``, a ``torch.compile``
@@ -193,8 +191,8 @@ class NEML2Model:
         if isinstance(block, str) and block == "auto":
             block = None if self.compile is not None else BLOCK
         if block is not None:
-            check_positive_int(block, "block", integers=(int, np.integer), expected="an integer >= 1, None or 'auto'",
-                               below=None)
+            check_positive_int(block, "block", integers=(int, np.integer),
+                               expected="an integer >= 1, None or 'auto'", below=None)
         self.block = None if block is None else int(block)
         self.derivatives, self.keep_grad = bool(derivatives), bool(keep_grad)
 

@@ -392,7 +392,8 @@ class TaskBatch:
         else:
             func, args, key, resources, after = _fused_call(ops)
         future = self.client.submit(_ordered, func, after, *args, key=key, resources=resources, pure=False)
-        self._futures[future] = [op.payload for op in ops]
+        # Weakly: a payload holds its future, which would then never leave this table before close().
+        self._futures[future] = [weakref.ref(op.payload) for op in ops]
         for index, op in enumerate(ops):
             op.payload.call = None
             op.payload.future = future

@@ -44,7 +44,7 @@ class _Task:
     """An engine op's payload: its task until it is handed to Dask, then its future; the versions it replaces
     until it succeeds (for rollback)."""
 
-    __slots__ = ("future", "previous", "submitted", "call", "member", "outcome")
+    __slots__ = ("future", "previous", "submitted", "call", "member", "outcome", "__weakref__")
 
     def __init__(self, call, previous):
         self.call, self.previous = call, previous  # call: (func, args, key, resources) until submitted
@@ -281,11 +281,14 @@ def _raise_errors(found):
 
 
 def _record_outcome(future, payloads):
-    """Keep how ``future`` ended on its ops' payloads, before its batch releases it."""
+    """Keep how ``future`` ended on its ops' payloads (weak references: gone ones are skipped), before its batch
+    releases it."""
     status = future.status
     outcome = (status, future.exception() if status == "error" else None)
-    for payload in payloads:
-        payload.outcome = outcome
+    for ref in payloads:
+        payload = ref()
+        if payload is not None:
+            payload.outcome = outcome
 
 
 def _raise_outcomes(tasks):
