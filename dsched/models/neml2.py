@@ -145,7 +145,7 @@ class NEML2Model:
     def __init__(self, input, model, *, outputs=None, derivatives=False, overrides=(), keep_grad=False,
                  block="auto", compile=False):
         self.compile = _compile_options(compile)
-        self._options(block, derivatives, keep_grad)
+        self._options(block, derivatives, keep_grad, compiled=self.compile is not None)
         self.input = Path(input).resolve()
         if not self.input.is_file():
             raise ValueError(f"input: no NEML2 input file at {input}")
@@ -174,7 +174,7 @@ class NEML2Model:
         artifacts = Artifacts(root, dtype)
         self = cls.__new__(cls)
         self.compile = None
-        self._options(block, derivatives, keep_grad)
+        self._options(block, derivatives, keep_grad, compiled=False)
         self.input, self.model, self.overrides, self.artifacts = artifacts.root, artifacts.root.name, (), artifacts
         types = _import_neml2().types
         try:
@@ -187,9 +187,9 @@ class NEML2Model:
         self._describe(*specs, defaults, outputs)
         return self
 
-    def _options(self, block, derivatives, keep_grad):
+    def _options(self, block, derivatives, keep_grad, compiled):
         if isinstance(block, str) and block == "auto":
-            block = None if self.compile is not None else BLOCK
+            block = None if compiled else BLOCK
         if block is not None:
             check_positive_int(block, "block", integers=(int, np.integer),
                                expected="an integer >= 1, None or 'auto'", below=None)

@@ -50,7 +50,7 @@ from dsched.dataplane.segments import free_shared, shared_empty
 from dsched.dataplane.store import find_shared
 from dsched.dispatch import WorkDispatcher, dispatch
 from dsched.errors import AggregateError
-from dsched.resident.host_update import CHUNK_ATTRIBUTE, ChunkUpdate, LayoutChanged, layout_of
+from dsched.resident.host_update import CHUNK_ATTRIBUTE, ChunkUpdate, LayoutChanged, flat, layout_of
 from dsched.resident.hostdata import inputs_in_shared_memory, out_arrays
 from dsched.resident.jobs import Job, JobQueue
 from dsched.resident.tasks import Update
@@ -290,7 +290,7 @@ class HostBatch:
                 *(_items_from(a, start, axis) for a in inputs.values()), *(_items_from(a, start) for a in outs.values())]
         axes = (0,) * (1 + len(reads)) + (axis,) * len(inputs) + (0,) * len(outs)
         # In place, the results come flat (ChunkUpdate): one array alone is written by dispatch's shortest path.
-        out = None if targets is None else _flat([_items_from(a, start) for a in (*targets.values(), *outs.values())])
+        out = None if targets is None else flat([_items_from(a, start) for a in (*targets.values(), *outs.values())])
         return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
                         out=out, host_arrays=True)
 
@@ -455,11 +455,6 @@ def _items_from(array, start, axis=0):
     """``array``'s items from ``start`` on along ``axis``: from 0, the array itself (a solver's step passes the same
     arrays every time, so they are found where they lie in shared memory once)."""
     return array if start == 0 else array[(slice(None),) * axis + (slice(start, None),)]
-
-
-def _flat(arrays):
-    """An in-place update's ``out``, as :class:`ChunkUpdate` returns its results: one array, or a tuple of them."""
-    return arrays[0] if len(arrays) == 1 else tuple(arrays)
 
 
 class _ChunkPartial:

@@ -27,13 +27,19 @@ import numpy as np
 from dsched.dataplane.outputs import ChunkResultError
 from dsched.resident.tasks import _to_host, checked_result
 
-__all__ = ["ChunkUpdate", "LayoutChanged", "layout_of", "CHUNK_ATTRIBUTE"]
+__all__ = ["ChunkUpdate", "LayoutChanged", "layout_of", "flat", "CHUNK_ATTRIBUTE"]
 
 CHUNK_ATTRIBUTE = "dsched_batch_chunk"  # on an error a chunk raised: the index of the batch's chunk
 
 
 class LayoutChanged(ChunkResultError):
     """An update's result gives a field another item shape or dtype than the field has."""
+
+
+def flat(arrays):
+    """An in-place update's results (the fields written, then the out rows), as :class:`ChunkUpdate` returns them
+    and the batch passes its ``out``: one array alone (dispatch's shortest write), else a tuple."""
+    return arrays[0] if len(arrays) == 1 else tuple(arrays)
 
 
 def layout_of(array) -> tuple:
@@ -98,8 +104,7 @@ class ChunkUpdate:
         if self.layouts is None:  # learning the layouts: dispatch makes the arrays, by name
             return fields, outs
         # In place: the fields written, then the out rows, flat, as the batch's out= lists them.
-        values = [fields[field] for field in spec.writes] + [outs[name] for name in self.outs]
-        return values[0] if len(values) == 1 else tuple(values)
+        return flat([fields[field] for field in spec.writes] + [outs[name] for name in self.outs])
 
     def _chunk(self, rows):
         """The batch's chunk whose rows these are (``rows``: each item's chunk index)."""
