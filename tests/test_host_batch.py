@@ -23,7 +23,8 @@ import pytest
 import dsched
 from dsched import Batch, StaticHybridScheduler
 from dsched.apps.bench.batch import final_strain, j2_load_step, run_batch
-from dsched.dataplane.segments import release_pool
+from dsched.dataplane.segments import POOL, release_pool
+from dsched.dataplane.store import find_shared
 from dsched.devices.device import Device
 from dsched.names import EMULATED_RESOURCE
 from dsched.resident.batch import _memory_for
@@ -177,7 +178,7 @@ def test_dev_shm_stays_flat_over_updates_gets_and_sets(process_client):
         assert _shm_bytes() == before
 
 
-def test_every_segment_is_unlinked_at_close_and_after_an_exception(process_client):
+def test_every_segment_goes_back_to_the_pool_at_close_and_after_an_exception(process_client):
     release_pool()  # segments kept from other calls are not the batch's
     before = _segments()
     batch = Batch({"x": np.arange(40.0)}, hybrid(), client=process_client, memory="host")
@@ -185,16 +186,38 @@ def test_every_segment_is_unlinked_at_close_and_after_an_exception(process_clien
     batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])
     batch.set("z", np.ones((40, 3)))
     np.testing.assert_array_equal(batch.get("x"), np.arange(40.0) + 2)
-    assert len(_segments() - before) >= 5  # x (two arrays), y, z, and each item's chunk
+    made = _segments() - before
+    assert len(made) >= 5  # x (two arrays), y, z, and each item's chunk
+    rows = find_shared(batch._backend._rows).token
     batch.close()
-    assert _segments() - before == set()
+    pooled = _segments() - before
+    assert pooled <= made and made - pooled <= {rows}  # kept for the next batch, but the rows the batch holds
+    assert POOL.held() > 0
     with pytest.raises(RuntimeError, match="this Batch is closed"):
         batch.get("x")
+    del batch
+    release_pool()
+    assert _segments() - before == set()
     with pytest.raises(ZeroDivisionError):
         with Batch({"x": np.arange(40.0)}, hybrid(), client=process_client, memory="host") as batch:
             batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"])
             1 / 0
+    del batch
+    release_pool()
     assert _segments() - before == set()
+
+
+def test_a_new_batch_reuses_the_segments_a_closed_one_gave_back(process_client):
+    """A driver per history: the second batch's fields lie in the first one's segments (no new pages to fault)."""
+    release_pool()
+    with Batch({"x": np.arange(40.0)}, hybrid(), client=process_client, memory="host") as batch:
+        batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"]).wait()
+        first = _segments()
+    del batch  # (it holds each item's chunk)
+    with Batch({"x": np.arange(40.0)}, hybrid(), client=process_client, memory="host") as batch:
+        batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"]).wait()
+        assert _segments() == first
+        np.testing.assert_array_equal(batch.get("x"), np.arange(40.0) + 1)
 
 
 _CTRL_C_CLIENT = """
@@ -287,3 +310,67 @@ def test_load_steps_equal_numpy_when_a_step_is_a_new_function(process_client):
 
 def _renamed(out):
     return {"p": out["plastic_strain"], "a": out["alpha"]}
+
+
+def _into_rows(x, y, total):
+    """An update that writes its out= rows (``total``) and changes ``y`` in place; returns whether each array it
+    got owns its memory (a private copy) or is a view (the batch's rows themselves)."""
+    total[:] = x + y
+    y += 1.0
+    return {"y": y, "copies": np.full(len(x), 2 * total.flags.owndata + y.flags.owndata, dtype=np.int8)}
+
+
+def test_an_update_in_place_gets_its_out_rows_and_spare_rows_without_a_copy(process_client):
+    n = 30
+    total = dsched.shared_empty(n)
+    with Batch({"x": np.arange(float(n)), "y": np.zeros(n), "copies": np.full(n, -1, np.int8)}, hybrid(),
+               client=process_client, memory="host") as batch:
+        for step in range(3):
+            batch.update(_into_rows, reads=["x", "y"], writes=["y", "copies"], inplace=True,
+                         out={"total": total}).wait()
+            np.testing.assert_array_equal(total, np.arange(float(n)) + step)
+        np.testing.assert_array_equal(batch.get("y"), np.full(n, 3.0))
+        # Neither the out= rows nor the field changed in place were copies of the chunk's own.
+        np.testing.assert_array_equal(batch.get("copies"), np.zeros(n, np.int8))
+
+
+def _make_z(x, *, name="z", wrong=False, fail_at=None):
+    if fail_at is not None and x[0] == fail_at:
+        raise ValueError(f"chunk at {fail_at} fails")
+    return {name: np.stack([x, 2 * x], axis=1).astype(np.float32 if wrong else np.float64)}
+
+
+def test_declared_layouts_make_new_fields_in_place_and_a_failed_chunk_makes_none(process_client, monkeypatch):
+    n = 30
+    with Batch({"x": np.arange(float(n))}, hybrid(), client=process_client, memory="host") as batch:
+        learned = []
+        learn = batch._backend._run_learning
+        monkeypatch.setattr(batch._backend, "_run_learning", lambda *a: learned.append(a) or learn(*a))
+        batch.update(_make_z, reads=["x"], outputs=["z"], layouts={"z": ((2,), "f8")}).wait()
+        assert learned == []  # allocated first, written in place
+        np.testing.assert_array_equal(batch.get("z"), np.stack([np.arange(n), 2 * np.arange(n)], axis=1))
+        # Declared wrong: learned after all, with the layout the chunks gave.
+        batch.update(_make_z, reads=["x"], outputs=["w"], layouts={"w": ((3,), "f8")},
+                     kwargs={"name": "w", "wrong": True}).wait()
+        assert len(learned) == 1 and batch.get("w").dtype == np.float32
+        # A chunk that fails: the new field is made by none.
+        failing = batch.chunks[1]
+        with pytest.raises(ValueError, match=f"^chunk at {failing.start}.0 fails"):
+            batch.update(_make_z, reads=["x"], outputs=["v"], layouts={"v": ((2,), "f8")},
+                         kwargs={"name": "v", "fail_at": float(failing.start)}).wait()
+        assert "v" not in batch.fields
+        with pytest.raises(ValueError, match="no field 'v'"):
+            batch.get("v")
+
+
+@pytest.mark.parametrize("layouts, message", [
+    ({"q": ((2,), "f8")}, "layouts: 'q' is not a field this update writes (it writes ['z'])"),
+    ({"z": (2, "f8")}, "layouts['z']: expected (item shape, dtype) such as ((6,), 'f8'), got (2, 'f8')"),
+    ({"z": ((2,), "no-such-type")}, "layouts['z']: expected (item shape, dtype) such as ((6,), 'f8'), got "
+                                    "((2,), 'no-such-type')"),
+    ([("z", ((2,), "f8"))], "layouts: expected a dict of field -> (item shape, dtype), got list"),
+])
+def test_declared_layouts_errors_name_the_entry(process_client, layouts, message):
+    with Batch({"x": np.arange(4.0)}, hybrid(2, 2), client=process_client, memory="host") as batch:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            batch.update(_make_z, reads=["x"], outputs=["z"], layouts=layouts)

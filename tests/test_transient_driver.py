@@ -68,6 +68,36 @@ def test_runs_continue_and_steps_per_update_change_nothing(process_client, memor
         assert driver.batch.fields == sorted(driver.keep)
 
 
+def _segments():
+    import os
+
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"dsched-{os.getpid()}-")}
+
+
+def test_a_long_lived_driver_and_a_driver_per_history_keep_dev_shm_flat(process_client, memory):
+    """A run's outputs go back to the pool once a later run's are asked for, and a closed driver's state too:
+    the next runs (and drivers) reuse those segments."""
+    scenario, histories, model, scheduler, halves = _scenario("radret", 40, 2)
+    reference, _ = run_neml2_driver(scenario, histories, chunks=halves)
+    with TransientDriver(model, scheduler, client=process_client, memory=memory) as driver:
+        for run in range(6):
+            driver.run(_prescribed(histories))
+            driver.get_many()
+            if run == 1:
+                steady = _segments()
+        assert _segments() == steady
+    for run in range(4):
+        with TransientDriver(model, scheduler, client=process_client, memory=memory) as driver:
+            driver.run(_prescribed(histories))
+            values = driver.get_many()
+        for name, value in values.items():
+            np.testing.assert_array_equal(value, reference[name], err_msg=name)
+        del values
+        if run == 1:
+            steady = _segments()
+    assert _segments() == steady
+
+
 def test_recorded_outputs_are_nemls_every_step(process_client):
     scenario, histories, model, scheduler, halves = _scenario("isoharden", 30, 3)
     drivers = []

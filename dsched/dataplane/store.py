@@ -76,7 +76,8 @@ def _this_pid() -> int:
 from dsched.devices import backends
 from dsched.devices.templates import pack_template, unpack_template
 
-__all__ = ["ArrayRef", "RunStore", "classify_workers", "shared_empty", "shared_copy", "find_shared", "SHM_DIR"]
+__all__ = ["ArrayRef", "RunStore", "classify_workers", "shared_empty", "shared_copy", "pooled_empty", "find_shared",
+           "SHM_DIR"]
 
 # Arrays of this process that in-process workers read directly, by token.
 _local_arrays: dict[str, np.ndarray] = {}
@@ -336,6 +337,25 @@ class _Lease:
 
 
 # --- arrays that live in shared memory from the start ----------------------------
+
+def pooled_empty(shape, dtype=float) -> np.ndarray:
+    """A new uninitialised array in shared memory, as :func:`shared_empty`, in a segment from the pool where one
+    of its size is kept; the segment goes back to the pool once the array and its views are gone
+    (:func:`free_shared` unlinks it at once instead).
+
+    For arrays dsched holds for a while and lets go of, such as a resident batch's fields: the next batch of
+    that size reuses pages this process and the workers have mapped already, and pays no page faults.
+    """
+    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise ValueError(f"dtype: arrays of Python objects cannot be shared, got {dtype}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    segment = POOL.take(nbytes) or _Segment(round_to_pages(nbytes))
+    base = np.frombuffer(segment.buffer, np.uint8)
+    _Lease.of(segment, base)
+    return base[:nbytes].view(dtype).reshape(shape)
+
 
 def find_shared(array):
     """An :class:`ArrayRef` to ``array`` where it lies, if it is C-contiguous memory of a :func:`shared_empty` array

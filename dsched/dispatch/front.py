@@ -58,33 +58,56 @@ class _CallOnChunk:
         self.host_arrays = bool(host_arrays)
 
     def __call__(self, chunk, device):
-        limit_this_thread()  # torch's thread count is per thread: give this one the worker's share
-        # Left on the host: a NumPy model on a GPU worker (host_arrays), or NEML2Model, which moves its inputs itself.
-        if not (self.host_arrays or getattr(self.fn, "moves_inputs", False)):
-            chunk = backends.to_device(chunk, device, keep_grad=self.keep_grad)
-        args = self.layout.rebuild(chunk)
-        try:
-            result = self.fn(*args, **self.kwargs)
-        except RuntimeError as err:
-            recoverable = as_recoverable(err)  # NEML2's own solve failures, from user code calling NEML2
-            if recoverable is None:
-                raise
-            raise recoverable from err
-        return backends.to_host(result, keep_grad=self.keep_grad)
+        return self._call(chunk, device, None)
 
     def on_host(self, chunk):
         """:meth:`__call__` for a chunk of NumPy arrays on a device that computes on the host (the CPU, or an
         emulated GPU): nothing to move either way but a result that is not NumPy (a kept chunk,
         :mod:`dsched.worker.kept`)."""
+        return self._on_host(chunk, None)
+
+    def _call(self, chunk, device, out):
+        limit_this_thread()  # torch's thread count is per thread: give this one the worker's share
+        # Left on the host: a NumPy model on a GPU worker (host_arrays), or NEML2Model, which moves its inputs itself.
+        if not (self.host_arrays or getattr(self.fn, "moves_inputs", False)):
+            chunk = backends.to_device(chunk, device, keep_grad=self.keep_grad)
+        return backends.to_host(self._fn(chunk, out), keep_grad=self.keep_grad)
+
+    def _on_host(self, chunk, out):
         limit_this_thread()
+        result = self._fn(chunk, out)
+        return result if type(result) is np.ndarray else backends.to_host(result, keep_grad=self.keep_grad)
+
+    def _fn(self, chunk, out):
+        """``fn`` on the chunk (and its output rows, where given); NEML2's solve failures as recoverable errors."""
+        kwargs = self.kwargs if out is None else {**self.kwargs, "out": out}
         try:
-            result = self.fn(*self.layout.rebuild(chunk), **self.kwargs)
+            return self.fn(*self.layout.rebuild(chunk), **kwargs)
         except RuntimeError as err:
-            recoverable = as_recoverable(err)
+            recoverable = as_recoverable(err)  # NEML2's own solve failures, from user code calling NEML2
             if recoverable is None:
                 raise
             raise recoverable from err
-        return result if type(result) is np.ndarray else backends.to_host(result, keep_grad=self.keep_grad)
+
+
+class _CallOnChunkInto(_CallOnChunk):
+    """:class:`_CallOnChunk` for a function that computes into its chunk's output rows, given as ``out=``
+    (NumPy's convention) where they are writable views: a function marked ``fn.takes_out_rows = True``
+    (a batch's update, :class:`~dsched.resident.host_update.ChunkUpdate`). Others never get ``out=``: an
+    ``out`` keyword of a user's function may mean something else."""
+
+    def __call__(self, chunk, device, out=None):
+        return self._call(chunk, device, out)
+
+    def on_host(self, chunk, out=None):
+        return self._on_host(chunk, out)
+
+
+def _chunk_call(fn, layout, kwargs, keep_grad=None, host_arrays=False):
+    """dispatch's ``do_work`` for ``fn``: a :class:`_CallOnChunk`, or a :class:`_CallOnChunkInto` for a function
+    that takes its output rows."""
+    kind = _CallOnChunkInto if getattr(fn, "takes_out_rows", False) is True else _CallOnChunk
+    return kind(fn, layout, kwargs, keep_grad, host_arrays)
 
 
 def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=None, trace_file=None, out=None,
@@ -246,7 +269,7 @@ class PreparedCall:
             join="concat", axis=out_axis, out=self.out, overwrite=self.overwrite)
         if not self.keep_grad:  # the first chunks then write in place like the others (WorkDispatcher's layout_probe)
             join["layout_probe"] = functools.partial(_probe_layout, fn, layout, kwargs, out_axis)
-        program = _CallOnChunk(fn, layout, kwargs, self.keep_grad, self.host_arrays)
+        program = _chunk_call(fn, layout, kwargs, self.keep_grad, self.host_arrays)
         dispatcher = WorkDispatcher(self.scheduler, program, **join,
                                     timeout=self.timeout, mode=self.mode, client=self.client,
                                     trace_file=self.trace_file)
@@ -355,7 +378,7 @@ def _empty_result(out, axis, out_axis):
 
 # The dispatchers of recent calls, per thread (dsched.dispatch.reuse): built from this module's pieces.
 # (``place_results``, Dask's config when the call's dispatcher is made, keeps calls made under another apart.)
-_REUSED = RecentCalls(lambda fn, layout, kwargs, axis, host_arrays, place_results: _CallOnChunk(
+_REUSED = RecentCalls(lambda fn, layout, kwargs, axis, host_arrays, place_results: _chunk_call(
                           fn, layout, kwargs, host_arrays=host_arrays),
                       lambda fn, layout, kwargs, axis: functools.partial(_probe_layout, fn, layout, kwargs, axis),
                       is_split)

@@ -33,7 +33,7 @@ from dsched.dataplane.outputs import check_out_path
 from dsched.dataplane.store import classify_workers
 from dsched.devices.ownership import check_devices_owned, cluster_info, device_owners
 from dsched.names import EMULATED_RESOURCE
-from dsched.resident.fields import _check_fields, _check_inputs, _names
+from dsched.resident.fields import _check_fields, _check_inputs, _check_layouts, _names
 from dsched.resident.host_batch import HostBatch
 from dsched.resident.task_batch import TaskBatch
 from dsched.resident.tasks import Update, _Chunk, _client, _UpdateSpec
@@ -117,7 +117,7 @@ class Batch:
         return self._backend.fields
 
     def update(self, fn, reads=(), writes=(), outputs=(), *, label=None, inplace=False, kwargs=None, inputs=None,
-               axis=0, out=None):
+               axis=0, out=None, layouts=None):
         """Run ``fn`` on every chunk where it lives; returns at once with an update handle (``wait()``, ``done()``).
 
         ``fn(**{field: chunk array for field in reads}, **kwargs)`` returns a
@@ -144,6 +144,11 @@ class Batch:
         items along axis 0: each chunk's ``fn`` gets its own rows, writable, as
         the keyword ``name``, and what it writes there is in the array once the
         update is done (results straight to the client, no :meth:`get` after).
+
+        ``layouts`` (``{field: (item_shape, dtype)}``, as :meth:`get_many` takes
+        them) declares the fields this update makes: in host memory they are
+        then allocated first and written in place by the chunks, rather than
+        learned from results that travel back once.
         """
         self._check_open()
         if not callable(fn):
@@ -163,7 +168,7 @@ class Batch:
         label = label or getattr(fn, "__name__", "update")
         spec = _UpdateSpec(fn, label, reads, written, bool(inplace), dict(kwargs or {}))
         arrays = _check_inputs(inputs, axis, self.n, reads)
-        return self._backend.update(spec, arrays, axis, out)
+        return self._backend.update(spec, arrays, axis, out, _check_layouts(layouts, written))
 
     def set(self, field, values):
         """New values of ``field`` (a new field too) from the host, for every chunk; returns an update handle.

@@ -236,11 +236,12 @@ class TransientDriver:
             fn = TransientSteps(self.model, self.feedback, first, last, self.keep, self.constants)
             out = {**records, **(finals if last == steps else {})}
             fields = self.batch.fields
+            made = [f for f in self.keep if f not in fields]
             update = self.batch.update(fn, reads=[f for f in self.keep if f in fields],
-                                       writes=[f for f in self.keep if f in fields],
-                                       outputs=[f for f in self.keep if f not in fields],
+                                       writes=[f for f in self.keep if f in fields], outputs=made,
                                        inputs=inputs, axis=1, out={n: view for n, (_, view) in out.items()},
-                                       label=fn.__name__)
+                                       label=fn.__name__,
+                                       layouts={f: (self.model.base_shapes[f], "<f8") for f in made})
         self._runs.append((update, store, {name: view for name, (_, view) in {**finals, **records}.items()}))
         self.steps_done += steps
         return self
@@ -334,6 +335,11 @@ class TransientDriver:
             if raise_errors:
                 update.wait()  # a failed run's error
             done.append(written)
+        # A run before the last keeps only what history() reads: its outputs after its last step go back to the
+        # pool (a long-lived driver's next runs reuse their pages), now that no chunk writes there.
+        for i, (update, store, written) in enumerate(self._runs[:-1]):
+            if store is None and any(name.startswith(FINAL) for name in written):
+                self._runs[i] = (update, None, {k: v for k, v in written.items() if not k.startswith(FINAL)})
         return done
 
     def _check_prescribed(self, prescribed):

@@ -66,3 +66,29 @@ def _check_inputs(inputs, axis, n, reads) -> dict:
             raise ValueError(f"inputs[{name!r}]: dtype {array.dtype} cannot be shared with the workers")
         arrays[name] = array
     return arrays
+
+
+def _check_layouts(layouts, written) -> dict:
+    """An update's ``layouts`` as ``{field: (item shape, dtype string)}`` of fields it writes; a ValueError naming
+    the entry otherwise."""
+    if layouts is None:
+        return {}
+    if not isinstance(layouts, dict):
+        raise ValueError(f"layouts: expected a dict of field -> (item shape, dtype), got {type(layouts).__name__}")
+    checked = {}
+    for name, layout in layouts.items():
+        if name not in written:
+            raise ValueError(f"layouts: {name!r} is not a field this update writes (it writes {list(written)})")
+        try:
+            shape, dtype = layout
+            shape = tuple(shape)
+            if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in shape):
+                raise TypeError
+            dtype = np.dtype(dtype)
+        except (TypeError, ValueError):
+            raise ValueError(f"layouts[{name!r}]: expected (item shape, dtype) such as ((6,), 'f8'), "
+                             f"got {layout!r}") from None
+        if dtype.hasobject:
+            raise ValueError(f"layouts[{name!r}]: dtype {dtype} cannot live on a device")
+        checked[name] = (tuple(int(n) for n in shape), dtype.str)
+    return checked

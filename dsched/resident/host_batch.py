@@ -27,11 +27,16 @@ chunk and field.
   those the queue's thread has not started themselves (a step's ``update`` then
   ``get`` is one call on the caller's thread).
 - **Layouts.** A field keeps its item shape and dtype; an update whose results
-  change them (or that makes a new field) runs without ``out=``, and the arrays
-  dispatch makes are copied into new arrays of the fields'.
-- **Memory.** ``set`` writes into the field's array (a new one only for a new
-  shape or dtype), ``get`` copies the rows out; :meth:`HostBatch.close`
-  unlinks every segment at once.
+  change them (or that makes a new field whose layout it does not declare)
+  runs without ``out=``, and the arrays dispatch makes are copied into new
+  arrays of the fields'. A new field declared (``layouts=``) is allocated first
+  and written in place like the others.
+- **Memory.** Arrays come from the segment pool (:func:`~dsched.dataplane.store.pooled_empty`).
+  ``set`` writes into the field's array (a new one only for a new shape or
+  dtype), ``get`` copies the rows out; :meth:`HostBatch.close` gives every
+  segment back to the pool at once, where the next batch of the same size
+  finds pages the workers have mapped already (after a cancelled update, whose
+  chunks may still write, it unlinks them instead).
 """
 
 from __future__ import annotations
@@ -46,8 +51,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsched.dataplane.loaders import MappingLoader
-from dsched.dataplane.segments import free_shared, shared_empty
-from dsched.dataplane.store import find_shared
+from dsched.dataplane.segments import free_shared
+from dsched.dataplane.store import find_shared, pooled_empty
 from dsched.dispatch import WorkDispatcher, dispatch
 from dsched.errors import AggregateError
 from dsched.resident.host_update import CHUNK_ATTRIBUTE, ChunkUpdate, LayoutChanged, flat, layout_of
@@ -127,7 +132,8 @@ class HostBatch:
         self._jobs = []  # pushed jobs not known to have succeeded, in push order
         self._last_use, self._last_write = {}, {}  # field -> the last job pushed that reads or writes it, writes it
         self._programs = collections.OrderedDict()
-        self._segments = set()  # the names of every segment the batch made: unlinked at close
+        self._segments = set()  # the names of every segment the batch made
+        self._dirty = False  # a cancelled update's chunks may still write into its arrays: unlinked at close
         self._closed = False
         self._lane = JobQueue()
         # A batch never closed ends its thread when it is collected (or at exit, its updates cancelled).
@@ -153,13 +159,15 @@ class HostBatch:
 
     # --- operations, in program order ------------------------------------------------
 
-    def update(self, spec, arrays, axis, out) -> HostUpdate:
+    def update(self, spec, arrays, axis, out, layouts=None) -> HostUpdate:
         """:meth:`dsched.Batch.update`: ``spec`` (fn, label, reads, writes and outputs, inplace, kwargs) checked,
-        ``arrays`` its own inputs along ``axis``, ``out`` its out= arrays (checked here)."""
+        ``arrays`` its own inputs along ``axis``, ``out`` its out= arrays (checked here), ``layouts`` those of
+        new fields (checked)."""
         outs = out_arrays(out, set(spec.reads) | set(arrays), self.n, self._shared)
         if self._shared:  # as they are now: the update runs later
             arrays = inputs_in_shared_memory(arrays)
-        job = Job(spec.label, spec.reads, spec.writes, functools.partial(self._apply, spec, arrays, axis, outs))
+        job = Job(spec.label, spec.reads, spec.writes,
+                  functools.partial(self._apply, spec, arrays, axis, outs, dict(layouts or {})))
         self._push(job)
         return HostUpdate(self, job)
 
@@ -211,29 +219,34 @@ class HostBatch:
         self._raise_failures(None)
 
     def close(self):
-        """Cancel the updates still pending, and unlink every segment of the batch at once."""
+        """Cancel the updates still pending, and let go of every segment of the batch at once."""
         if self._closed:
             return
         self._closed = True
         try:
             self._lane.stop(cancel=True)
         finally:
-            self._free_all()
+            self._free_all(clean=not self._dirty)
 
     # --- the lane's side: one update -------------------------------------------------------
 
-    def _apply(self, spec, inputs, axis, outs, job):
-        """Run one update (on the lane): every chunk at once, the fields' arrays swapped once all have ended."""
+    def _apply(self, spec, inputs, axis, outs, declared, job):
+        """Run one update (on the lane): every chunk at once, the fields' arrays swapped once all have ended.
+        ``declared``: the layouts of fields it makes, allocated first so that it runs in place."""
         missing = [f for f in spec.reads if f not in self._fields]
         try:
             if missing:
                 raise ValueError(f"reads: no field {missing[0]!r}; the update that was to make it failed")
-            if all(f in self._fields for f in spec.writes):
+            if all(f in self._fields or f in declared for f in spec.writes):
+                made = self._make(declared, [f for f in spec.writes if f not in self._fields])
                 layouts = {f: layout_of(self._fields[f].current) for f in spec.writes}
                 try:
                     return self._run_in_place(spec, inputs, axis, outs, layouts)
                 except LayoutChanged:
-                    pass  # a field's layout changed: run again, learning it
+                    self._unmake(made)  # a field's layout changed (or was declared wrong): run again, learning it
+                except BaseException:
+                    self._unmake(made)  # a new field is made by every chunk or by none
+                    raise
             return self._run_learning(spec, inputs, axis, outs)
         finally:
             with self._lock:  # fields the update was to make and did not: gone (unless pushed again since)
@@ -308,10 +321,27 @@ class HostBatch:
 
     def _forget_writes(self, targets):
         """A cancelled update changes no field. Its chunks may still be running, to write their rows late: the
-        spare arrays they write into are dropped (unlinked once nothing holds them, or at close), not reused."""
+        spare arrays they write into are dropped, not reused, and the batch's segments are unlinked at close
+        rather than pooled."""
         with self._lock:
+            self._dirty = True
             for field in targets:
-                self._fields[field].spare = None
+                if field in self._fields:
+                    self._fields[field].spare = None
+
+    def _make(self, layouts, fields) -> list:
+        """New ``fields`` of the declared ``layouts`` (``{field: (item shape, dtype)}``), their values to come."""
+        with self._lock:
+            for field in fields:
+                item_shape, dtype = layouts[field]
+                self._fields[field] = _Field(self._empty((self.n, *item_shape), dtype))
+        return fields
+
+    def _unmake(self, fields):
+        """The new fields of an update that did not make them: gone again."""
+        with self._lock:
+            for field in fields:
+                self._fields.pop(field, None)
 
     def _run_learning(self, spec, inputs, axis, outs):
         """The update with a layout to learn (a new field, or one whose items changed): dispatch makes the arrays,
@@ -407,7 +437,9 @@ class HostBatch:
     def _empty(self, shape, dtype):
         if not self._shared:
             return np.empty(shape, dtype)
-        array = shared_empty(shape, dtype)
+        # From the pool, back there once let go of: a new batch of the same size (a driver per history) reuses
+        # pages the workers have mapped, rather than faulting 12 MB of new pages per chunk and field.
+        array = pooled_empty(shape, dtype)
         self._segments.add(find_shared(array).token)
         return array
 
@@ -416,13 +448,16 @@ class HostBatch:
         np.copyto(copy, array)
         return copy
 
-    def _free_all(self):
-        """Unlink every segment of the batch now, also those of arrays it let go of that something still holds (a
-        cancelled update's traceback); its arrays in this process stay valid while referenced."""
+    def _free_all(self, clean=False):
+        """Let go of every segment of the batch now. ``clean`` (no chunk may still write into one): each goes back
+        to the pool once its arrays are gone, here at once; else each is unlinked now, also those of arrays it let
+        go of that something still holds (a cancelled update's traceback), which stay valid while referenced."""
         with self._lock:
             segments, self._segments = self._segments, set()
             self._fields.clear()
             self._programs.clear()
+        if clean:
+            return
         for token in segments:
             free_shared(token)  # those unlinked already (their arrays collected) are passed over
 

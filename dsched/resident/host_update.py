@@ -11,7 +11,10 @@ writable), checks what ``fn`` returned with the same messages
 the fields written and the out rows, which dispatch writes in place: into the
 spare arrays of the fields written and the caller's ``out`` arrays (flat, in that
 order: one array alone takes dispatch's shortest path; while the layouts are
-learned, ``(fields, out rows)`` by name, for dispatch to make the arrays). What it raises
+learned, ``(fields, out rows)`` by name, for dispatch to make the arrays).
+In place, dispatch hands it those rows as ``out=`` (``takes_out_rows``): ``fn``
+gets the caller's out rows themselves and a field changed in place in its
+spare rows, so neither is copied on the way in nor on the way back. What it raises
 names the batch's chunk (an attribute, and a note), so the batch knows which
 chunks failed.
 
@@ -30,6 +33,14 @@ from dsched.resident.tasks import _to_host, checked_result
 __all__ = ["ChunkUpdate", "LayoutChanged", "layout_of", "flat", "CHUNK_ATTRIBUTE"]
 
 CHUNK_ATTRIBUTE = "dsched_batch_chunk"  # on an error a chunk raised: the index of the batch's chunk
+
+
+def _copied(array, rows):
+    """A writable copy of ``array``: into ``rows`` (a chunk's output rows) where given, else a new one."""
+    if rows is None:
+        return np.array(array)
+    np.copyto(rows, array)
+    return rows
 
 
 class LayoutChanged(ChunkResultError):
@@ -64,6 +75,7 @@ class ChunkUpdate:
     """
 
     probe_outputs = False  # dispatch never calls it on the client: fn runs where the chunks run, as with tasks
+    takes_out_rows = True  # in place, dispatch hands it the chunk's output rows (out=): written there, not copied
 
     def __init__(self, spec, inputs, outs, layouts, chunks):
         self.spec, self.inputs, self.outs = spec, tuple(inputs), tuple(outs)
@@ -71,26 +83,34 @@ class ChunkUpdate:
         self.chunks = tuple(chunks)
         self.__name__ = spec.label
 
-    def __call__(self, rows, *arrays):
+    def __call__(self, rows, *arrays, out=None):
         chunk = self._chunk(rows)
         try:
-            return self._call(chunk, arrays)
+            return self._call(chunk, arrays, out)
         except Exception as err:
             setattr(err, CHUNK_ATTRIBUTE, chunk.index)
             # The batch's chunk, not dispatch's: a run that starts part-way through the plan counts from there.
             err.add_note(f"dsched: update {self.spec.label!r} failed on {chunk}")
             raise
 
-    def _call(self, chunk, arrays):
+    def _call(self, chunk, arrays, out=None):
         spec = self.spec
+        # In place, dispatch may give the chunk's rows of the spare arrays and out= arrays (writable views, in the
+        # order flat() lists them): the out rows are fn's own, and a field changed in place is copied there once.
+        targets = self._targets(out)
         given = {}
         for field, array in zip(spec.reads, arrays):
             # A field written in place is the chunk's own copy: its rows in the batch change only when fn succeeds.
-            given[field] = np.array(array) if spec.inplace and field in spec.writes else array
+            if spec.inplace and field in spec.writes:
+                given[field] = _copied(array, targets.get(field))
+            else:
+                given[field] = array
         rest = arrays[len(spec.reads):]
         given.update(zip(self.inputs, rest))
-        # The out rows as they are, writable: what fn leaves unwritten keeps its value.
-        outs = {name: np.array(array) for name, array in zip(self.outs, rest[len(self.inputs):])}
+        # The out rows as they are, writable: what fn leaves unwritten keeps its value. dispatch's rows of them
+        # are the caller's arrays themselves; the rows read (mapped read-only) are copied.
+        outs = {name: targets[name] if name in targets else np.array(array)
+                for name, array in zip(self.outs, rest[len(self.inputs):])}
         given.update(outs)
         result = spec.fn(**given, **spec.kwargs)
         fields = {field: _to_host(value) for field, value in checked_result(spec, chunk, result).items()}
@@ -105,6 +125,13 @@ class ChunkUpdate:
             return fields, outs
         # In place: the fields written, then the out rows, flat, as the batch's out= lists them.
         return flat([fields[field] for field in spec.writes] + [outs[name] for name in self.outs])
+
+    def _targets(self, out) -> dict:
+        """``{field or out name: its writable rows}`` of dispatch's ``out=`` (nothing while layouts are learned)."""
+        if out is None or self.layouts is None:
+            return {}
+        rows = out if isinstance(out, tuple) else (out,)
+        return dict(zip((*self.spec.writes, *self.outs), rows))
 
     def _chunk(self, rows):
         """The batch's chunk whose rows these are (``rows``: each item's chunk index)."""

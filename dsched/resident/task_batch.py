@@ -140,9 +140,11 @@ class TaskBatch:
         """Whether ``field`` is a field, or will be once the updates pushed ran (every field has a chunk 0)."""
         return (field, 0) in self._vars
 
-    def update(self, spec, arrays, axis, out) -> Update:
+    def update(self, spec, arrays, axis, out, layouts=None) -> Update:
         """:meth:`dsched.Batch.update`: ``spec`` (fn, label, reads, writes and outputs, inplace, kwargs) checked,
-        ``arrays`` its own inputs along ``axis``, ``out`` its out= arrays."""
+        ``arrays`` its own inputs along ``axis``, ``out`` its out= arrays. ``layouts`` go unused: in device
+        memory a chunk keeps what ``fn`` returns as it is."""
+        del layouts
         reads, written, label = spec.reads, spec.writes, spec.label
         targets = self._out_refs(out, set(reads) | set(arrays))
         tasks = []

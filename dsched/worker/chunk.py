@@ -121,8 +121,8 @@ def _compute(program, device, work, slot):
         rows = slot.rows() if slot is not None and not gpu else None  # mapped once, for out= and the write
         out = slot.views(rows) if rows is not None and program.takes_out else None
         work = resolve_work(work, pinned=gpu)
-        if rows is not None and out is None:  # results allocated in their rows, where learned
-            return run_and_write(program, slot, rows, lambda: program.run(device, work), device)
+        if rows is not None:  # results allocated in their rows where learned (those computed into out= lie there)
+            return run_and_write(program, slot, rows, lambda: program.run(device, work, out), device)
         result = program.run(device, work, out)
         if slot is not None:  # written in place; only outputs that travel by value come back
             return slot.write(result, device, pinned=gpu, rows=rows)

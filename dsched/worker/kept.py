@@ -105,15 +105,16 @@ def run_kept(program, device, chunk, slot, rows, plan):
     if slot is None or plan.real_gpu:  # the full path: page-locked inputs, a stream of its own
         return _compute(program, device, chunk.work, slot)
     work = chunk.inputs()
-    if rows and program.place_results and not program.takes_out and _nbytes(rows) >= PLACE_FROM:
-        return run_and_write(program, slot, rows, lambda: program.run(device, work), device)  # a copy worth saving
+    out = slot.views(rows) if rows and program.takes_out else None
+    if rows and program.place_results and _nbytes(rows) >= PLACE_FROM:  # a copy worth saving
+        return run_and_write(program, slot, rows, lambda: program.run(device, work, out), device)
     on_host = getattr(program.do_work, "on_host", None) if plan.on_host else None  # dispatch's: nothing to move
     token = enter_device(device)  # running_on(device); no GPU to select
     try:
         if on_host is not None and chunk.resolved is not None and program.preprocess is program.postprocess is None:
-            result = on_host(work)
+            result = on_host(work) if out is None else on_host(work, out=out)
         else:
-            result = program.call(device, work, slot.views(rows) if rows and program.takes_out else None)
+            result = program.call(device, work, out)
     finally:
         leave_device(token)
     return slot.write(result, device, rows=rows)

@@ -25,8 +25,11 @@ The plan is a guess, checked at every chunk, so a wrong one costs a copy:
   array would land in the outputs. The array keeps its memory mapped while
   it lives.
 
-Models that take ``out=`` compute into their rows already and are not
-watched; neither are GPU chunks, torch or NEML2 results, outputs that are
+A model that takes ``out=`` is watched like any other: what it computes
+into its rows lies there already, and a plan covers the results it
+allocates (a batch's update writes its ``out=`` rows and returns new
+fields); one that allocates none of them is given up at its first chunk.
+Not watched are GPU chunks, torch or NEML2 results, outputs that are
 not in memory (a Zarr store) or travel by value, nor models that make more
 than one allocation per :data:`BYTES_PER_ALLOCATION` of the outputs placed.
 The Dask config ``dsched.place-results: false``, where a dispatcher is made,
