@@ -106,4 +106,17 @@ def test_closing_a_solvers_queue_cancels_what_is_pending_at_once(solver_queue):
     helper.join(10)
     assert pending.done and isinstance(pending.error, CancelledError)
     assert ("pending", "test-batch") not in ran
-    assert not queue._thread.is_alive()
+    assert queue._served.is_set()  # its thread has left it (to wait for the next queue a while)
+
+
+def test_the_next_queue_takes_on_the_thread_of_a_stopped_one():
+    """A batch opened after another closed runs its updates on the same thread: the feeds its dispatches parked
+    (kept per calling thread) serve the next batch's."""
+    ran = []
+    first, second = JobQueue(name="first"), JobQueue(name="second")
+    first.push(_job("a", ran))
+    first.stop(timeout=10)
+    second.push(_job("b", ran))
+    second.stop(timeout=10)
+    assert [label for label, _ in ran] == ["a", "b"] and [name for _, name in ran] == ["first", "second"]
+    assert first._thread is second._thread

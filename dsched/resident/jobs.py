@@ -21,6 +21,12 @@ push no longer wakes the thread, which looks every :data:`HAND_OFF_SECONDS` and 
 only a job no caller came for in that time. A job that waited so (an update
 overlapped with the caller's own work) puts the queue back to waking its thread on
 every push: an overlapped update starts late at most once, by that much.
+
+A queue's thread outlives its queue for a while (:data:`THREAD_KEPT_SECONDS`): the
+next queue, a batch opened after this one closed (a driver per history), takes it
+on. Its dispatches then find the feeds the last batch's runs parked on the
+workers, which are kept per calling thread: no new feed task, a scheduler round
+trip, per batch.
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ from concurrent.futures import CancelledError
 
 from dsched.dispatch.completion import Cancellation, cancellable
 
-__all__ = ["Job", "JobQueue", "HAND_OFF_SECONDS"]
+__all__ = ["Job", "JobQueue", "HAND_OFF_SECONDS", "THREAD_KEPT_SECONDS"]
 
 HAND_OFF_SECONDS = 0.002  # a solver's queue: how long a pushed job waits for its caller before the thread runs it
 IDLE_LOOKS = 25  # looks of a solver's queue's thread with no push between, before it sleeps until the next push
+THREAD_KEPT_SECONDS = 5.0  # how long a queue's thread, its queue stopped, waits for a new queue to take it on
 
 
 class Job:
@@ -101,6 +108,7 @@ class JobQueue:
         self._running = None  # the job some thread runs now
         self._cond = threading.Condition()
         self._thread = None
+        self._served = threading.Event()  # the thread has left this queue (stopped, every job ended)
         self._stopped = False
         self._solver = False  # the last job's caller came for it at once: pushes leave the thread be
         self._pushes = 0
@@ -114,8 +122,7 @@ class JobQueue:
             self._pending.append(job)
             self._pushes += 1
             if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
-                self._thread.start()
+                self._thread = _QueueThread.serve(self)
             if self._asleep or not self._solver:  # a solver's queue: its thread looks by itself (module docs)
                 self._asleep = False  # woken now, whenever it next runs
                 self._cond.notify_all()
@@ -145,7 +152,7 @@ class JobQueue:
                     job.cancel()
             self._cond.notify_all()
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+            self._served.wait(timeout)
 
     def _claim(self, until=None):
         """The first pending job, now marked running, if no thread runs one (and it is ``until`` or before it)."""
@@ -198,3 +205,48 @@ class JobQueue:
                 self._asleep = True
                 self._cond.wait()
                 self._asleep = False
+
+
+class _QueueThread:
+    """A thread that serves one :class:`JobQueue` after another: once its queue is stopped and done, it waits
+    :data:`THREAD_KEPT_SECONDS` for the next queue (and ends if none comes)."""
+
+    _idle = []  # threads waiting for a queue, the most recent last
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self._next = None
+        self._given = threading.Condition(self._lock)
+        self.thread = threading.Thread(target=self._loop, name="dsched-batch", daemon=True)
+
+    @classmethod
+    def serve(cls, queue) -> threading.Thread:
+        """A thread serving ``queue`` from now on: an idle one, else a new one."""
+        with cls._lock:
+            server = cls._idle.pop() if cls._idle else None
+            if server is not None:
+                server._next = queue
+                server._given.notify()
+                return server.thread
+        server = cls()
+        server._next = queue
+        server.thread.start()
+        return server.thread
+
+    def _loop(self):
+        while True:
+            with self._lock:
+                queue, self._next = self._next, None
+            self.thread.name = queue.name
+            try:
+                queue._serve()
+            finally:
+                with self._lock:  # idle before its queue is told: a queue made once that one is served finds it
+                    self._idle.append(self)
+                queue._served.set()
+                queue = None  # an idle thread keeps no queue (nor its batch) alive
+            with self._lock:
+                self._given.wait_for(lambda: self._next is not None, THREAD_KEPT_SECONDS)
+                if self._next is None:  # no queue came: this thread ends
+                    self._idle.remove(self)
+                    return
