@@ -12,7 +12,7 @@ device memory.
 """
 
 import dataclasses
-import time
+import uuid
 
 import numpy as np
 import pytest
@@ -253,11 +253,24 @@ def test_loaded_versions_read_shared_memory_and_copy_on_their_first_write(proces
     np.testing.assert_array_equal(values, 1.0)  # the caller's array (the lineage) is untouched
 
 
-def _step(x, *, k, fail_at=None, sleep=0.0):
-    time.sleep(sleep)  # the chunk stays busy while the next updates are pushed: they queue behind it
+def _step(x, *, k, fail_at=None, gate=None):
+    if gate is not None:  # the chunk stays busy until the next updates are pushed: they queue behind it
+        from distributed import Event
+
+        assert Event(gate).wait(30), "the test never opened the gate"
     if k == fail_at:
         raise ValueError(f"step {k} fails")
     return {"x": x + k}
+
+
+def _burst(batch, steps, gate, **kwargs):
+    """Updates ``steps`` pushed while the first one's chunks wait at ``gate``, opened once all are pushed."""
+    from distributed import Event
+
+    handles = [batch.update(_step, reads=["x"], writes=["x"], kwargs={"k": k, "gate": gate if k == steps[0] else None,
+                                                                      **kwargs}) for k in steps]
+    Event(gate).set()
+    return handles
 
 
 def test_updates_pushed_in_a_burst_run_as_one_task_per_chunk(process_client):
@@ -265,14 +278,12 @@ def test_updates_pushed_in_a_burst_run_as_one_task_per_chunk(process_client):
     a failure fails (and rolls back) the updates fused with it, and the batch stays usable."""
     scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [3, 3])
     with dsched.Batch({"x": np.zeros(6)}, scheduler, client=process_client, lookahead=1, memory="device") as batch:
-        handles = [batch.update(_step, reads=["x"], writes=["x"], kwargs={"k": k, "sleep": 0.3 * (k == 1)})
-                   for k in range(1, 11)]
+        handles = _burst(batch, range(1, 11), f"burst-{uuid.uuid4().hex}")
         np.testing.assert_array_equal(batch.get("x"), 55.0)
         keys = {f.key for h in handles for f in h.futures}
         assert len(keys) < 2 * len(handles) and any("-fused-" in key for key in keys)
         batch.update(_step, reads=["x"], writes=["x"], kwargs={"k": 100}).wait()  # 155 from here
-        burst = [batch.update(_step, reads=["x"], writes=["x"], kwargs={"k": k, "fail_at": 3, "sleep": 0.3 * (k == 1)})
-                 for k in range(1, 6)]
+        burst = _burst(batch, range(1, 6), f"burst-{uuid.uuid4().hex}", fail_at=3)
         with pytest.raises(ValueError, match="step 3 fails"):
             burst[-1].wait()
         # Steps 2-5 (or 1-5, had the chunk not yet heard that its previous task ended) went as one task, which
