@@ -12,6 +12,8 @@ device memory.
 """
 
 import dataclasses
+import os
+import time
 import uuid
 
 import numpy as np
@@ -255,35 +257,36 @@ def test_loaded_versions_read_shared_memory_and_copy_on_their_first_write(proces
 
 def _step(x, *, k, fail_at=None, gate=None):
     if gate is not None:  # the chunk stays busy until the next updates are pushed: they queue behind it
-        from distributed import Event
-
-        assert Event(gate).wait(30), "the test never opened the gate"
+        deadline = time.monotonic() + 30
+        while not os.path.exists(gate):  # the test makes the file once every update is pushed
+            assert time.monotonic() < deadline, "the test never opened the gate"
+            time.sleep(0.002)
     if k == fail_at:
         raise ValueError(f"step {k} fails")
     return {"x": x + k}
 
 
-def _burst(batch, steps, gate, **kwargs):
-    """Updates ``steps`` pushed while the first one's chunks wait at ``gate``, opened once all are pushed."""
-    from distributed import Event
-
-    handles = [batch.update(_step, reads=["x"], writes=["x"], kwargs={"k": k, "gate": gate if k == steps[0] else None,
-                                                                      **kwargs}) for k in steps]
-    Event(gate).set()
+def _burst(batch, steps, folder, **kwargs):
+    """Updates ``steps`` pushed while the first one's chunks wait at a gate (a file in ``folder``), opened once
+    all are pushed."""
+    gate = os.path.join(folder, f"gate-{uuid.uuid4().hex}")
+    handles = [batch.update(_step, reads=["x"], writes=["x"],
+                            kwargs={"k": k, "gate": gate if k == steps[0] else None, **kwargs}) for k in steps]
+    open(gate, "w").close()
     return handles
 
 
-def test_updates_pushed_in_a_burst_run_as_one_task_per_chunk(process_client):
+def test_updates_pushed_in_a_burst_run_as_one_task_per_chunk(process_client, tmp_path):
     """Updates queued behind the lookahead go to Dask together: one round trip per burst, the same results;
     a failure fails (and rolls back) the updates fused with it, and the batch stays usable."""
     scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [3, 3])
     with dsched.Batch({"x": np.zeros(6)}, scheduler, client=process_client, lookahead=1, memory="device") as batch:
-        handles = _burst(batch, range(1, 11), f"burst-{uuid.uuid4().hex}")
+        handles = _burst(batch, range(1, 11), tmp_path)
         np.testing.assert_array_equal(batch.get("x"), 55.0)
         keys = {f.key for h in handles for f in h.futures}
         assert len(keys) < 2 * len(handles) and any("-fused-" in key for key in keys)
         batch.update(_step, reads=["x"], writes=["x"], kwargs={"k": 100}).wait()  # 155 from here
-        burst = _burst(batch, range(1, 6), f"burst-{uuid.uuid4().hex}", fail_at=3)
+        burst = _burst(batch, range(1, 6), tmp_path, fail_at=3)
         with pytest.raises(ValueError, match="step 3 fails"):
             burst[-1].wait()
         # Steps 2-5 (or 1-5, had the chunk not yet heard that its previous task ended) went as one task, which
