@@ -53,6 +53,7 @@ import numpy as np
 from dsched.dataplane.outputs import ChunkResultError, ZarrTarget
 from dsched.dataplane.store import RunStore, SliceRef
 from dsched.devices.device import device_resource
+from dsched.dispatch.completion import send_now
 from dsched.resident.engine import Engine
 from dsched.resident.hostdata import SetSegment, _Kept, out_refs, share_inputs
 from dsched.resident.tasks import (
@@ -252,6 +253,7 @@ class TaskBatch:
         future = self.client.submit(_item_layouts, {f: _handed(op) for f, op in first.items()},
                                     key=f"{self._id}-layout-{next(self._ops)}",
                                     resources={device_resource(self.chunks[0].device): 1})
+        send_now(self.client)
         _wait_all([future])
         return future.result()
 
@@ -394,6 +396,7 @@ class TaskBatch:
         else:
             func, args, key, resources, after = _fused_call(ops)
         future = self.client.submit(_ordered, func, after, *args, key=key, resources=resources, pure=False)
+        send_now(self.client)  # not at the end of the client's 10 ms batch window: a solver waits for this step
         # Weakly: a payload holds its future, which would then never leave this table before close().
         self._futures[future] = [weakref.ref(op.payload) for op in ops]
         for index, op in enumerate(ops):
@@ -455,6 +458,7 @@ class TaskBatch:
             layout_future = self.client.submit(_item_layout, _handed(first), field,
                                                key=f"{self._id}-layout-{next(self._ops)}",
                                                resources={device_resource(self.chunks[0].device): 1})
+            send_now(self.client)
             _wait_all([layout_future])
             layout = layout_future.result()
         item_shape, dtype = layout
