@@ -9,6 +9,7 @@ where host memory cannot be chosen. What both backends promise is in ``tests/tes
 ``cuda:0`` is emulated (a CPU process claiming the device): nothing here measures a GPU.
 """
 
+import gc
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import CancelledError
 
 import numpy as np
 import pytest
@@ -374,3 +376,35 @@ def test_declared_layouts_errors_name_the_entry(process_client, layouts, message
     with Batch({"x": np.arange(4.0)}, hybrid(2, 2), client=process_client, memory="host") as batch:
         with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
             batch.update(_make_z, reads=["x"], outputs=["z"], layouts=layouts)
+
+
+def _held(x, *, started, gate):
+    """Says it started (a file), then waits for the test to open ``gate`` (a file) before it returns."""
+    open(started, "a").close()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return {"x": x + 1}
+
+
+def test_the_arrays_a_cancelled_update_writes_into_never_go_back_to_the_pool(process_client, tmp_path):
+    """Its chunks may still write there: unlinked at once, so no later array can take their segment."""
+    started, gate = str(tmp_path / "started"), str(tmp_path / "gate")
+    batch = Batch({"x": np.zeros(30)}, hybrid(), client=process_client, memory="host")
+    try:
+        batch.update(lambda x: {"x": x + 1}, reads=["x"], writes=["x"]).wait()
+        spare = find_shared(batch._backend._fields["x"].spare).token  # what the next update writes into
+        update = batch.update(_held, reads=["x"], writes=["x"], kwargs={"started": started, "gate": gate})
+        deadline = time.monotonic() + 30
+        while not os.path.exists(started) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert os.path.exists(started)
+        batch._backend._jobs[-1].cancel()  # as a Ctrl-C while waiting for the batch does
+        with pytest.raises(CancelledError):
+            update.wait()
+        gc.collect()  # whatever still held the array it wrote into has let go of it
+        assert spare not in _segments()  # unlinked, not kept for the next array of its size
+        np.testing.assert_array_equal(batch.get("x"), np.ones(30))  # the cancelled update changed nothing
+    finally:
+        open(gate, "w").close()
+        batch.close()

@@ -328,6 +328,8 @@ class HostBatch:
             for field in targets:
                 if field in self._fields:
                     self._fields[field].spare = None
+        for array in targets.values():
+            free_shared(array)  # unlinked now: never back to the pool, where another array could take it
 
     def _make(self, layouts, fields) -> list:
         """New ``fields`` of the declared ``layouts`` (``{field: (item shape, dtype)}``), their values to come."""
