@@ -408,3 +408,15 @@ def test_the_arrays_a_cancelled_update_writes_into_never_go_back_to_the_pool(pro
     finally:
         open(gate, "w").close()
         batch.close()
+
+
+def test_close_unlinks_a_segment_whose_array_something_still_holds(process_client):
+    """Not kept in the pool: an array still referenced (an error's traceback may hold a field) would share its
+    memory with the next batch's. Its values stay readable here."""
+    release_pool()
+    batch = Batch({"x": np.arange(30.0)}, hybrid(), client=process_client, memory="host")
+    held = batch._backend._fields["x"].current  # as a traceback's frame holds it
+    token = find_shared(held).token
+    batch.close()
+    assert token not in _segments()
+    np.testing.assert_array_equal(held, np.arange(30.0))

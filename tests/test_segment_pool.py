@@ -26,6 +26,7 @@ def double(x):
 
 @pytest.fixture(autouse=True)
 def empty_pool():
+    gc.collect()  # arrays of earlier tests held in reference cycles: their segments come back to the pool now
     release_pool()
     yield
     gc.collect()

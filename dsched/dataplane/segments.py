@@ -27,7 +27,7 @@ from dsched.names import SEGMENT_PREFIX
 
 __all__ = ["SHM_DIR", "mapped_segment", "pinned_segment", "forget_vanished_segments", "sweep_stale_segments",
            "sweep_now_and_then", "note_user_segment", "forget_user_segment", "shared_empty", "shared_copy",
-           "SegmentPool", "POOL", "release_pool", "record_semaphores", "free_shared", "on_free"]
+           "SegmentPool", "POOL", "release_pool", "record_semaphores", "free_shared", "on_free", "shareable"]
 
 SHM_DIR = "/dev/shm"
 _PREFIX = SEGMENT_PREFIX
@@ -491,6 +491,16 @@ def free_shared(array) -> bool:
     return True
 
 
+def shareable(shape, dtype) -> tuple:
+    """``(shape as a tuple of ints, np.dtype)`` of an array to place in shared memory; a ValueError for Python
+    objects, which cannot be shared."""
+    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise ValueError(f"dtype: arrays of Python objects cannot be shared, got {dtype}")
+    return shape, dtype
+
+
 def shared_empty(shape, dtype=float) -> np.ndarray:
     """A new NumPy array in shared memory, for inputs and outputs used again and again.
 
@@ -506,10 +516,7 @@ def shared_empty(shape, dtype=float) -> np.ndarray:
     >>> strain = shared_empty((1000, 6))
     >>> strain[:] = 0.0
     """
-    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
-    dtype = np.dtype(dtype)
-    if dtype.hasobject:
-        raise ValueError(f"dtype: arrays of Python objects cannot be shared, got {dtype}")
+    shape, dtype = shareable(shape, dtype)
     count = math.prod(shape)
     segment = _Segment(count * dtype.itemsize)
     array = np.frombuffer(segment.buffer, dtype, count=count).reshape(shape)

@@ -57,6 +57,7 @@ from dsched.dataplane.segments import (
     on_free,
     pinned_segment,
     round_to_pages,
+    shareable,
     shared_copy,
     shared_empty,
     sweep_now_and_then,
@@ -346,10 +347,7 @@ def pooled_empty(shape, dtype=float) -> np.ndarray:
     For arrays dsched holds for a while and lets go of, such as a resident batch's fields: the next batch of
     that size reuses pages this process and the workers have mapped already, and pays no page faults.
     """
-    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
-    dtype = np.dtype(dtype)
-    if dtype.hasobject:
-        raise ValueError(f"dtype: arrays of Python objects cannot be shared, got {dtype}")
+    shape, dtype = shareable(shape, dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     segment = POOL.take(nbytes) or _Segment(round_to_pages(nbytes))
     base = np.frombuffer(segment.buffer, np.uint8)

@@ -33,10 +33,11 @@ chunk and field.
   and written in place like the others.
 - **Memory.** Arrays come from the segment pool (:func:`~dsched.dataplane.store.pooled_empty`).
   ``set`` writes into the field's array (a new one only for a new shape or
-  dtype), ``get`` copies the rows out; :meth:`HostBatch.close` gives every
-  segment back to the pool at once, where the next batch of the same size
-  finds pages the workers have mapped already (after a cancelled update, whose
-  chunks may still write, it unlinks them instead).
+  dtype), ``get`` copies the rows out; :meth:`HostBatch.close` lets go of
+  every segment at once: back to the pool, where the next batch of the same
+  size finds pages the workers have mapped already, or unlinked where something
+  else still holds an array (an error's traceback). The arrays a cancelled
+  update's chunks may still write into are unlinked as it is cancelled.
 """
 
 from __future__ import annotations
@@ -133,7 +134,6 @@ class HostBatch:
         self._last_use, self._last_write = {}, {}  # field -> the last job pushed that reads or writes it, writes it
         self._programs = collections.OrderedDict()
         self._segments = set()  # the names of every segment the batch made
-        self._dirty = False  # a cancelled update's chunks may still write into its arrays: unlinked at close
         self._closed = False
         self._lane = JobQueue()
         # A batch never closed ends its thread when it is collected (or at exit, its updates cancelled).
@@ -226,7 +226,7 @@ class HostBatch:
         try:
             self._lane.stop(cancel=True)
         finally:
-            self._free_all(clean=not self._dirty)
+            self._free_all()
 
     # --- the lane's side: one update -------------------------------------------------------
 
@@ -238,7 +238,8 @@ class HostBatch:
             if missing:
                 raise ValueError(f"reads: no field {missing[0]!r}; the update that was to make it failed")
             if all(f in self._fields or f in declared for f in spec.writes):
-                made = self._make(declared, [f for f in spec.writes if f not in self._fields])
+                made = [f for f in spec.writes if f not in self._fields]
+                self._make(declared, made)
                 layouts = {f: layout_of(self._fields[f].current) for f in spec.writes}
                 try:
                     return self._run_in_place(spec, inputs, axis, outs, layouts)
@@ -321,23 +322,20 @@ class HostBatch:
 
     def _forget_writes(self, targets):
         """A cancelled update changes no field. Its chunks may still be running, to write their rows late: the
-        spare arrays they write into are dropped, not reused, and the batch's segments are unlinked at close
-        rather than pooled."""
+        spare arrays they write into are dropped and unlinked at once, never back to the pool."""
         with self._lock:
-            self._dirty = True
             for field in targets:
                 if field in self._fields:
                     self._fields[field].spare = None
         for array in targets.values():
             free_shared(array)  # unlinked now: never back to the pool, where another array could take it
 
-    def _make(self, layouts, fields) -> list:
+    def _make(self, layouts, fields):
         """New ``fields`` of the declared ``layouts`` (``{field: (item shape, dtype)}``), their values to come."""
         with self._lock:
             for field in fields:
                 item_shape, dtype = layouts[field]
                 self._fields[field] = _Field(self._empty((self.n, *item_shape), dtype))
-        return fields
 
     def _unmake(self, fields):
         """The new fields of an update that did not make them: gone again."""
@@ -450,18 +448,17 @@ class HostBatch:
         np.copyto(copy, array)
         return copy
 
-    def _free_all(self, clean=False):
-        """Let go of every segment of the batch now. ``clean`` (no chunk may still write into one): each goes back
-        to the pool once its arrays are gone, here at once; else each is unlinked now, also those of arrays it let
-        go of that something still holds (a cancelled update's traceback), which stay valid while referenced."""
+    def _free_all(self):
+        """Let go of every segment of the batch now: those whose arrays nothing else holds go back to the pool as
+        the batch drops them; the others (an error's traceback may hold a field) are unlinked, and their arrays in
+        this process stay valid while referenced."""
         with self._lock:
             segments, self._segments = self._segments, set()
             self._fields.clear()
             self._programs.clear()
-        if clean:
-            return
+            self._rows = None
         for token in segments:
-            free_shared(token)  # those unlinked already (their arrays collected) are passed over
+            free_shared(token)  # those back in the pool, or unlinked already, are passed over
 
 
 def _failed_chunks(errors, dispatched) -> set:

@@ -250,10 +250,9 @@ class TaskBatch:
         with self._lock:
             self._rollback_failed()
             first = {f: self._vars[(f, 0)].last_write for f in fields}
-        future = self.client.submit(_item_layouts, {f: _handed(op) for f, op in first.items()},
-                                    key=f"{self._id}-layout-{next(self._ops)}",
-                                    resources={device_resource(self.chunks[0].device): 1})
-        send_now(self.client)
+        future = self._submit_now(_item_layouts, {f: _handed(op) for f, op in first.items()},
+                                  key=f"{self._id}-layout-{next(self._ops)}",
+                                  resources={device_resource(self.chunks[0].device): 1})
         _wait_all([future])
         return future.result()
 
@@ -349,9 +348,8 @@ class TaskBatch:
         """Hand over what waits: the batch's first values (until its first operation) and, with
         ``everywhere``, every chunk's queue.
 
-        From the client's event loop, so that the chunks' tasks leave in one message: Dask's client
-        sends at most one message every 10 ms, and a second task submitted a moment after the first
-        would wait for the next one.
+        From the client's event loop, so that the chunks' tasks leave in one message, sent at once
+        (:meth:`_submit_now`) rather than at the end of the client's 10 ms batch window.
         """
         if not (self._held or everywhere):
             return
@@ -386,6 +384,13 @@ class TaskBatch:
                 self._in_dask[chunk.index] += 1
             self._submit(chunk, ops)
 
+    def _submit_now(self, *args, **kwargs):
+        """``client.submit(*args, **kwargs)``, sent to the scheduler now: not at the end of the client's 10 ms
+        batch window, which a solver's step would wait for."""
+        future = self.client.submit(*args, **kwargs)
+        send_now(self.client)
+        return future
+
     def _submit(self, chunk, ops):
         if len(ops) == 1:
             func, args, key, resources = ops[0].payload.call
@@ -395,8 +400,7 @@ class TaskBatch:
             args = _resolve(args)
         else:
             func, args, key, resources, after = _fused_call(ops)
-        future = self.client.submit(_ordered, func, after, *args, key=key, resources=resources, pure=False)
-        send_now(self.client)  # not at the end of the client's 10 ms batch window: a solver waits for this step
+        future = self._submit_now(_ordered, func, after, *args, key=key, resources=resources, pure=False)
         # Weakly: a payload holds its future, which would then never leave this table before close().
         self._futures[future] = [weakref.ref(op.payload) for op in ops]
         for index, op in enumerate(ops):
@@ -455,10 +459,9 @@ class TaskBatch:
             self._rollback_failed()
             first = self._vars[(field, 0)].last_write
         if layout is None:
-            layout_future = self.client.submit(_item_layout, _handed(first), field,
-                                               key=f"{self._id}-layout-{next(self._ops)}",
-                                               resources={device_resource(self.chunks[0].device): 1})
-            send_now(self.client)
+            layout_future = self._submit_now(_item_layout, _handed(first), field,
+                                             key=f"{self._id}-layout-{next(self._ops)}",
+                                             resources={device_resource(self.chunks[0].device): 1})
             _wait_all([layout_future])
             layout = layout_future.result()
         item_shape, dtype = layout
