@@ -70,6 +70,20 @@ def test_dispatch_in_a_solver_loop_replays_with_its_outputs_fed_back(client, run
     assert len(runs["replay"]) == 6
 
 
+def test_inputs_of_alternating_layouts_each_keep_their_path_and_replay(client, runs):
+    """A solver's first steps pass its old state as scalars, the next ones as arrays: each layout of the inputs
+    keeps its own steady path and replay, so alternating between them never falls back to the full way."""
+    d = dsched.WorkDispatcher(one_wave(), triple, join="concat", client=client)
+    flat, pairs = np.arange(400.0), np.arange(800.0).reshape(400, 2)
+    for k in range(5):
+        np.testing.assert_array_equal(d.run(dsched.ArrayLoader(flat + k)), 3 * (flat + k))
+        np.testing.assert_array_equal(d.run(dsched.ArrayLoader(pairs + k)), 3 * (pairs + k))
+    assert (len(runs["steady"]), len(runs["replay"])) == (2, 6)
+    assert len(d._steady_paths) == 2
+    d.close()
+    assert d._steady_paths == {}
+
+
 def test_out_arrays_in_shared_memory_are_written_in_place_by_replays(client, runs):
     out = dsched.shared_empty(400)
     d = dsched.WorkDispatcher(one_wave(), triple, join="concat", client=client, out=out)
@@ -210,19 +224,20 @@ def _forget_kept_plans():
     return len(inboxes)
 
 
-def test_a_feed_that_no_longer_keeps_the_plan_sends_its_chunk_the_full_way(client, runs):
-    """A feed refuses ``again`` for a plan it does not keep (it let it go): that chunk runs the full way, into the
-    same outputs, and the next calls replay again."""
+def test_a_feed_that_let_go_of_the_plan_is_sent_its_chunks_again_on_the_same_lane(client, runs):
+    """A feed answers ``again`` for a plan it no longer keeps (it keeps a few) with ``forgotten``: the replay
+    sends that feed its chunks in full, on the same lane, and the call stays a replay, with its feeds."""
     d = dsched.WorkDispatcher(one_wave(), triple, join="concat", client=client)
     x = np.arange(400.0)
     for _ in range(3):
         d.run(dsched.ArrayLoader(x))
+    feeds_before = set(d._steady.replay.current.kept_by)
+    assert len(feeds_before) == 2
     assert all(client.run(_forget_kept_plans).values())
-    np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x + 1)), 3 * (x + 1))
-    assert len(runs["replay"]) == 2 and (d._steady is None or d._steady.replay is None)
-    for k in range(3):  # the full way, the steady path, a replay that keeps the chunks anew
+    for k in range(1, 4):
         np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x + k)), 3 * (x + k))
-    assert len(runs["replay"]) == 3 and [s.load for s in d.scheduler.status()] == [0, 0]
+    assert len(runs["replay"]) == 4 and d._steady.replay.current.kept_by == feeds_before
+    assert [s.load for s in d.scheduler.status()] == [0, 0]
 
 
 def test_two_threads_running_one_dispatcher_each_get_their_own_results(client, runs):

@@ -31,7 +31,7 @@ from dsched.devices.ownership import device_owners, forget_cluster_info, recent_
 from dsched.dispatch.async_run import AsyncRun
 from dsched.dispatch.completion import current_cancellation
 from dsched.dispatch.replay import MISS, ReplayPlan, run_replay
-from dsched.dispatch.steady import SteadyPath, SteadyRun, steady_path_enabled
+from dsched.dispatch.steady import SteadyPath, SteadyRun, inputs_signature, steady_path_enabled
 from dsched.errors import AggregateError, ChunkTimeoutError
 from dsched.observe.collect import open_collectors
 from dsched.observe.dashboard.client import RunTotal
@@ -45,6 +45,7 @@ from dsched.worker.chunk import ChunkProgram, takes_out
 __all__ = ["WorkDispatcher", "ChunkRecord", "RunReport"]
 
 MODES = ("sync", "async")
+STEADY_PATHS_KEPT = 4  # steady paths a dispatcher keeps, one per layout of its inputs
 
 
 def _place_results() -> bool:
@@ -185,7 +186,10 @@ class WorkDispatcher:
         self._initialised_sync = set()
         self.last_run: RunReport | None = None
         self._last_generator = None  # for run_failed
-        self._steady = None  # what the last run left for the next one's short way (dsched.dispatch.steady)
+        self._steady = None  # the path of this run's inputs' layout, if a run left one (dsched.dispatch.steady)
+        # One path per layout of the inputs, the most recently used last: a solver's first steps pass its old
+        # state as scalars, then as arrays, and each layout keeps its own path (and replay) from run to run.
+        self._steady_paths = {}
 
     @staticmethod
     def _check_join(join, reduce, axis, out, output_spec):
@@ -209,7 +213,7 @@ class WorkDispatcher:
 
     def close(self):
         """Close the cluster this dispatcher started, if any."""
-        self._drop_steady()
+        self._drop_all_steady()
         with self._client_lock:
             closer, self._closer = self._closer, None
             self._own_client = self._own_cluster = None
@@ -240,6 +244,7 @@ class WorkDispatcher:
 
     def run(self, generator, *, _overwrite_out=False):
         """Dispatch every item of ``generator``; the results in dispatch order, or ``reduce`` of them."""
+        self._steady = self._steady_path_of(generator) if self._steady_paths else None
         if self._steady is not None and self._steady.replay is not None and self.mode == "async":
             replayed = run_replay(self, generator)  # a like run after a clean steady one (dsched.dispatch.replay)
             if replayed is not MISS:
@@ -472,7 +477,7 @@ class WorkDispatcher:
         if self.join is not None and not any(r.error is not None for r in report.records):
             # What the next like run needs to take the steady path, if this run leaves it one.
             self._drop_steady()
-            self._steady = SteadyPath.after(run, data, self._last_generator, cluster, self.timeout)
+            self._keep_steady(SteadyPath.after(run, data, self._last_generator, cluster, self.timeout))
 
     def _run_steady(self, client, data, report, feeds, observers) -> list:
         """A run on the steady path (:mod:`dsched.dispatch.steady`); the ranges of the chunks it could not run."""
@@ -497,11 +502,35 @@ class WorkDispatcher:
         left = [(generator.offset, generator.total)] if generator.has_more() else []
         return sorted((r.offset, r.offset + r.size) for r in run.undone) + left
 
+    def _steady_path_of(self, generator):
+        """The steady path a run over ``generator``'s layout left, made the most recently used; ``None`` if none."""
+        path = self._steady_paths.pop(inputs_signature(generator), None)
+        if path is not None:
+            self._steady_paths[path.signature] = path
+        return path
+
+    def _keep_steady(self, path):
+        """Make ``path`` this run's and keep it for its layout's next runs; the least recently used beyond
+        :data:`STEADY_PATHS_KEPT` are dropped."""
+        self._steady = path
+        if path is None:
+            return
+        self._steady_paths[path.signature] = path
+        while len(self._steady_paths) > STEADY_PATHS_KEPT:
+            _close_replay(self._steady_paths.pop(next(iter(self._steady_paths))))
+
     def _drop_steady(self):
-        """Forget the steady path, and its replay plan's input segment."""
+        """Forget this run's steady path, and its replay plan's input segment."""
         steady, self._steady = self._steady, None
-        if steady is not None and steady.replay is not None:
-            steady.replay.close()
+        if steady is not None:
+            if self._steady_paths.get(steady.signature) is steady:
+                del self._steady_paths[steady.signature]
+            _close_replay(steady)
+
+    def _drop_all_steady(self):
+        self._steady = None
+        while self._steady_paths:
+            _close_replay(self._steady_paths.popitem()[1])
 
     def _run_again(self, generator, ranges, output):
         """The rows of ``ranges`` that the steady path could not run, through the full run, into ``output``."""
@@ -511,6 +540,11 @@ class WorkDispatcher:
             return self.run(Ranges(generator, ranges), _overwrite_out=True)
         finally:
             self.out = saved
+
+
+def _close_replay(path):
+    if path.replay is not None:
+        path.replay.close()
 
 
 def _items(generator) -> int:

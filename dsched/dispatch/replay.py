@@ -345,13 +345,26 @@ class ReplayRun(SteadyRun):
             feed.sent += 1
             self.in_flight[i] = (record, feed)
             by_feed.setdefault(feed, []).append((i, record))
-        for feed, chunks in by_feed.items():
-            if feed.lane is None or not feed.lane.send(self.plan.message(feed, chunks, self.data, self.program)):
-                self._lane_ended(feed, lost=feed.lane is None)
+        self.by_feed = by_feed
+        for feed in by_feed:
+            self._send_plan(feed)
         self.report.sent = time.time()
         self._watch()
         while self.in_flight:
             self._wait()
+
+    def _send_plan(self, feed) -> bool:
+        """Send ``feed`` its chunks of the plan (kept, or again); whether they went (else its lane ended)."""
+        if feed.lane is None or not feed.lane.send(self.plan.message(feed, self.by_feed[feed], self.data,
+                                                                     self.program)):
+            self._lane_ended(feed, lost=feed.lane is None)
+            return False
+        return True
+
+    def _send_again(self, feed) -> bool:
+        """The feed let go of the plan's chunks (it keeps a few plans): they go again in full, to be kept."""
+        self.plan.forget_feed(feed)
+        return self._send_plan(feed)
 
     def _receive(self, feed):
         answer = self._answer(feed)

@@ -258,7 +258,8 @@ class SteadyRun:
         except (EOFError, OSError):
             message = (wire.ENDED,)
         if message[0] != wire.DONE:
-            self._lane_ended(feed)
+            if not (message[0] == wire.FORGOTTEN and self._send_again(feed)):
+                self._lane_ended(feed)
             return None
         _, index, ok, value, start, stop = message
         entry = self.in_flight.pop(index, None)
@@ -268,6 +269,11 @@ class SteadyRun:
         feed.sent -= 1
         record.start, record.stop, record.worker = start, stop, feed.address
         return record, ok, value
+
+    def _send_again(self, feed) -> bool:
+        """``feed`` let go of the kept chunks it was asked to run again: send them in full; whether they went.
+        A steady run sends no kept chunks."""
+        return False
 
     def _receive(self, feed):
         answer = self._answer(feed)

@@ -541,8 +541,8 @@ class _Runner:
             return
         _, _, plan_id, payload = message
         plan = inbox.kept.keep(plan_id, payload, self.device) if kind == lanes.KEEP else inbox.kept.get(plan_id)
-        if plan is None:  # a plan this feed never kept (or let go of): the client runs its chunks the full way
-            inbox.reply((lanes.ENDED,))
+        if plan is None:  # a plan this feed let go of (it keeps kept.PLANS_KEPT): the client sends it again
+            inbox.reply((lanes.FORGOTTEN, plan_id))
             return
         program, device = inbox.program, self.device
         jobs = plan.jobs(None if kind == lanes.KEEP else payload)

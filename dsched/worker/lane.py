@@ -21,8 +21,9 @@ Messages are pickled tuples (:func:`dumps`, :func:`loads`):
 - client to feed, replays (:mod:`dsched.worker.kept`): ``("keep", rearm, plan id, [(index, work, slot), ...])``
   runs the chunks and keeps them; ``("again", rearm, plan id, output targets pickled)`` runs them again, writing
   into that call's outputs;
-- feed to client: ``("done", index, ok, value, start, stop)`` per chunk, or
-  ``("ended",)`` when a parked feed had ended before a run's program reached it.
+- feed to client: ``("done", index, ok, value, start, stop)`` per chunk,
+  ``("ended",)`` when a parked feed had ended before a run's program reached it, or
+  ``("forgotten", plan id)`` for an ``again`` of a plan the feed let go of (the client sends ``keep``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = ["Bell", "LaneServer", "lane_server", "lane_directory", "dumps", "load
 
 CHUNKS, STOP, DONE, ENDED = "chunks", "stop", "done", "ended"
 KEEP, AGAIN = "keep", "again"  # a replayed plan's chunks, kept and run; a kept plan run again (dsched.worker.kept)
+FORGOTTEN = "forgotten"  # the answer to an "again" of a plan the feed no longer keeps
 _RETRY_SECONDS = 0.05  # the accept thread's pause after a failed accept (not a handshake refused)
 _SOCKET_PREFIX = "lane-"
 
