@@ -282,3 +282,36 @@ def test_look_returns_what_is_ready_and_nothing_once_its_time_is_up():
     finally:
         os.close(read)
         os.close(write)
+
+
+def scheduling_policy(x):
+    """Each item: the scheduling policy of the thread that ran its chunk."""
+    return np.full(x.shape, os.sched_getscheduler(0))
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_feed_threads_run_under_sched_batch_so_a_woken_one_leaves_the_caller_its_core(client):
+    """A feed's thread, woken by its lane's message, must not preempt the dispatching thread before it has sent
+    the other devices' chunks (dsched.worker.wakeups): on the workers its policy is SCHED_BATCH."""
+    policies = dsched.dispatch(scheduling_policy, np.zeros(400), scheduler=scheduler(), client=client)
+    assert set(policies.tolist()) == {os.SCHED_BATCH}
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+@pytest.mark.parametrize("on", [True, False])
+def test_yield_on_wake_follows_its_setting(on):
+    import threading
+
+    from dsched.worker.wakeups import yield_on_wake
+
+    seen = []
+
+    def run():
+        yield_on_wake()
+        seen.append(os.sched_getscheduler(0))
+
+    with dask.config.set({"dsched.yield-on-wake": on}):
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    assert seen == [os.SCHED_BATCH if on else os.SCHED_OTHER]

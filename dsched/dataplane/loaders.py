@@ -276,8 +276,11 @@ def items_signature(mapping, axes) -> tuple:
     (only whether it is 1, broadcast) and its dtype."""
     out = []
     for key, value in mapping.items():
-        shape, axis = tuple(batch_shape(value)), axes.get(key)
+        # A NumPy array's own shape and dtype (a solver's call, every iteration), without the backends' lookup.
+        plain = type(value) is np.ndarray
+        shape, axis = value.shape if plain else tuple(batch_shape(value)), axes.get(key)
         items = shape[axis] if axis is not None and -len(shape) <= axis < len(shape) else None
         shape = shape[:axis % len(shape)] + shape[axis % len(shape) + 1:] if items is not None else shape
-        out.append((key, type(value), axis, shape, items == 1, str(getattr(value, "dtype", None))))
+        dtype = value.dtype if plain else str(getattr(value, "dtype", None))
+        out.append((key, type(value), axis, shape, items == 1, dtype))
     return tuple(out)

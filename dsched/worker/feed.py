@@ -37,6 +37,7 @@ from dsched.names import CHUNK_EVENT_TOPIC, FEED_WORKER_PLUGIN
 from dsched.worker import lane as lanes
 from dsched.worker.chunk import _compute, _initialise
 from dsched.worker.kept import KeptPlans, run_kept
+from dsched.worker.wakeups import yield_on_wake
 
 __all__ = ["FeedPlugin", "run_feed", "RETIRED"]
 
@@ -444,9 +445,9 @@ def run_feed(program, device, feed: str):
     away or gave up on the run), and when it was parked past its time or
     anyone waits for the worker while it is parked.
     """
-    worker = get_worker()
+    worker, inbox = get_worker(), _inbox(feed)
     key = worker.get_current_task()
-    inbox = _inbox(feed)
+    yield_on_wake()  # woken by a lane's message, it leaves the dispatching thread its core (dsched.worker.wakeups)
     inbox.attach(program)
     runner = _Runner(inbox, device, worker)
     ended = RuntimeError(f"feed {feed} has ended")
