@@ -4,9 +4,8 @@ A run sends its chunks one message per feed, one after the other. Each message
 wakes a worker's thread. On a node with few cores, Linux's scheduler may run a
 woken thread at once on the core of the thread that woke it, putting the
 dispatching thread back in the run queue while the chunk runs: the next message
-then leaves milliseconds late, and its device idles that long. Measured on two
-cores with two 4 ms chunks, the second message left 2–4 ms late in one call of
-two, and the calls took 5–8.5 ms instead of 4.
+then leaves milliseconds late, and its device idles that long: on two cores,
+calls of a few milliseconds often took half as long again.
 
 Under the ``SCHED_BATCH`` policy a woken thread does not preempt the one that
 woke it: it runs once that thread sleeps or yields (the run's loop does, as it
