@@ -256,3 +256,33 @@ def test_two_threads_running_one_dispatcher_each_get_their_own_results(client, r
         np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x + 7)), 2 * (x + 7))
         np.testing.assert_array_equal(first.result(timeout=WAIT_LIMIT), 2 * slow)
     assert len(runs["replay"]) == 2 and [s.load for s in d.scheduler.status()] == [0, 0]
+
+
+def weighted_state(strain, state):
+    """A trial's function: a result, and a new state (a dict of the fields)."""
+    return strain * state["w"], {"w": state["w"] + 1.0, "total": state["total"] + strain}
+
+
+def test_calls_with_dicts_and_lists_of_arrays_skip_the_call_set_up_and_stay_exact(client, runs, monkeypatch):
+    """A call whose arguments are dicts (TrialState's state) or lists of NumPy arrays is as plain as one of arrays:
+    the next like call skips the checks and layout (dispatch's quick way), and its values are its own."""
+    from dsched.dispatch import front
+
+    quick = []
+    original = front._LastCall.run
+    monkeypatch.setattr(front._LastCall, "run", lambda self, *a: quick.append(1) or original(self, *a))
+    s, x = one_wave(), np.arange(400.0)
+    for k in range(4):
+        state = {"w": np.full(400, float(k)), "total": x * k}
+        result, new = dsched.dispatch(weighted_state, x + k, state, scheduler=s, client=client)
+        np.testing.assert_array_equal(result, (x + k) * k)
+        np.testing.assert_array_equal(new["w"], np.full(400, k + 1.0))
+        np.testing.assert_array_equal(new["total"], x * k + x + k)
+    assert len(quick) == 3 and len(runs["replay"]) == 2
+    pair = dsched.dispatch(lambda p: (p[0] - p[1],), [x, 2 * x], scheduler=s, client=client)
+    np.testing.assert_array_equal(pair[0], -x)
+    other = {"w": np.ones(400), "total": x, "extra": x}  # other keys: not like the calls before
+    result, new = dsched.dispatch(lambda e, st: (e + st["extra"], {k: v for k, v in st.items()}), x, other,
+                                  scheduler=s, client=client)
+    np.testing.assert_array_equal(result, 2 * x)
+    assert len(quick) == 3

@@ -162,16 +162,47 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=N
 
 
 def _plain_call(fn, args, scheduler, client, axis, out_axis, timeout, host_arrays, out):
-    """What makes a call of NumPy arrays alone (``out=`` NumPy arrays or none), with no keywords and an integer
-    axis (or one per argument), like another: ``None`` for any other call."""
-    if not (type(axis) is int or type(axis) is tuple and all(type(a) is int for a in axis)) or \
-            not all(type(a) is np.ndarray for a in args):
+    """What makes a call of NumPy arrays alone (arguments that are arrays, or dicts, lists and tuples of arrays;
+    ``out=`` NumPy arrays or none), with no keywords and an integer axis (or one per argument), like another:
+    ``None`` for any other call."""
+    if not (type(axis) is int or type(axis) is tuple and all(type(a) is int for a in axis)):
         return None
+    arguments = tuple(map(_argument_key, args))
     outs = _arrays_key(out)
-    if outs is False:
+    if outs is False or False in arguments:
         return None
     return (scheduler, client, axis, out_axis, timeout, host_arrays, setting("place-results", True),
-            setting("keep-grad", False), tuple((a.shape, a.dtype.str) for a in args), outs)
+            setting("keep-grad", False), arguments, outs)
+
+
+def _argument_key(arg):
+    """One argument's part of :func:`_plain_call`'s key: a NumPy array's shape and dtype, or a container's type
+    and its arrays' names, shapes and dtypes (a dict, list or tuple of NumPy arrays alone, which dispatch splits
+    item by item); ``False`` for anything else."""
+    kind = type(arg)
+    if kind is np.ndarray:
+        return arg.shape, arg.dtype.str
+    if kind is dict:
+        items = arg.items()
+    elif kind is list or kind is tuple:
+        items = enumerate(arg)
+    else:
+        return False
+    key = [kind]
+    for name, value in items:
+        if type(value) is not np.ndarray:
+            return False
+        key.append((name, value.shape, value.dtype.str))
+    return tuple(key) if len(key) > 1 else False
+
+
+def _leaves(args):
+    """The arrays of a plain call's arguments, in the order :class:`ArgsLayout` enters them."""
+    for arg in args:
+        if type(arg) is np.ndarray:
+            yield arg
+        else:
+            yield from (arg.values() if type(arg) is dict else arg)
 
 
 def _arrays_key(out):
@@ -208,7 +239,7 @@ class _LastCall(threading.local):
         self.layout, self.loader = without_arrays(layout), loader.like({})
 
     def run(self, fn, args, out):
-        loader = self.loader.like(dict(zip(self.loader.axes, args)))
+        loader = self.loader.like(dict(zip(self.loader.axes, _leaves(args))))
         return self.recent.run(fn, loader, self.layout, out, False, None, self.signature)
 
 
