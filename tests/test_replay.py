@@ -269,8 +269,8 @@ def test_calls_with_dicts_and_lists_of_arrays_skip_the_call_set_up_and_stay_exac
     from dsched.dispatch import front
 
     quick = []
-    original = front._LastCall.run
-    monkeypatch.setattr(front._LastCall, "run", lambda self, *a: quick.append(1) or original(self, *a))
+    original = front._LastCalls.run
+    monkeypatch.setattr(front._LastCalls, "run", lambda self, *a: quick.append(1) or original(self, *a))
     s, x = one_wave(), np.arange(400.0)
     for k in range(4):
         state = {"w": np.full(400, float(k)), "total": x * k}
@@ -286,3 +286,27 @@ def test_calls_with_dicts_and_lists_of_arrays_skip_the_call_set_up_and_stay_exac
                                   scheduler=s, client=client)
     np.testing.assert_array_equal(result, 2 * x)
     assert len(quick) == 3
+
+
+def scaled_sum(strain, state):
+    return strain * state["w"] + state["total"]
+
+
+def test_calls_alternating_numbers_and_arrays_in_a_dict_each_keep_their_quick_way(client, monkeypatch):
+    """NEML2's driver passes the old state as a number at its first step and as arrays after: each kind of call
+    keeps its quick way from one history to the next (the number is part of what makes calls alike)."""
+    from dsched.dispatch import front
+
+    quick = []
+    original = front._LastCalls.run
+    monkeypatch.setattr(front._LastCalls, "run", lambda self, *a: quick.append(1) or original(self, *a))
+    s, x = one_wave(), np.arange(400.0)
+    for k in range(3):
+        first = dsched.dispatch(scaled_sum, x + k, {"w": 0.0, "total": x}, scheduler=s, client=client)
+        np.testing.assert_array_equal(first, x)
+        later = dsched.dispatch(scaled_sum, x + k, {"w": np.full(400, 2.0), "total": x}, scheduler=s, client=client)
+        np.testing.assert_array_equal(later, 2 * (x + k) + x)
+    assert len(quick) == 4
+    other = dsched.dispatch(scaled_sum, x, {"w": 3.0, "total": x}, scheduler=s, client=client)  # another number
+    np.testing.assert_array_equal(other, 4 * x)
+    assert len(quick) == 4

@@ -30,7 +30,7 @@ from dsched.devices.threads import limit_this_thread
 from dsched.dispatch.arguments import (ArgsLayout, argument_name, check_keywords, is_split, keep_grad_setting,
                                        out_axis_of)
 from dsched.dispatch.dispatcher import WorkDispatcher
-from dsched.dispatch.reuse import RecentCalls, without_arrays
+from dsched.dispatch.reuse import MAX_KEPT, RecentCalls, without_arrays
 from dsched.dataplane.reduce import concat_reduce
 from dsched.errors import as_recoverable
 
@@ -152,8 +152,9 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=N
     quick = None
     if not kwargs and mode == "async" and trace_file is None and keep_grad is None and not overwrite:
         quick = _plain_call(fn, args, scheduler, client, axis, out_axis, timeout, host_arrays, out)
-        if quick is not None and _last.matches(fn, quick):  # like the last plain call of this thread
-            return _last.run(fn, args, out)
+        kept = None if quick is None else _last.find(fn, quick)
+        if kept is not None:  # like one of the last plain calls of this thread
+            return _last.run(kept, fn, args, out)
     call = PreparedCall(fn, args, kwargs, scheduler=scheduler, client=client, mode=mode, axis=axis,
                         out_axis=out_axis, trace_file=trace_file, out=out, overwrite=overwrite, timeout=timeout,
                         keep_grad=keep_grad, host_arrays=host_arrays)
@@ -177,8 +178,9 @@ def _plain_call(fn, args, scheduler, client, axis, out_axis, timeout, host_array
 
 def _argument_key(arg):
     """One argument's part of :func:`_plain_call`'s key: a NumPy array's shape and dtype, or a container's type
-    and its arrays' names, shapes and dtypes (a dict, list or tuple of NumPy arrays alone, which dispatch splits
-    item by item); ``False`` for anything else."""
+    and, per item, its name and an array's shape and dtype or a number's value (a dict, list or tuple of NumPy
+    arrays and numbers, at least one array: dispatch splits it item by item, the numbers going whole);
+    ``False`` for anything else."""
     kind = type(arg)
     if kind is np.ndarray:
         return arg.shape, arg.dtype.str
@@ -188,16 +190,21 @@ def _argument_key(arg):
         items = enumerate(arg)
     else:
         return False
-    key = [kind]
+    key, arrays = [kind], 0
     for name, value in items:
-        if type(value) is not np.ndarray:
+        if type(value) is np.ndarray:
+            key.append((name, value.shape, value.dtype.str))
+            arrays += 1
+        elif type(value) in (float, int):  # a NEML2 driver's old state at its first step: 0.0
+            key.append((name, type(value), value))
+        else:
             return False
-        key.append((name, value.shape, value.dtype.str))
-    return tuple(key) if len(key) > 1 else False
+    return tuple(key) if arrays else False
 
 
 def _leaves(args):
-    """The arrays of a plain call's arguments, in the order :class:`ArgsLayout` enters them."""
+    """The entries of a plain call's arguments (arrays, and numbers in containers), in the order
+    :class:`ArgsLayout` enters them."""
     for arg in args:
         if type(arg) is np.ndarray:
             yield arg
@@ -221,29 +228,40 @@ def _arrays_key(out):
     return False
 
 
-class _LastCall(threading.local):
-    """The last plain call of this thread (:func:`_plain_call`) that ran on a recent call's dispatcher, kept
-    without its arrays (and its function held weakly, as the recent call holds it): a like call skips its
-    layout, checks and probe, which would come out the same."""
+class _LastCalls(threading.local):
+    """The last few plain calls of this thread (:func:`_plain_call`) that ran on a recent call's dispatcher, by
+    their key, kept without their arrays (and their function held weakly, as the recent call holds it): a like
+    call skips its layout, checks and probe, which would come out the same. A few, not one: a solver's first
+    steps pass its old state as numbers, the next as arrays, and each kind comes round again."""
 
-    key = recent = layout = loader = signature = None
+    def __init__(self):
+        self.calls = {}  # key -> (recent call, layout, loader, signature), the most recently used last
 
-    def matches(self, fn, key) -> bool:
-        if key != self.key or self.recent.fn is not fn:
-            return False
+    def find(self, fn, key):
+        """The kept call like this one, made the most recently used; ``None`` if there is none."""
+        kept = self.calls.pop(key, None)
+        if kept is None:
+            return None
+        recent = kept[0]
         client = key[1] if key[1] is not None else _default_client()  # the default client may have changed
-        return client is self.recent.client and getattr(client, "status", "running") == "running"
+        if recent.fn is not fn or client is not recent.client or getattr(client, "status", "running") != "running":
+            return None  # and forgotten: that function or client is gone
+        self.calls[key] = kept
+        return kept
 
     def keep(self, key, runner, layout, loader, signature):
-        self.key, self.recent, self.signature = key, runner.recent, signature
-        self.layout, self.loader = without_arrays(layout), loader.like({})
+        self.calls.pop(key, None)
+        self.calls[key] = (runner.recent, without_arrays(layout), loader.like({}), signature)
+        while len(self.calls) > MAX_KEPT:
+            del self.calls[next(iter(self.calls))]
 
-    def run(self, fn, args, out):
-        loader = self.loader.like(dict(zip(self.loader.axes, _leaves(args))))
-        return self.recent.run(fn, loader, self.layout, out, False, None, self.signature)
+    def run(self, kept, fn, args, out):
+        recent, layout, loader, signature = kept
+        loader = loader.like(dict(zip(loader.axes, _leaves(args))))
+        return recent.run(fn, loader, layout, out, False, None, signature)
 
 
-_last = _LastCall()
+_last = _LastCalls()
 
 
 def _default_client():
