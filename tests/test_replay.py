@@ -310,3 +310,21 @@ def test_calls_alternating_numbers_and_arrays_in_a_dict_each_keep_their_quick_wa
     other = dsched.dispatch(scaled_sum, x, {"w": 3.0, "total": x}, scheduler=s, client=client)  # another number
     np.testing.assert_array_equal(other, 4 * x)
     assert len(quick) == 4
+
+
+def test_two_functions_on_like_arguments_each_keep_their_quick_way(client, monkeypatch):
+    """A gradient and a hessian evaluated in turn on the same inputs (an FE material's calls): neither call
+    takes the other's place among the kept ones."""
+    from dsched.dispatch import front
+
+    quick = []
+    original = front._LastCalls.run
+    monkeypatch.setattr(front._LastCalls, "run", lambda self, *a: quick.append(1) or original(self, *a))
+    s, x = one_wave(), np.arange(400.0)
+    state = {"w": np.full(400, 2.0), "total": x}
+    for k in range(3):
+        np.testing.assert_array_equal(dsched.dispatch(scaled_sum, x + k, state, scheduler=s, client=client),
+                                      2 * (x + k) + x)
+        np.testing.assert_array_equal(dsched.dispatch(weighted_state, x + k, state, scheduler=s, client=client)[0],
+                                      2 * (x + k))
+    assert len(quick) == 4

@@ -235,23 +235,24 @@ class _LastCalls(threading.local):
     steps pass its old state as numbers, the next as arrays, and each kind comes round again."""
 
     def __init__(self):
-        self.calls = {}  # key -> (recent call, layout, loader, signature), the most recently used last
+        # (id of the function, key) -> (recent call, layout, loader, signature), the most recently used last
+        self.calls = {}
 
     def find(self, fn, key):
         """The kept call like this one, made the most recently used; ``None`` if there is none."""
-        kept = self.calls.pop(key, None)
+        kept = self.calls.pop((id(fn), key), None)
         if kept is None:
             return None
         recent = kept[0]
         client = key[1] if key[1] is not None else _default_client()  # the default client may have changed
         if recent.fn is not fn or client is not recent.client or getattr(client, "status", "running") != "running":
-            return None  # and forgotten: that function or client is gone
-        self.calls[key] = kept
+            return None  # and forgotten: that function (whose id this one took) or that client is gone
+        self.calls[(id(fn), key)] = kept
         return kept
 
-    def keep(self, key, runner, layout, loader, signature):
-        self.calls.pop(key, None)
-        self.calls[key] = (runner.recent, without_arrays(layout), loader.like({}), signature)
+    def keep(self, fn, key, runner, layout, loader, signature):
+        self.calls.pop((id(fn), key), None)
+        self.calls[(id(fn), key)] = (runner.recent, without_arrays(layout), loader.like({}), signature)
         while len(self.calls) > MAX_KEPT:
             del self.calls[next(iter(self.calls))]
 
@@ -311,7 +312,7 @@ class PreparedCall:
             if self.plain is not None:  # the next like call skips all of the above
                 signature, known = reused.known_layout(layout)
                 if known or self.out is not None:  # the result's layout is known, or out= declares it
-                    _last.keep(self.plain, reused, layout, self.loader, signature)
+                    _last.keep(fn, self.plain, reused, layout, self.loader, signature)
             return result
         # Kept autograd needs the tensors themselves joined (torch.cat), not their values copied in place.
         join = dict(reduce=functools.partial(concat_reduce, axis=out_axis)) if self.keep_grad else dict(
