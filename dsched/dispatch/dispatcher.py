@@ -264,7 +264,7 @@ class WorkDispatcher:
             else:
                 client = self.client
                 steady = self._steady if self._steady is not None and steady_path_enabled() and \
-                    self._steady.holds(client, generator) else None
+                    self._steady.holds(client) else None
                 feeds = steady.take_feeds() if steady is not None else None
                 if feeds is not None:  # like the last run, which went over fast lanes alone: its feeds again
                     data = self._open_data(generator, out, client, owners=steady.owners, layout=steady.layout)

@@ -12,10 +12,11 @@ policy's loop, one message per chunk each way, and the data plane's copies.
 
 Whatever is out of the ordinary leaves the steady path:
 
-- before the run: a cluster whose identity changed (a worker left, a run
-  failed), inputs of another layout, a feed no longer parked (it ended,
-  or another run took it): the full run
-  (:class:`~dsched.dispatch.async_run.AsyncRun`), and the path is dropped;
+- before the run: inputs of a layout no run left a path for (the dispatcher
+  keeps one per layout): the full run
+  (:class:`~dsched.dispatch.async_run.AsyncRun`); a cluster whose identity
+  changed (a worker left, a run failed), a feed no longer parked (it ended,
+  or another run took it): the full run, and the path is dropped;
 - during the run: a chunk whose lane broke, whose worker left, or whose
   parked feed had ended unnoticed, is not run here; once the others are in,
   the dispatcher runs those chunks' rows again through the full run, into the
@@ -98,11 +99,11 @@ class SteadyPath:
         served = {device: [(f.address, f.holds) for f in fs] for device, fs in feeds._feeds.items() if fs}
         return cls(run.client, cluster, data.owners, served, data.layout, signature)
 
-    def holds(self, client, generator) -> bool:
-        """Whether the next run may take the path: the same client, running, on a cluster nothing changed, over
-        inputs of the same layout (so the results keep theirs)."""
+    def holds(self, client) -> bool:
+        """Whether the next run may take the path: the same client, running, on a cluster nothing changed. Its
+        inputs have the path's layout (so the results keep theirs): the dispatcher found the path by it."""
         return (client is self.client and getattr(client, "status", None) == "running"
-                and cluster_generation(client) is self.generation and inputs_signature(generator) == self.signature)
+                and cluster_generation(client) is self.generation)
 
     def take_feeds(self):
         """``{Device: [feed]}``, the parked feeds this path names, taken for a run; ``None`` (and nothing
