@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import dsched
-from dsched.dataplane.segments import POOL, release_pool
+from dsched.dataplane.segments import release_pool
 from dsched.outputs import ChunkResultError
 from dsched.store import SHM_DIR
 

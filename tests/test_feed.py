@@ -11,7 +11,6 @@ import time
 import dask
 import numpy as np
 import pytest
-from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 import dsched

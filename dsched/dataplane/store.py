@@ -61,7 +61,7 @@ from dsched.dataplane.segments import (
     shared_copy,
     shared_empty,
     sweep_now_and_then,
-    sweep_stale_segments,
+    sweep_stale_segments,  # noqa: F401  (dsched.store, the old path, re-exports it from here)
 )
 from dsched.dataplane.sources import resolve_rows
 
