@@ -10,7 +10,7 @@ the new state and the tangent. The same solve with FElupe's material alone
 runs first, and the two must agree to the last bit (the same NumPy function
 computes both).
 
-    pip install "dsched[fe]"                       # FElupe (GPL-3.0) from PyPI
+    pip install ".[fe]"                            # from the checkout: FElupe (GPL-3.0) from PyPI
     python examples/fe_plasticity.py               # 2 x 12 x 12 cells: a few seconds
     python examples/fe_plasticity.py --size 100    # 20,000 cells, 80,000 points
     python examples/fe_plasticity.py --case hexahedra --size 6 --layers 64 --one-call
@@ -202,8 +202,9 @@ def main(argv=None):
         client.close()
         if cluster is not None:
             cluster.close()
+    speed = seconds / seconds_d
     print(f"material through dsched: {seconds_d:5.2f} s ({umat.evaluations} dispatches), "
-          f"{seconds / seconds_d:.2f} x FElupe alone")
+          f"speed {speed:.2f} x FElupe alone ({'faster' if speed > 1 else 'slower'} at this size)")
     same = np.array_equal(u, u_d) and np.array_equal(state, state_d)
     print("displacements and state variables bit-identical to FElupe's own:", same)
     return 0 if same else 1

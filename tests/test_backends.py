@@ -322,6 +322,27 @@ def test_host_arrays_leaves_a_gpu_chunk_in_host_memory():
     assert set(seen) == {np.ndarray}
     try:
         import cupy  # noqa: F401
-    except ImportError:  # without host_arrays the chunk is moved to the GPU, which needs CuPy
-        with pytest.raises(RuntimeError, match="moving NumPy arrays to a CUDA device needs CuPy"):
+    except ImportError:  # without host_arrays the chunk would go to the GPU: refused in one line before any work
+        seen.clear()
+        with pytest.raises(ValueError, match=r"^devices: cuda:0 is out of this sync run's reach: .*; a sync run "
+                                             r"computes every chunk in this process\. Pass host_arrays=True"):
             dsched.dispatch(numpy_model, x, scheduler=gpu, mode="sync")
+        assert seen == []
+
+
+def test_a_sync_run_on_a_gpu_emulated_here_computes_with_numpy():
+    """dsched.devices.emulating marks a GPU this machine may lack: a sync run's chunks there compute with NumPy."""
+    from dsched.devices import emulating
+
+    where = []
+
+    def model(a):
+        where.append((str(dsched.current_device()), type(a), len(a)))
+        return np.sin(a)
+
+    x = np.arange(6.0)
+    with emulating(["cuda:0"]):
+        got = dsched.dispatch(model, x, scheduler=dsched.StaticHybridScheduler(["cpu", "cuda:0"], [2, 4],
+                                                                               priorities=[1, 2]), mode="sync")
+    np.testing.assert_array_equal(got, np.sin(x))
+    assert where == [("cuda:0", np.ndarray, 4), ("cuda:0", np.ndarray, 2)]  # sync: no load, the first priority

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.util
 
-from dsched.devices.cuda import cuda_local_ordinal
+from dsched.devices.cuda import cuda_local_ordinal, visible_gpus
 from dsched.devices.device import Device, device_of_resources
 from dsched.names import EMULATED_RESOURCE
 
 __all__ = ["running_on", "current_device", "worker_device", "worker_is_emulated", "is_emulated_here", "emulating",
+           "numpy_cannot_reach",
            "selected"]
 
 _chunk_device: contextvars.ContextVar[Device | None] = contextvars.ContextVar(
@@ -87,6 +89,22 @@ def is_emulated_here() -> bool:
 
 
 _emulated_here: contextvars.ContextVar[frozenset] = contextvars.ContextVar("dsched_emulated_here", default=frozenset())
+
+
+def numpy_cannot_reach(device) -> str | None:
+    """Why NumPy arrays cannot reach CUDA ``device`` from this thread (a sync run computes here), or ``None``: the
+    device is emulated here (:func:`emulating`, or an emulated worker), or a GPU this process sees, with CuPy to
+    move the arrays."""
+    device = Device(device)
+    worker = _current_worker()
+    if device in _emulated_here.get() or (worker is not None and worker_is_emulated(worker)):
+        return None
+    visible = [str(d) for d in visible_gpus()]
+    if str(device) not in visible:
+        return f"this process sees no such GPU (visible GPUs: {', '.join(visible) or 'none'})"
+    if importlib.util.find_spec("cupy") is None:
+        return "NumPy arrays need CuPy to reach it (pip install '.[cuda13]', or '.[cuda12]' for a CUDA 12 driver)"
+    return None
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from dsched.dataplane.outputs import OutputLayout
 from dsched.dataplane.rundata import check_out
 from dsched.dataplane.store import resolve_work
 from dsched.devices import backends
+from dsched.devices.context import numpy_cannot_reach
 from dsched.devices.threads import limit_this_thread
 from dsched.dispatch.arguments import (ArgsLayout, argument_name, check_keywords, is_split, keep_grad_setting,
                                        out_axis_of)
@@ -292,6 +293,8 @@ class PreparedCall:
         self.layout = layout = ArgsLayout(args, keep_grad, axis)
         if not any(a is not None for a in layout.axes.values()):
             raise ValueError("args: dispatch needs at least one array (or container of arrays) to split")
+        if mode == "sync" and not host_arrays and not getattr(fn, "moves_inputs", False):
+            _check_sync_devices(scheduler, layout)
         self.fn, self.kwargs, self.axis, self.out_axis = fn, kwargs, axis, out_axis_of(axis, out_axis)
         self.scheduler, self.client, self.mode, self.timeout = scheduler, client, mode, timeout
         self.trace_file, self.out, self.overwrite, self.keep_grad = trace_file, out, overwrite, keep_grad
@@ -325,6 +328,21 @@ class PreparedCall:
                                     trace_file=self.trace_file)
         with dispatcher:
             return dispatcher.run(self.loader)
+
+
+def _check_sync_devices(scheduler, layout):
+    """A sync run computes every chunk here: NumPy inputs bound for a CUDA device they cannot reach from this
+    process are a one-line error before any work, not a failed first chunk (torch tensors move as torch does)."""
+    if not any(type(value) is np.ndarray for value in layout.mapping.values()):
+        return
+    for device in getattr(scheduler, "devices", ()):
+        reason = numpy_cannot_reach(device) if device.is_cuda else None
+        if reason is not None:
+            raise ValueError(
+                f"devices: {device} is out of this sync run's reach: {reason}; a sync run computes every chunk in "
+                f"this process. Pass host_arrays=True for a NumPy model, emulate the device here (with "
+                f"dsched.devices.emulating(['{device}']): ...), or run on a cluster that has it "
+                f"(mode='async', client=...; LocalHybridCluster(..., emulate=True) to rehearse)")
 
 
 def _loader(layout, fn):
