@@ -330,6 +330,19 @@ def test_host_arrays_leaves_a_gpu_chunk_in_host_memory():
         assert seen == []
 
 
+class DevicesByName(dsched.SimpleScheduler):
+    """A policy that names its devices as strings, as a duck-typed one may."""
+
+    @property
+    def devices(self):
+        return [str(device) for device in super().devices]
+
+
+def test_a_sync_run_takes_a_policy_that_names_its_devices_as_strings():
+    x = np.arange(6.0)
+    np.testing.assert_array_equal(dsched.dispatch(np.square, x, scheduler=DevicesByName("cpu", 4), mode="sync"), x * x)
+
+
 def test_a_sync_run_on_a_gpu_emulated_here_computes_with_numpy():
     """dsched.devices.emulating marks a GPU this machine may lack: a sync run's chunks there compute with NumPy."""
     from dsched.devices import emulating

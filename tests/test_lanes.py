@@ -298,20 +298,36 @@ def test_feed_threads_run_under_sched_batch_so_a_woken_one_leaves_the_caller_its
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_a_feed_gives_its_pool_thread_back_under_the_policy_it_found(client):
+    """The feeds' threads are their workers' pool threads: once the feeds end, the next task on the same
+    (single) thread of each device worker runs under the policy the thread had before."""
+    from dsched.devices.device import device_resource
+    from dsched.dispatch.parking import release_parked
+
+    dsched.dispatch(scheduling_policy, np.zeros(400), scheduler=scheduler(), client=client)
+    release_parked(client)  # the parked feeds end: their tasks give back the device each holds
+    after = [client.submit(os.sched_getscheduler, 0, resources={device_resource(device): 1}, pure=False)
+             for device in ("cpu", "cuda:0")]  # each waits for its worker's one thread, freed as the feed ends
+    assert client.gather(after) == [os.SCHED_OTHER, os.SCHED_OTHER]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
 @pytest.mark.parametrize("on", [True, False])
 def test_yield_on_wake_follows_its_setting(on):
     import threading
 
-    from dsched.worker.wakeups import yield_on_wake
+    from dsched.worker.wakeups import restore_policy, yield_on_wake
 
     seen = []
 
     def run():
-        yield_on_wake()
+        previous = yield_on_wake()
+        seen.append(os.sched_getscheduler(0))
+        restore_policy(previous)
         seen.append(os.sched_getscheduler(0))
 
     with dask.config.set({"dsched.yield-on-wake": on}):
         thread = threading.Thread(target=run)
         thread.start()
         thread.join()
-    assert seen == [os.SCHED_BATCH if on else os.SCHED_OTHER]
+    assert seen == [os.SCHED_BATCH if on else os.SCHED_OTHER, os.SCHED_OTHER]

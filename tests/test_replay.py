@@ -288,6 +288,54 @@ def test_calls_with_dicts_and_lists_of_arrays_skip_the_call_set_up_and_stay_exac
     assert len(quick) == 3
 
 
+class ComparedScheduler(dsched.StaticHybridScheduler):
+    """A policy that defines equality, and so (as a dataclass would) has no hash."""
+
+    def __eq__(self, other):
+        return self is other
+
+    __hash__ = None
+
+
+def test_a_policy_without_a_hash_keeps_its_quick_way(client, monkeypatch):
+    """dispatch's quick way knows a policy by identity: one that cannot be hashed works, and takes it too."""
+    from dsched.dispatch import front
+
+    quick = []
+    original = front._LastCalls.run
+    monkeypatch.setattr(front._LastCalls, "run", lambda self, *a: quick.append(1) or original(self, *a))
+    s, x = ComparedScheduler(["cpu", "cuda:0"], batch_sizes=[100, 300]), np.arange(400.0)
+    for k in range(3):
+        np.testing.assert_array_equal(dsched.dispatch(triple_one, x + k, scheduler=s, client=client), 3 * (x + k))
+    assert len(quick) == 2
+
+
+def triple_one(x):
+    return 3.0 * x
+
+
+def signed(inputs):
+    return inputs["x"] * np.copysign(1.0, inputs["w"])
+
+
+def signed_sum(x, w):
+    return x * np.copysign(1.0, w).sum()
+
+
+def test_a_zero_of_the_other_sign_passed_whole_is_not_the_kept_one(client, runs):
+    """-0.0 == 0.0, yet a model may tell them apart (copysign): the replay's kept chunks hold the value they were
+    sent with, so a call passing the other zero whole sends its chunks again."""
+    s, x = one_wave(), np.arange(1.0, 401.0)
+    for _ in range(3):  # a number in a dict, beside the array split
+        np.testing.assert_array_equal(dsched.dispatch(signed, {"x": x, "w": 0.0}, scheduler=s, client=client), x)
+    assert len(runs["replay"]) == 1
+    np.testing.assert_array_equal(dsched.dispatch(signed, {"x": x, "w": -0.0}, scheduler=s, client=client), -x)
+    for sign in (1.0, 1.0, 1.0, -1.0):  # an array passed whole: its zeros' signs count too
+        got = dsched.dispatch(signed_sum, x, sign * np.zeros(3), axis=(0, None), scheduler=s, client=client)
+        np.testing.assert_array_equal(got, 3 * sign * x)
+    assert len(runs["replay"]) >= 2
+
+
 def scaled_sum(strain, state):
     return strain * state["w"] + state["total"]
 

@@ -186,10 +186,12 @@ class WorkDispatcher:
         self._initialised_sync = set()
         self.last_run: RunReport | None = None
         self._last_generator = None  # for run_failed
-        self._steady = None  # the path of this run's inputs' layout, if a run left one (dsched.dispatch.steady)
         # One path per layout of the inputs, the most recently used last: a solver's first steps pass its old
         # state as scalars, then as arrays, and each layout keeps its own path (and replay) from run to run.
+        # A run holds the path of its own layout as a local: runs of one dispatcher on several threads (each
+        # with its own parked feeds) never take another layout's path; the lock guards the table.
         self._steady_paths = {}
+        self._steady_lock = threading.Lock()
 
     @staticmethod
     def _check_join(join, reduce, axis, out, output_spec):
@@ -244,9 +246,9 @@ class WorkDispatcher:
 
     def run(self, generator, *, _overwrite_out=False):
         """Dispatch every item of ``generator``; the results in dispatch order, or ``reduce`` of them."""
-        self._steady = self._steady_path_of(generator) if self._steady_paths else None
-        if self._steady is not None and self._steady.replay is not None and self.mode == "async":
-            replayed = run_replay(self, generator)  # a like run after a clean steady one (dsched.dispatch.replay)
+        path = self._steady_path_of(generator) if self._steady_paths else None  # this layout's (steady.py)
+        if path is not None and path.replay is not None and self.mode == "async":
+            replayed = run_replay(self, generator, path)  # a like run after a clean steady one (replay.py)
             if replayed is not MISS:
                 return replayed
         out = None if self.join is None else check_out(self.out, generator.total, self.axis,
@@ -263,8 +265,7 @@ class WorkDispatcher:
                 self._run_sync(data, report, observers)
             else:
                 client = self.client
-                steady = self._steady if self._steady is not None and steady_path_enabled() and \
-                    self._steady.holds(client) else None
+                steady = path if path is not None and steady_path_enabled() and path.holds(client) else None
                 feeds = steady.take_feeds() if steady is not None else None
                 if feeds is not None:  # like the last run, which went over fast lanes alone: its feeds again
                     data = self._open_data(generator, out, client, owners=steady.owners, layout=steady.layout)
@@ -273,16 +274,16 @@ class WorkDispatcher:
                         data.close(clean=True)  # nothing ran: its segments go back to the pool
                         data = feeds = None
                 if feeds is not None:
-                    undone = self._run_steady(client, data, report, feeds, observers)
+                    undone = self._run_steady(client, data, report, feeds, observers, path, generator)
                 else:
-                    self._drop_steady()
+                    self._drop_steady(path)
                     cluster = recent_cluster_info(client, self.scheduler)  # read once: it answers every question
                     # A device whose worker is restarting is waited for (dsched.lost-device-timeout), not refused.
                     cluster = wait_for_devices(client, self.scheduler, cluster)
                     if hasattr(self.scheduler, "bind"):  # a policy that learns per host binds to the cluster
                         self.scheduler.bind(client)
                     data = self._open_data(generator, out, client, cluster["workers"])
-                    self._run_async(client, data, report, cluster, observers)
+                    self._run_async(client, data, report, cluster, observers, generator)
             ended = True
         finally:
             report.wall_stop = time.time()
@@ -459,7 +460,7 @@ class WorkDispatcher:
             raise box["error"]
         return box["result"]
 
-    def _run_async(self, client, data, report, cluster, observers):
+    def _run_async(self, client, data, report, cluster, observers, generator):
         run_id = self._begin(data.generator, observers, client=client)
         run = AsyncRun(client, data, report, run_id, cluster, scheduler=self.scheduler, program=self._program,
                        next_chunk=lambda: self._next_chunk(data.generator, observers), observers=observers,
@@ -476,11 +477,11 @@ class WorkDispatcher:
             run.close()
         if self.join is not None and not any(r.error is not None for r in report.records):
             # What the next like run needs to take the steady path, if this run leaves it one.
-            self._drop_steady()
-            self._keep_steady(SteadyPath.after(run, data, self._last_generator, cluster, self.timeout))
+            self._keep_steady(SteadyPath.after(run, data, generator, cluster, self.timeout))
 
-    def _run_steady(self, client, data, report, feeds, observers) -> list:
-        """A run on the steady path (:mod:`dsched.dispatch.steady`); the ranges of the chunks it could not run."""
+    def _run_steady(self, client, data, report, feeds, observers, path, generator) -> list:
+        """A run on the steady ``path`` (:mod:`dsched.dispatch.steady`) over ``generator``; the ranges of the
+        chunks it could not run."""
         run_id = self._begin(data.generator, observers, client=client)
         run = SteadyRun(client, data, report, feeds, run_id=run_id, scheduler=self.scheduler, program=self._program,
                         next_chunk=lambda: self._next_chunk(data.generator, observers), observers=observers)
@@ -488,49 +489,70 @@ class WorkDispatcher:
             run.loop()
         except BaseException:
             run.abandon()
-            self._drop_steady()
+            self._drop_steady(path)
             raise
         finally:
             run.close()
         if not run.undone:
-            if self._steady is not None and self._steady.replay is None:  # its chunks, for the next like runs
-                self._steady.replay = ReplayPlan.after(self._steady, run, self.scheduler, self._last_generator)
+            if path.replay is None:  # its chunks, for the next like runs
+                plan = ReplayPlan.after(path, run, self.scheduler, generator)
+                with self._steady_lock:  # a run of the same layout on another thread may have left one first
+                    plan, path.replay = (plan, None) if path.replay is not None else (None, plan)
+                if plan is not None:
+                    plan.close()
             return []
         # A lane lost: the full run (which looks at the cluster again) takes its chunks and what was not scheduled.
-        self._drop_steady()
+        self._drop_steady(path)
         generator = data.generator
         left = [(generator.offset, generator.total)] if generator.has_more() else []
         return sorted((r.offset, r.offset + r.size) for r in run.undone) + left
 
+    @property
+    def _steady(self):
+        """The steady path of the layout used most recently, or ``None`` (for a look from outside: a run holds
+        its own layout's path)."""
+        with self._steady_lock:
+            return next(reversed(self._steady_paths.values()), None)
+
     def _steady_path_of(self, generator):
         """The steady path a run over ``generator``'s layout left, made the most recently used; ``None`` if none."""
-        path = self._steady_paths.pop(inputs_signature(generator), None)
-        if path is not None:
-            self._steady_paths[path.signature] = path
+        signature = inputs_signature(generator)
+        with self._steady_lock:
+            path = self._steady_paths.pop(signature, None)
+            if path is not None:
+                self._steady_paths[signature] = path
         return path
 
     def _keep_steady(self, path):
-        """Make ``path`` this run's and keep it for its layout's next runs; the least recently used beyond
-        :data:`STEADY_PATHS_KEPT` are dropped."""
-        self._steady = path
+        """Keep ``path`` for its layout's next runs (in place of one another thread's run left meanwhile); the
+        least recently used beyond :data:`STEADY_PATHS_KEPT` are dropped."""
         if path is None:
             return
-        self._steady_paths[path.signature] = path
-        while len(self._steady_paths) > STEADY_PATHS_KEPT:
-            _close_replay(self._steady_paths.pop(next(iter(self._steady_paths))))
+        dropped = []
+        with self._steady_lock:
+            replaced = self._steady_paths.pop(path.signature, None)
+            if replaced is not None:
+                dropped.append(replaced)
+            self._steady_paths[path.signature] = path
+            while len(self._steady_paths) > STEADY_PATHS_KEPT:
+                dropped.append(self._steady_paths.pop(next(iter(self._steady_paths))))
+        for old in dropped:
+            _close_replay(old)
 
-    def _drop_steady(self):
-        """Forget this run's steady path, and its replay plan's input segment."""
-        steady, self._steady = self._steady, None
-        if steady is not None:
-            if self._steady_paths.get(steady.signature) is steady:
-                del self._steady_paths[steady.signature]
-            _close_replay(steady)
+    def _drop_steady(self, path):
+        """Forget ``path`` (a run's own), and its replay plan's input segment."""
+        if path is None:
+            return
+        with self._steady_lock:
+            if self._steady_paths.get(path.signature) is path:
+                del self._steady_paths[path.signature]
+        _close_replay(path)
 
     def _drop_all_steady(self):
-        self._steady = None
-        while self._steady_paths:
-            _close_replay(self._steady_paths.popitem()[1])
+        with self._steady_lock:
+            paths, self._steady_paths = list(self._steady_paths.values()), {}
+        for path in paths:
+            _close_replay(path)
 
     def _run_again(self, generator, ranges, output):
         """The rows of ``ranges`` that the steady path could not run, through the full run, into ``output``."""

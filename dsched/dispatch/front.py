@@ -27,6 +27,7 @@ from dsched.dataplane.rundata import check_out
 from dsched.dataplane.store import resolve_work
 from dsched.devices import backends
 from dsched.devices.context import numpy_cannot_reach
+from dsched.devices.device import Device
 from dsched.devices.threads import limit_this_thread
 from dsched.dispatch.arguments import (ArgsLayout, argument_name, check_keywords, is_split, keep_grad_setting,
                                        out_axis_of)
@@ -34,6 +35,7 @@ from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.dispatch.reuse import MAX_KEPT, RecentCalls, without_arrays
 from dsched.dataplane.reduce import concat_reduce
 from dsched.errors import as_recoverable
+from dsched.schedulers.base import WorkScheduler
 
 __all__ = ["dispatch"]
 
@@ -153,7 +155,7 @@ def dispatch(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=N
     quick = None
     if not kwargs and mode == "async" and trace_file is None and keep_grad is None and not overwrite:
         quick = _plain_call(fn, args, scheduler, client, axis, out_axis, timeout, host_arrays, out)
-        kept = None if quick is None else _last.find(fn, quick)
+        kept = None if quick is None else _last.find(fn, scheduler, quick)
         if kept is not None:  # like one of the last plain calls of this thread
             return _last.run(kept, fn, args, out)
     call = PreparedCall(fn, args, kwargs, scheduler=scheduler, client=client, mode=mode, axis=axis,
@@ -173,7 +175,8 @@ def _plain_call(fn, args, scheduler, client, axis, out_axis, timeout, host_array
     outs = _arrays_key(out)
     if outs is False or False in arguments:
         return None
-    return (scheduler, client, axis, out_axis, timeout, host_arrays, setting("place-results", True),
+    # The policy by its id (a policy need not be hashable; the kept call holds it, so the id stays its own).
+    return (id(scheduler), client, axis, out_axis, timeout, host_arrays, setting("place-results", True),
             setting("keep-grad", False), arguments, outs)
 
 
@@ -239,14 +242,15 @@ class _LastCalls(threading.local):
         # (id of the function, key) -> (recent call, layout, loader, signature), the most recently used last
         self.calls = {}
 
-    def find(self, fn, key):
+    def find(self, fn, scheduler, key):
         """The kept call like this one, made the most recently used; ``None`` if there is none."""
         kept = self.calls.pop((id(fn), key), None)
         if kept is None:
             return None
         recent = kept[0]
         client = key[1] if key[1] is not None else _default_client()  # the default client may have changed
-        if recent.fn is not fn or client is not recent.client or getattr(client, "status", "running") != "running":
+        if recent.fn is not fn or recent.scheduler is not scheduler or client is not recent.client or \
+                getattr(client, "status", "running") != "running":
             return None  # and forgotten: that function (whose id this one took) or that client is gone
         self.calls[(id(fn), key)] = kept
         return kept
@@ -333,16 +337,25 @@ class PreparedCall:
 def _check_sync_devices(scheduler, layout):
     """A sync run computes every chunk here: NumPy inputs bound for a CUDA device they cannot reach from this
     process are a one-line error before any work, not a failed first chunk (torch tensors move as torch does)."""
-    if not any(type(value) is np.ndarray for value in layout.mapping.values()):
+    device = _sync_device(scheduler)
+    if device is None or not device.is_cuda or not any(type(v) is np.ndarray for v in layout.mapping.values()):
         return
-    for device in getattr(scheduler, "devices", ()):
-        reason = numpy_cannot_reach(device) if device.is_cuda else None
-        if reason is not None:
-            raise ValueError(
-                f"devices: {device} is out of this sync run's reach: {reason}; a sync run computes every chunk in "
-                f"this process. Pass host_arrays=True for a NumPy model, emulate the device here (with "
-                f"dsched.devices.emulating(['{device}']): ...), or run on a cluster that has it "
-                f"(mode='async', client=...; LocalHybridCluster(..., emulate=True) to rehearse)")
+    reason = numpy_cannot_reach(device)
+    if reason is not None:
+        raise ValueError(
+            f"devices: {device} is out of this sync run's reach: {reason}; a sync run computes every chunk in "
+            f"this process. Pass host_arrays=True for a NumPy model, emulate the device here (with "
+            f"dsched.devices.emulating(['{device}']): ...), or run on a cluster that has it "
+            f"(mode='async', client=...; LocalHybridCluster(..., emulate=True) to rehearse)")
+
+
+def _sync_device(scheduler):
+    """The device a sync run of a greedy policy (NEML2's: dsched's simple and static hybrid ones) places every
+    chunk on: sync runs account no load, so the policy always picks its first device of the highest priority.
+    ``None`` for a policy that chooses otherwise (its first chunk's device then says what is missing)."""
+    if not isinstance(scheduler, WorkScheduler) or type(scheduler).schedule_work is not WorkScheduler.schedule_work:
+        return None
+    return Device(max(scheduler.status(), key=lambda s: s.priority).device)  # max keeps the first of equals
 
 
 def _loader(layout, fn):

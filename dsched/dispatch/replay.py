@@ -31,6 +31,7 @@ turns replays off.
 from __future__ import annotations
 
 import collections
+import math
 import pickle
 import secrets
 import threading
@@ -54,7 +55,10 @@ __all__ = ["ReplayPlan", "replay_enabled", "MISS"]
 
 MISS = object()  # what run_replay returns when the call cannot be a replay: the dispatcher runs it the usual way
 BLOBS_KEPT = 8  # output targets kept pickled per plan (the segment pool lends a few in turn)
-INPUTS_KEPT = 3  # placements of a plan's inputs kept (a feed keeps dsched.worker.kept.PLANS_KEPT plans)
+# Placements of a plan's inputs kept, each its own plan id on the feeds. A feed keeps dsched.worker.kept.PLANS_KEPT
+# plan ids, of every dispatcher and layout of its caller's thread: one it let go of is answered 'forgotten' and
+# its chunks are sent again in full (a round trip more), so many layouts in turn cost more than a few.
+INPUTS_KEPT = 3
 
 
 def replay_enabled() -> bool:
@@ -218,9 +222,10 @@ class _Inputs:
             value = generator.mapping[key]
             if type(kept) is np.ndarray:
                 if type(value) is not np.ndarray or value.shape != kept.shape or value.dtype != kept.dtype or \
-                        not np.array_equal(value, kept, equal_nan=kept.dtype.kind in "fc"):
+                        not np.array_equal(value, kept, equal_nan=kept.dtype.kind in "fc") or \
+                        kept.dtype.kind == "f" and not np.array_equal(np.signbit(value), np.signbit(kept)):
                     return False
-            elif type(value) is not type(kept) or not value == kept:
+            elif type(value) is not type(kept) or not value == kept or _other_zero(value, kept):
                 return False
         return True
 
@@ -233,11 +238,13 @@ class _Inputs:
         self._closer()
 
 
-def run_replay(dispatcher, generator):
-    """Run ``generator`` as a replay of the dispatcher's plan; its value, or :data:`MISS` where it may not be one."""
+def run_replay(dispatcher, generator, steady):
+    """Run ``generator`` as a replay of the plan of the dispatcher's ``steady`` path (that of its layout); its
+    value, or :data:`MISS` where it may not be one."""
     start = time.time()
-    steady = dispatcher._steady
     plan = steady.replay
+    if plan is None:  # dropped since, by a run on another thread
+        return MISS
     if not plan.applies(dispatcher, generator):
         return MISS
     if not plan.lock.acquire(blocking=False):  # another thread replays it now: its inputs' segment is in use
@@ -259,7 +266,7 @@ def _replay(dispatcher, generator, steady, plan, start):
     feeds = steady.take_feeds()
     if feeds is None:  # a feed ended since: the full run, without the path
         data.close(clean=True)
-        dispatcher._drop_steady()
+        dispatcher._drop_steady(steady)
         return MISS
     dispatcher._last_generator = generator
     dispatcher.last_run = report = RunReport(dispatcher.mode, wall_start=start)
@@ -275,7 +282,7 @@ def _replay(dispatcher, generator, steady, plan, start):
             steady.give_back(feeds)
         else:
             run.abandon()
-        dispatcher._drop_steady()
+        dispatcher._drop_steady(steady)
         raise
     finally:
         if run is not None:
@@ -286,7 +293,7 @@ def _replay(dispatcher, generator, steady, plan, start):
         if not clean:
             forget_cluster_info(steady.client)
     if run.undone:  # a lane lost: its rows the full way, into the same outputs
-        dispatcher._drop_steady()
+        dispatcher._drop_steady(steady)
         if not run.failed:
             return dispatcher._run_again(generator, sorted((r.offset, r.offset + r.size) for r in run.undone),
                                          report.output)
@@ -378,6 +385,12 @@ class ReplayRun(SteadyRun):
 
     def _give_back(self, record):
         """A replay took no load from the policy: nothing to give back."""
+
+
+def _other_zero(value, kept) -> bool:
+    """Whether two equal real numbers are zeros of different signs (``-0.0 == 0.0``, yet ``copysign`` tells)."""
+    return isinstance(kept, (float, np.floating)) and value == 0 and \
+        math.copysign(1.0, value) != math.copysign(1.0, kept)
 
 
 def _nothing(*args):

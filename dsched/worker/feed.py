@@ -37,7 +37,7 @@ from dsched.names import CHUNK_EVENT_TOPIC, FEED_WORKER_PLUGIN
 from dsched.worker import lane as lanes
 from dsched.worker.chunk import _compute, _initialise
 from dsched.worker.kept import KeptPlans, run_kept
-from dsched.worker.wakeups import yield_on_wake
+from dsched.worker.wakeups import restore_policy, yield_on_wake
 
 __all__ = ["FeedPlugin", "run_feed", "RETIRED"]
 
@@ -437,17 +437,15 @@ RETIRED = "retired"  # what a feed that gave its thread back returns; its inbox 
 def run_feed(program, device, feed: str):
     """The task of one feed: run the chunks that arrive in its inbox (or on its fast lane) until told to stop.
 
-    Returns the chunks it ran, or :data:`RETIRED` if it gave its thread back
-    because other tasks wait for the worker (another client's chunks, or a
-    chunk of this run sent as a task): a feed must not hold a device that
-    others share for a whole run. Its inbox stays open, and the client starts
-    a successor on it. It also ends if its task is cancelled (the client went
-    away or gave up on the run), and when it was parked past its time or
-    anyone waits for the worker while it is parked.
+    Returns the chunks it ran, or :data:`RETIRED` if it gave its thread back because other tasks wait for the
+    worker (another client's chunks, or a chunk of this run sent as a task): a feed must not hold a device that
+    others share for a whole run. Its inbox stays open, and the client starts a successor on it. It also ends
+    if its task is cancelled (the client went away or gave up on the run), and when it was parked past its time
+    or anyone waits for the worker while it is parked.
     """
     worker, inbox = get_worker(), _inbox(feed)
     key = worker.get_current_task()
-    yield_on_wake()  # woken by a lane's message, it leaves the dispatching thread its core (dsched.worker.wakeups)
+    policy = yield_on_wake()  # woken by a lane's message, it leaves the dispatching thread its core (wakeups.py)
     inbox.attach(program)
     runner = _Runner(inbox, device, worker)
     ended = RuntimeError(f"feed {feed} has ended")
@@ -479,6 +477,7 @@ def run_feed(program, device, feed: str):
         ended = None  # the inbox was closed with the error
         raise failed.args[0] from None
     finally:
+        restore_policy(policy)  # its thread is the worker pool's: the next task there runs as before
         if ended is not None:
             inbox.close(ended)
 

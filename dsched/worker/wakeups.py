@@ -21,15 +21,31 @@ import os
 
 from dsched.checks import setting
 
-__all__ = ["yield_on_wake"]
+__all__ = ["yield_on_wake", "restore_policy"]
 
 
 def yield_on_wake():
-    """Put the calling thread under ``SCHED_BATCH`` (a system call: once per feed task, not per chunk); a no-op
-    where there is no such policy, or with ``dsched.yield-on-wake: false``."""
+    """Put the calling thread under ``SCHED_BATCH`` (a system call: once per feed task, not per chunk); its policy
+    before, for :func:`restore_policy`, or ``None`` where nothing changed (no such policy, ``dsched.yield-on-wake:
+    false``, a policy the container forbids, or ``SCHED_BATCH`` already)."""
     if not hasattr(os, "SCHED_BATCH") or not setting("yield-on-wake", True):
+        return None
+    try:
+        previous = os.sched_getscheduler(0), os.sched_getparam(0)  # 0: the calling thread, on Linux
+        if previous[0] == os.SCHED_BATCH:
+            return None
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError:  # a policy the container forbids: the thread runs as before
+        return None
+    return previous
+
+
+def restore_policy(previous):
+    """Give the calling thread back the policy :func:`yield_on_wake` found (``None``: nothing to do). The feed's
+    thread is one of its worker's pool: the tasks it runs next are not feeds, and run as they would have."""
+    if previous is None:
         return
     try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: the calling thread, on Linux
-    except OSError:  # a policy the container forbids: the thread runs as before
+        os.sched_setscheduler(0, *previous)
+    except OSError:  # not allowed back (a real-time policy needs privileges it had then): left as it is
         pass
