@@ -497,8 +497,9 @@ class WorkDispatcher:
             if path.replay is None:  # its chunks, for the next like runs
                 plan = ReplayPlan.after(path, run, self.scheduler, generator)
                 with self._steady_lock:  # a run of the same layout on another thread may have left one first
-                    plan, path.replay = (plan, None) if path.replay is not None else (None, plan)
-                if plan is not None:
+                    if path.replay is None:
+                        path.replay, plan = plan, None
+                if plan is not None:  # that run's plan stays: this one goes
                     plan.close()
             return []
         # A lane lost: the full run (which looks at the cluster again) takes its chunks and what was not scheduled.
