@@ -81,7 +81,12 @@ def is_emulated_here() -> bool:
 
     Also true for a chunk placed on a device that :func:`emulating` marks (sync runs).
     """
-    device = _chunk_device.get()
+    return _emulates(_chunk_device.get())
+
+
+def _emulates(device) -> bool:
+    """Whether chunks on ``device`` compute with NumPy here: it is marked by :func:`emulating`, or this is an
+    emulated worker."""
     if device is not None and device in _emulated_here.get():
         return True
     worker = _current_worker()
@@ -96,8 +101,7 @@ def numpy_cannot_reach(device) -> str | None:
     device is emulated here (:func:`emulating`, or an emulated worker), or a GPU this process sees, with CuPy to
     move the arrays."""
     device = Device(device)
-    worker = _current_worker()
-    if device in _emulated_here.get() or (worker is not None and worker_is_emulated(worker)):
+    if _emulates(device):
         return None
     visible = [str(d) for d in visible_gpus()]
     if str(device) not in visible:

@@ -35,7 +35,6 @@ from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.dispatch.reuse import MAX_KEPT, RecentCalls, without_arrays
 from dsched.dataplane.reduce import concat_reduce
 from dsched.errors import as_recoverable
-from dsched.schedulers.base import WorkScheduler
 
 __all__ = ["dispatch"]
 
@@ -350,12 +349,11 @@ def _check_sync_devices(scheduler, layout):
 
 
 def _sync_device(scheduler):
-    """The device a sync run of a greedy policy (NEML2's: dsched's simple and static hybrid ones) places every
-    chunk on: sync runs account no load, so the policy always picks its first device of the highest priority.
-    ``None`` for a policy that chooses otherwise (its first chunk's device then says what is missing)."""
-    if not isinstance(scheduler, WorkScheduler) or type(scheduler).schedule_work is not WorkScheduler.schedule_work:
-        return None
-    return Device(max(scheduler.status(), key=lambda s: s.priority).device)  # max keeps the first of equals
+    """The device of every chunk of a sync run of ``scheduler`` (one of dsched's policies), or ``None`` (a policy
+    of another kind: its first chunk's device then says what is missing)."""
+    choice = getattr(scheduler, "zero_load_choice", None)
+    device = choice() if choice is not None else None
+    return None if device is None else Device(device)
 
 
 def _loader(layout, fn):

@@ -67,6 +67,14 @@ class WorkScheduler:
         """The highest priority wins; ``max`` keeps the first listed on ties."""
         return max(available, key=lambda s: s.priority)
 
+    def zero_load_choice(self):
+        """The device :meth:`schedule_work` picks while no device carries a load: that of every chunk of a sync
+        run, which accounts none (as NEML2's). ``None`` for a policy that chooses by another rule."""
+        if type(self).schedule_work is not WorkScheduler.schedule_work:
+            return None
+        with self._lock:
+            return self._pick(list(self._status)).device
+
     def dispatched_work(self, device, n: int) -> None:
         """Record ``n`` items sent to ``device``."""
         n = _item_count(n, device)
