@@ -11,6 +11,7 @@ errors and faults, never GPU behaviour.
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -20,6 +21,8 @@ from hypothesis import strategies as st
 
 import dsched
 from dsched.dataplane.segments import release_pool
+from dsched.dataplane.store import RunStore
+from dsched.resident.tasks import _wait_tasks
 from dsched import Batch, ChunkResultError, StaticHybridScheduler
 from dsched.bench_batch import final_strain, j2_load_step, run_batch, run_numpy
 
@@ -172,6 +175,38 @@ def test_bad_results_name_the_field_and_chunk_and_the_batch_stays_usable(hybrid_
         np.testing.assert_array_equal(batch.get("x"), np.arange(8.0) + 1)  # back at the last good version
         batch.update(lambda x: {"x": x * 2}, reads=["x"], writes=["x"])
         np.testing.assert_array_equal(batch.get("x"), 2 * (np.arange(8.0) + 1))
+
+
+def test_a_chunks_tasks_reach_dask_in_program_order_when_two_threads_hand_them_over(hybrid_client):
+    # The client's thread and a finished task's callback may hand one chunk's queue to Dask at once. A get queued
+    # behind an update names the update's future: handed over first, it found none and read None (a flaky
+    # TypeError after a rollback). Here a second thread pumps chunk 0 while the update's task is being submitted.
+    with Batch({"x": np.arange(8.0)}, hybrid_scheduler(), client=hybrid_client, memory="device") as batch:
+        backend = batch._backend
+        layout = (batch.get("x"), backend._seen_layouts["x"])[1]
+        backend.lookahead = 10  # the slots the earlier tasks free do not matter here
+        backend._held, backend._flush = True, lambda everywhere=False: None  # pushed operations stay queued
+        batch.update(lambda x: {"x": x * 2}, reads=["x"], writes=["x"])
+        with RunStore(shared=False) as store:
+            _, tasks, view = backend._write_out("x", store.allocate, layout)
+            chunk, submit, other = backend.chunks[0], backend._submit_now, []
+
+            def submit_while_another_thread_pumps(*args, **kwargs):
+                if not other:
+                    other.append(threading.Thread(target=backend._pump, args=(chunk,)))
+                    other[0].start()
+                    other[0].join(timeout=0.5)  # in order, it waits for this submit
+                return submit(*args, **kwargs)
+
+            backend._submit_now = submit_while_another_thread_pumps
+            backend._pump(chunk)
+            other[0].join()
+            del backend._submit_now, backend._flush
+            backend._held = False
+            for rest in backend.chunks[1:]:
+                backend._pump(rest)
+            _wait_tasks(tasks)
+            np.testing.assert_array_equal(view, 2 * np.arange(8.0))
 
 
 def test_to_zarr_streams_every_field(hybrid_client, tmp_path, memory):

@@ -121,6 +121,10 @@ class TaskBatch:
         self._queued = {c.index: collections.deque() for c in self.chunks}
         self._in_dask = {c.index: 0 for c in self.chunks}
         self._submit_lock = threading.Lock()
+        # Per chunk: held while its queue is handed over. A task's arguments name its predecessors' futures, so
+        # a chunk's operations must reach Dask in program order even when the client's thread and a finished
+        # task's callback pump the same chunk at once (the later one would otherwise find no future yet).
+        self._pump_locks = {c.index: threading.Lock() for c in self.chunks}
         self._inputs = []  # (_Kept, tasks) of updates' inputs and outputs: released once their tasks have ended
         self._seen_layouts = {}  # field -> (item shape, dtype) its last get found
         self._set_segments = {}  # field -> SetSegment: where set() writes its values, again and again
@@ -372,17 +376,18 @@ class TaskBatch:
         Updates queued one after another (pushed faster than the chunk runs them) go as one task
         (:func:`_run_fused`): a Dask round trip per burst, not per update.
         """
-        while True:
-            with self._submit_lock:
-                queue = self._queued[chunk.index]
-                if not queue or self._in_dask[chunk.index] >= self.lookahead:
-                    return
-                ops = [queue.popleft()]
-                while ops[-1].payload.call[0] in _FUSABLE and queue and queue[0].payload.call[0] in _FUSABLE \
-                        and len(ops) < MAX_FUSED:
-                    ops.append(queue.popleft())
-                self._in_dask[chunk.index] += 1
-            self._submit(chunk, ops)
+        with self._pump_locks[chunk.index]:
+            while True:
+                with self._submit_lock:
+                    queue = self._queued[chunk.index]
+                    if not queue or self._in_dask[chunk.index] >= self.lookahead:
+                        return
+                    ops = [queue.popleft()]
+                    while ops[-1].payload.call[0] in _FUSABLE and queue and queue[0].payload.call[0] in _FUSABLE \
+                            and len(ops) < MAX_FUSED:
+                        ops.append(queue.popleft())
+                    self._in_dask[chunk.index] += 1
+                self._submit(chunk, ops)
 
     def _submit_now(self, *args, **kwargs):
         """``client.submit(*args, **kwargs)``, sent to the scheduler now: not at the end of the client's 10 ms
