@@ -143,3 +143,16 @@ def as_recoverable(err):
     if solvers is not None and isinstance(err, solvers.ConvergenceError):
         return NEML2ConvergenceError(f"NEML2: {err}")
     return None
+
+
+def unsent_reason(error: BaseException) -> str:
+    """Why Dask could not send a task, in one line: its ``Could not serialize object of type ...`` carries the
+    pickler's own error (``cannot pickle '_thread.lock' object``) as its cause."""
+    reason = error.__cause__ or error.__context__ or error
+    return f"{type(reason).__name__}: {reason}"
+
+
+def unsendable_fn(error: BaseException) -> TypeError:
+    """The one-line error of a call whose ``fn`` Dask could not pickle (``error``: Dask's)."""
+    return TypeError(f"fn: cannot be sent to the workers ({unsent_reason(error)}); it must pickle, and so must "
+                     "what a lambda or closure captures")

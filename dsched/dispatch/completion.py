@@ -19,6 +19,7 @@ from distributed.core import send_recv
 from dsched.cluster.placement import PlacementWarning
 from dsched.devices.device import placement_device
 from dsched.devices.ownership import absent_since, cluster_info, device_capacities, lost_device_timeout
+from dsched.errors import unsendable_fn
 from dsched.worker.lane import Bell
 
 __all__ = ["notify_when_done", "until_done", "ask_worker", "watch_worker", "send_now", "DeviceWatch", "Mailbox",
@@ -164,6 +165,17 @@ async def _connect(pool, address, gone):
         if time.monotonic() > give_up or (gone is not None and gone()):
             connecting.cancel()
             raise ConnectionError(f"could not reach worker {address}")
+
+
+def submit_task(client, *args, **kwargs):
+    """``client.submit(*args, **kwargs)``; a task Dask cannot pickle (most often because of ``fn``) is a one-line
+    ``TypeError`` that says why, not Dask's "Could not serialize object of type ..." and its graph."""
+    try:
+        return client.submit(*args, **kwargs)
+    except TypeError as err:
+        if "serializ" not in str(err):
+            raise
+        raise unsendable_fn(err) from None
 
 
 def send_now(client) -> None:

@@ -72,7 +72,7 @@ from distributed.protocol.serialize import ToPickle
 from dsched.dataplane.store import classify_workers
 from dsched.devices.device import device_resource, placement_device
 from dsched.devices.ownership import device_owners
-from dsched.dispatch.completion import ask_worker, notify_when_done, send_now, until_done, watch_worker
+from dsched.dispatch.completion import ask_worker, notify_when_done, send_now, submit_task, until_done, watch_worker
 from dsched.dispatch.lanes import FastLanes, lanes_enabled, open_lane
 from dsched.dispatch.parking import (
     ANSWER_WAIT,
@@ -583,9 +583,9 @@ def submit_feed(client, program, feed, key):
     """Start ``feed``'s task ``key`` with ``program`` (its first, or a successor on its inbox after it retired),
     pinned to its worker and holding its share of the device; its end is told to the feed's owner."""
     feed.program_id = program.dispatcher_id
-    feed.future = client.submit(run_feed, program, feed.device, feed.id, key=key, workers=[feed.address],
-                                allow_other_workers=False, resources={device_resource(feed.device): feed.holds},
-                                pure=False)
+    feed.future = submit_task(client, run_feed, program, feed.device, feed.id, key=key, workers=[feed.address],
+                              allow_other_workers=False, resources={device_resource(feed.device): feed.holds},
+                              pure=False)
     notify_when_done(client, [feed.future], feed.task_ended)
 
 

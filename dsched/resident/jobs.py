@@ -167,7 +167,7 @@ class JobQueue:
             self._pending.popleft()
             self._running = None
             self._solver = job.awaited
-            if self._pending:  # the next one may be the thread's to run
+            if self._pending or self._stopped:  # the next one may be the thread's to run, or the thread may leave
                 self._cond.notify_all()
 
     def _serve(self):

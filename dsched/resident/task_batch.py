@@ -53,7 +53,7 @@ import numpy as np
 from dsched.dataplane.outputs import ChunkResultError, ZarrTarget
 from dsched.dataplane.store import RunStore, SliceRef
 from dsched.devices.device import device_resource
-from dsched.dispatch.completion import send_now
+from dsched.dispatch.completion import send_now, submit_task
 from dsched.resident.engine import Engine
 from dsched.resident.hostdata import SetSegment, _Kept, out_refs, share_inputs
 from dsched.resident.tasks import (
@@ -85,6 +85,7 @@ _batch_ids = itertools.count()
 MAX_FUSED = 64  # updates of one chunk handed to Dask as one task, at most
 # Operations that may share a task: updates (a load fused with a failing update would roll back to nothing).
 _FUSABLE = (_update,)
+_SETTLED = "settled"  # an operation's ``previous`` once it finished: no rollback goes past it
 
 
 class TaskBatch:
@@ -302,18 +303,22 @@ class TaskBatch:
         """Release every version on the workers and the shared memory of the lineage."""
         if self._closed:
             return
-        self._closed = True
         with self._lock:
             # Releasing the batch's futures frees every version on the workers; pending tasks still finish,
             # reading the lineage's shared memory by name, so the segments go after they end.
             with self._submit_lock:
+                self._closed = True  # no pump hands anything over from now on
                 for queue in self._queued.values():  # never handed to Dask: nothing to wait for
                     for op in queue:
                         op.payload.outcome = ("cancelled", None)
                     queue.clear()
+            for lock in self._pump_locks.values():  # a hand-over under way (a finished task's callback) ends first
+                with lock:
+                    pass
             pending = [var.last_write.payload.future for var in self._vars.values()
                        if var.last_write.payload.future is not None]
             pending += [t.future for _, tasks in self._inputs for t in tasks if t.future is not None]
+            pending += list(self._futures)  # every task still referred to: none reads the segments after close
             self._vars.clear()
         try:
             _wait(pending)
@@ -380,19 +385,35 @@ class TaskBatch:
             while True:
                 with self._submit_lock:
                     queue = self._queued[chunk.index]
-                    if not queue or self._in_dask[chunk.index] >= self.lookahead:
+                    if self._closed or not queue or self._in_dask[chunk.index] >= self.lookahead:
                         return
                     ops = [queue.popleft()]
                     while ops[-1].payload.call[0] in _FUSABLE and queue and queue[0].payload.call[0] in _FUSABLE \
                             and len(ops) < MAX_FUSED:
                         ops.append(queue.popleft())
                     self._in_dask[chunk.index] += 1
-                self._submit(chunk, ops)
+                try:
+                    self._submit(chunk, ops)
+                except BaseException as error:  # e.g. fn does not pickle: these ops fail, the chunk goes on
+                    self._not_handed(chunk, ops, error)
+                    if not isinstance(error, Exception):
+                        raise
+
+    def _not_handed(self, chunk, ops, error):
+        """``ops`` could not be handed to Dask: each fails with a one-line error (raised where its update is
+        waited for, and by the operations that read what it was to write); the chunk's slot is free again."""
+        failure = RuntimeError(f"operation {ops[0].label!r} on {chunk} was not sent to its worker: "
+                               f"{type(error).__name__}: {error}")
+        with self._submit_lock:
+            self._in_dask[chunk.index] -= 1
+        for op in ops:
+            op.payload.not_handed(failure)
+            self._engine.complete(op)
 
     def _submit_now(self, *args, **kwargs):
         """``client.submit(*args, **kwargs)``, sent to the scheduler now: not at the end of the client's 10 ms
         batch window, which a solver's step would wait for."""
-        future = self.client.submit(*args, **kwargs)
+        future = submit_task(self.client, *args, **kwargs)
         send_now(self.client)
         return future
 
@@ -401,7 +422,7 @@ class TaskBatch:
             func, args, key, resources = ops[0].payload.call
             # The data a task reads travels in its arguments; its other predecessors (the earlier reads of
             # what it writes) are passed too, only so that Dask runs it after them.
-            after = [o.payload.future for o in ops[0].after]
+            after = [o.payload.future for o in ops[0].after if o.payload.future is not None]
             args = _resolve(args)
         else:
             func, args, key, resources, after = _fused_call(ops)
@@ -418,7 +439,7 @@ class TaskBatch:
         def finished(f):
             for op in ops:
                 if f.status == "finished":
-                    op.payload.previous = None  # the replaced versions are no longer needed for rollback
+                    op.payload.previous = _SETTLED  # the replaced versions are no longer needed for rollback
                 engine.complete(op)
             with self._submit_lock:
                 self._in_dask[chunk.index] -= 1
@@ -484,8 +505,9 @@ class TaskBatch:
         dropped = set()
         for (field, index), var in list(self._vars.items()):
             op = var.last_write
-            while op is not None and op.payload.future is not None and op.payload.future.status in ("error",
-                                                                                                      "cancelled"):
+            # A version that ran once and failed later (Dask rebuilding a lost worker's chunk) has nothing to go
+            # back to: it stays, and what reads it fails with its error.
+            while op is not None and op.payload.failed() and op.payload.previous is not _SETTLED:
                 op = (op.payload.previous or {}).get(field)
             if op is not var.last_write:
                 if op is None:  # the update that created the field failed here: the field is gone

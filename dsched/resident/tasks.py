@@ -54,9 +54,20 @@ class _Task:
         self.outcome = None  # (status, error), kept when its batch closes and its future is released
 
     def result(self):
-        """The future, once the task was handed to Dask (waits for that)."""
+        """The future, once the task was handed to Dask (waits for that); ``None`` if it could not be."""
         self.submitted.wait()
         return self.future
+
+    def failed(self) -> bool:
+        """Whether it failed (or was cancelled) in Dask, or could not be handed to Dask at all."""
+        if self.future is not None:
+            return self.future.status in ("error", "cancelled")
+        return self.outcome is not None and self.outcome[0] == "error"
+
+    def not_handed(self, error):
+        """It could not be handed to Dask (``error`` says why): it failed, and its waiters learn so at once."""
+        self.call, self.outcome = None, ("error", error)
+        self.submitted.set()
 
 
 @dataclass(frozen=True)
@@ -300,7 +311,9 @@ def _raise_outcomes(tasks):
 
 def _wait(futures):
     """Wait until every future is done, on the futures' own client (``distributed.wait`` asks the default
-    client, which is another one, on another event loop, when a process holds two)."""
+    client, which is another one, on another event loop, when a process holds two). ``None`` (a task that
+    never reached Dask) is skipped."""
+    futures = [future for future in futures if future is not None]
     if futures:
         from distributed.client import _wait
 
@@ -313,8 +326,12 @@ def _wait_all(futures):
 
 
 def _wait_tasks(tasks):
-    """Wait until every task was handed to Dask and finished; raise the failures."""
-    _wait_all([task.result() for task in tasks])
+    """Wait until every task was handed to Dask and finished; raise the failures (of a task that could not be
+    handed to Dask, what stopped it)."""
+    futures = [task.result() for task in tasks]
+    _wait(futures)
+    _raise_errors([task.outcome[1] for task, future in zip(tasks, futures) if future is None and task.failed()]
+                  + [future.exception() for future in futures if future is not None and future.status == "error"])
 
 
 def _resolve(args, local=None, used=None):
@@ -329,6 +346,8 @@ def _resolve(args, local=None, used=None):
             used.add(local[op])
             return _Local(local[op])
         task = op.payload
+        if task.future is None:  # an earlier operation of the chunk could not be handed to Dask
+            raise RuntimeError(f"it reads the result of an operation that did not run ({task.outcome[1]})")
         return task.future if task.member is None else (_MEMBER, task.future, task.member)
     if isinstance(args, tuple):
         return tuple(_resolve(a, local, used) for a in args)
@@ -401,7 +420,7 @@ def _fused_call(ops):
         for earlier in used:
             last_use[earlier] = index
         for o in op.after:
-            if o not in local:
+            if o not in local and o.payload.future is not None:  # (None: it failed before reaching Dask)
                 after[o.payload.future.key] = o.payload.future
     keep = {}
     for index, op in enumerate(ops):
