@@ -21,6 +21,7 @@ from multiprocessing.connection import Client as connect_to
 
 from dsched.checks import setting
 from dsched.dispatch.completion import ask_worker
+from dsched.errors import unsendable_fn
 from dsched.observe.dashboard.client import tell_page
 from dsched.worker import lane as wire
 from dsched.worker.feed import LANE_OP
@@ -52,7 +53,11 @@ class Lane:
     def send(self, message) -> bool:
         """Write ``message``; ``False`` if the feed's end is closed (it ended, or its worker is gone)."""
         try:
-            self.connection.send_bytes(wire.dumps(message))
+            data = wire.dumps(message)
+        except Exception as err:  # noqa: BLE001  what the pickler refused: a run's program (fn) for a parked feed
+            raise unsendable_fn(err) from None
+        try:
+            self.connection.send_bytes(data)
             return True
         except (OSError, ValueError):  # ValueError: closed on this side
             return False
