@@ -347,7 +347,8 @@ def _resolve(args, local=None, used=None):
             return _Local(local[op])
         task = op.payload
         if task.future is None:  # an earlier operation of the chunk could not be handed to Dask
-            raise RuntimeError(f"it reads the result of an operation that did not run ({task.outcome[1]})")
+            reason = task.outcome[1] if task.outcome and task.outcome[1] else "it was not handed to Dask"
+            raise RuntimeError(f"it reads the result of an operation that did not run ({reason})")
         return task.future if task.member is None else (_MEMBER, task.future, task.member)
     if isinstance(args, tuple):
         return tuple(_resolve(a, local, used) for a in args)
