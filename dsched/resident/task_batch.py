@@ -74,6 +74,7 @@ from dsched.resident.tasks import (
     _Version,
     _wait,
     _wait_all,
+    _wait_unless_released,
     _wait_tasks,
     _write,
     _write_many,
@@ -318,10 +319,9 @@ class TaskBatch:
             pending = [var.last_write.payload.future for var in self._vars.values()
                        if var.last_write.payload.future is not None]
             pending += [t.future for _, tasks in self._inputs for t in tasks if t.future is not None]
-            pending += list(self._futures)  # every task still referred to: none reads the segments after close
             self._vars.clear()
         try:
-            _wait(pending)
+            _wait_unless_released(pending)
         finally:
             del pending
             for future, payloads in list(self._futures.items()):

@@ -320,6 +320,19 @@ def _wait(futures):
         futures[0].client.sync(_wait, list(futures))
 
 
+def _wait_unless_released(futures):
+    """:func:`_wait`, where a future the client released meanwhile (Dask then calls it cancelled) is not waited
+    for: nothing needs its outcome. Closing a batch waits so, for what still runs."""
+    from distributed.client import FuturesCancelledError
+
+    while True:
+        futures = [future for future in futures if future is not None and future.status != "cancelled"]
+        try:
+            return _wait(futures)
+        except FuturesCancelledError:  # one was released while we waited: wait for the others
+            continue
+
+
 def _wait_all(futures):
     _wait(futures)
     _raise_failures(futures)
