@@ -145,14 +145,9 @@ def as_recoverable(err):
     return None
 
 
-def unsent_reason(error: BaseException) -> str:
-    """Why Dask could not send a task, in one line: its ``Could not serialize object of type ...`` carries the
-    pickler's own error (``cannot pickle '_thread.lock' object``) as its cause."""
-    reason = error.__cause__ or error.__context__ or error
-    return f"{type(reason).__name__}: {reason}"
-
-
 def unsendable_fn(error: BaseException) -> TypeError:
-    """The one-line error of a call whose ``fn`` Dask could not pickle (``error``: Dask's)."""
-    return TypeError(f"fn: cannot be sent to the workers ({unsent_reason(error)}); it must pickle, and so must "
-                     "what a lambda or closure captures")
+    """The one-line error of a call whose ``fn`` could not be pickled for the workers. ``error`` is the pickler's,
+    or Dask's ``Could not serialize object of type ...``, which carries the pickler's as its cause."""
+    reason = error.__cause__ or error.__context__ or error
+    return TypeError(f"fn: cannot be sent to the workers ({type(reason).__name__}: {reason}); it must pickle, and "
+                     "so must what a lambda or closure captures")

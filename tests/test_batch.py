@@ -183,7 +183,8 @@ def test_a_chunks_tasks_reach_dask_in_program_order_when_two_threads_hand_them_o
     # TypeError after a rollback). Here a second thread pumps chunk 0 while the update's task is being submitted.
     with Batch({"x": np.arange(8.0)}, hybrid_scheduler(), client=hybrid_client, memory="device") as batch:
         backend = batch._backend
-        layout = (batch.get("x"), backend._seen_layouts["x"])[1]
+        batch.get("x")
+        layout = backend._seen_layouts["x"]  # what that get found: the next get's layout, known
         backend.lookahead = 10  # the slots the earlier tasks free do not matter here
         backend._held, backend._flush = True, lambda everywhere=False: None  # pushed operations stay queued
         batch.update(lambda x: {"x": x * 2}, reads=["x"], writes=["x"])
