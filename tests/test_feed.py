@@ -4,6 +4,7 @@ On worker processes (what users with GPUs and every multi-node user run) and
 in-process, against the per-chunk tasks of ``dsched.feeds: false``.
 """
 
+import collections
 import os
 import queue
 import time
@@ -16,6 +17,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 import dsched
 from dsched import SliceGenerator
 from dsched.names import is_feed_key
+from dsched.worker.chunk import PROGRAMS_KEPT, ChunkProgram, ProgramRef
 from dsched.worker.feed import _Inbox, _failure
 
 
@@ -332,19 +334,57 @@ def test_a_feed_reused_by_many_runs_has_one_completion_watcher(client):
     assert len(_watchers) <= watching
 
 
-def test_a_closed_inbox_lets_go_of_its_program():
+def _program(name):
+    """A run's program as an inbox sees it: what matters here is its dispatcher's id."""
+    return ChunkProgram(name, do_work=None)
+
+
+def test_a_closed_inbox_lets_go_of_its_programs():
     inbox = _Inbox()
-    inbox.attach(object())
+    inbox.attach(_program("a"))
     assert inbox.program is not None
     inbox.close(RuntimeError("ended"))
-    assert inbox.program is None and not inbox.rearm(object(), 5)
+    assert inbox.program is None and not inbox.programs and not inbox.rearm(_program("b"), 5)
+
+
+def test_an_inbox_keeps_its_last_programs_and_a_rearm_may_name_one_it_keeps():
+    """A solver's calls that take turns between models rearm a parked feed with a program it ran before: named by
+    its dispatcher (ProgramRef), the inbox's own copy runs again (no second copy unpickled, nothing run cold)."""
+    inbox = _Inbox()
+    first, second = _program("a"), _program("b")
+    inbox.attach(first)
+    assert inbox.rearm(second, 1) and inbox.program is second
+    assert inbox.rearm(ProgramRef("a"), 2) and inbox.program is first
+    assert inbox.rearm(None, 3) and inbox.program is first  # None: the program it runs now
+    others = [_program(f"other-{i}") for i in range(PROGRAMS_KEPT - 1)]
+    for epoch, program in enumerate(others, start=4):
+        assert inbox.rearm(program, epoch) and inbox.program is program
+    assert list(inbox.programs) == ["a", *(p.dispatcher_id for p in others)]  # "b", the least recently used: gone
+    epoch = 4 + len(others)
+    assert not inbox.rearm(ProgramRef("b"), epoch)  # refused, as an ended feed's: the run sends its chunks elsewhere
+    assert inbox.program is others[-1] and inbox.epoch == epoch - 1  # and nothing of it applied
+    assert inbox.rearm(ProgramRef("a"), epoch) and inbox.program is first
+
+
+def test_a_client_names_a_program_its_feed_keeps_and_forgets_as_the_inbox_does():
+    from types import SimpleNamespace
+
+    from dsched.dispatch.lanes import program_to_send
+
+    feed = SimpleNamespace(programs=collections.OrderedDict())
+    first, second = _program("a"), _program("b")
+    assert program_to_send(feed, first) is first and program_to_send(feed, first) is None
+    assert program_to_send(feed, second) is second and program_to_send(feed, first) == ProgramRef("a")
+    for i in range(PROGRAMS_KEPT):
+        program_to_send(feed, _program(f"other-{i}"))
+    assert program_to_send(feed, second) is second  # let go of by the inbox too: sent again in full
 
 
 def test_a_rearm_sent_with_several_chunks_applies_once_and_a_late_park_is_ignored():
     inbox = _Inbox()
-    inbox.attach(object())
+    inbox.attach(_program("old"))
     inbox.park(60, 1)
-    first, second = object(), object()
+    first, second = _program("first"), _program("second")
     assert inbox.rearm(first, 2) and inbox.program is first and inbox.park_until is None
     assert inbox.rearm(second, 2) and inbox.program is first  # another chunk of the same run: not re-initialised
     inbox.park(60, 1)  # the run before's park, arriving late: the feed stays the new run's
@@ -386,14 +426,14 @@ def test_a_rearming_run_s_chunks_for_a_feed_that_ended_since_its_rearm_are_sent_
     async def check():
         name = "dsched-feed-test-rearm-race-1"
         inbox = feed_module._inbox(name)
-        inbox.attach("the old run's program")
+        inbox.attach(_program("the old run's"))
         inbox.park(60.0, epoch=1)
-        assert inbox.rearm("the new run's program", 2)  # the rearm applies: the inbox is still open
+        assert inbox.rearm(_program("the new run's"), 2)  # the rearm applies: the inbox is still open
         inbox.close(RuntimeError("cannot initialise cuda:0"))  # then the old run's failure closes it
         monkeypatch.setattr(feed_module, "_rearmed", lambda feed, rearm: True)  # as it answered before the close
         receive_chunk = feed_module._chunk_handler(NoWorker())
         receive_chunks = feed_module._chunks_handler(NoWorker())
-        rearm = ("the new run's program", 2)
+        rearm = (_program("the new run's"), 2)
         assert await receive_chunk(feed=name, index=0, work=None, slot=None, rearm=rearm) == feed_module.ENDED
         assert await receive_chunks(feed=name, chunks=[(1, None, None, None)], rearm=rearm) == feed_module.ENDED
         refused = await receive_chunks(feed=name, chunks=[(2, None, None, None)])  # no rearm: the chunks fail
@@ -491,7 +531,7 @@ def test_a_park_that_comes_before_its_feed_started_ends_the_feed_as_it_starts():
     asyncio.run(_receive_park(feed=feed, linger=30.0, epoch=1))
     inbox = _inbox(feed, create=False)
     assert inbox is not None and inbox.closed and "retired" in str(inbox.error)
-    assert not inbox.rearm(object(), 2)  # a run that takes it finds it ended, and starts a new feed
+    assert not inbox.rearm(_program("a"), 2)  # a run that takes it finds it ended, and starts a new feed
 
 
 def test_send_now_sends_new_tasks_without_waiting_for_the_clients_batch_window(client):

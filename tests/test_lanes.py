@@ -21,6 +21,7 @@ from dsched.dispatch import front
 from dsched.dispatch.feeds import Feeds
 from dsched.dispatch.lanes import Lane
 from dsched.worker import lane as wire
+from dsched.worker.chunk import ChunkProgram, ProgramRef
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +50,11 @@ def sent(monkeypatch):
     seen = {"lane": 0, "comms": 0, "rearms": []}
     lane_send, comms_send = Lane.send, Feeds._call_all
 
-    def on_lane(self, message):  # a full run's and a steady run's messages alike (dsched.dispatch.steady)
+    def on_lane(self, message):  # a full run's, a steady run's and a replay's messages alike
         if message[0] == wire.CHUNKS:
             seen["lane"] += len(message[2])
-            if message[1] is not None:
-                seen["rearms"].append(message[1][0])  # the program, or None where the feed holds it
+        if message[0] in (wire.CHUNKS, wire.KEEP, wire.AGAIN) and message[1] is not None:
+            seen["rearms"].append(message[1][0])  # the program, its ProgramRef, or None where the feed runs it
         return lane_send(self, message)
 
     def on_comms(self, calls):
@@ -160,6 +161,21 @@ def test_like_calls_reuse_one_dispatcher_and_send_its_program_once(client, sent)
     # The next calls take the same parked feeds, and their rearms name no program: the feeds hold it.
     later = sent["rearms"][first:]
     assert later and all(program is None for program in later)
+
+
+def test_calls_that_take_turns_between_two_functions_send_each_program_to_a_feed_once(client, sent):
+    """A solver whose calls alternate two models (a stress and a tangent) on the same parked feeds: a feed gets
+    each program once, and on later turns its rearm names the copy its inbox keeps (ProgramRef)."""
+    s = scheduler()
+    x = np.arange(1000.0)
+    for turn in range(3):
+        np.testing.assert_array_equal(dsched.dispatch(triple, x, scheduler=s, client=client), 3 * x)
+        np.testing.assert_array_equal(dsched.dispatch(np.negative, x, scheduler=s, client=client), -x)
+        if turn == 0:
+            first = len(sent["rearms"])
+            assert any(isinstance(r, ChunkProgram) for r in sent["rearms"])  # np.negative's, to triple's feeds
+    later = sent["rearms"][first:]
+    assert later and all(isinstance(r, ProgramRef) for r in later)
 
 
 def test_calls_that_differ_in_a_plain_argument_get_dispatchers_of_their_own(client):

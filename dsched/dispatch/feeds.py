@@ -36,21 +36,17 @@ feed *retires* after its current chunk, leaving its inbox open, and the
 client starts a successor task on that inbox, which queues behind the
 others. Without contention a feed lives as long as its run.
 
-A solver calls again and again, and a feed's task takes a scheduler round
-trip to start (about 10 ms here, a quarter of a 100,000-point call, though sent at once: ``send_now``).
-So when a run ends without the dashboard, its feeds are *parked* rather than stopped:
-each waits on its worker, holding its thread and its share of the device,
-for ``dsched.feed-linger`` seconds (2 by default; 0 stops them at once). The
-client's next run from the same thread, of any dispatcher, takes them: its
-first chunks to each carry its program (no round trip before them). A parked
-feed ends at once when any other task waits for its worker, and when its time
-is up. A feed with a fast lane is told it is parked only after
-``dsched.feed-park-delay`` seconds (0.25 by default) without a next run: a
-solver's next call usually comes sooner and takes it on, so a call pays no park
-message and its worker no wake-up for one. One that had ended unnoticed
-refuses those chunks, and the run sends them to a new feed on that worker; one
-whose worker is gone fails them, and they run again as tasks while the run
-starts feeds where the device is now.
+A solver calls again and again, and a feed's task takes a scheduler round trip to start (about 10 ms here, a quarter
+of a 100,000-point call, though sent at once: ``send_now``). So when a run ends without the dashboard, its feeds are
+*parked* rather than stopped: each waits on its worker, holding its thread and its share of the device, for
+``dsched.feed-linger`` seconds (2 by default; 0 stops them at once). The client's next run from the same thread, of
+any dispatcher, takes them: its first chunks to each carry its program (no round trip before them), or name it where
+the feed's inbox keeps it from an earlier run (a solver taking turns between models sends each once). A parked feed
+ends at once when any other task waits for its worker, and when its time is up. A feed with a fast lane is told it
+is parked only after ``dsched.feed-park-delay`` seconds (0.25 by default) without a next run: a solver's next call
+usually comes sooner and takes it on, so a call pays no park message and its worker no wake-up for one. One that had
+ended unnoticed refuses those chunks, and the run sends them to a new feed on that worker; one whose worker is gone
+fails them, and they run again as tasks while the run starts feeds where the device is now.
 
 The worker side (:mod:`dsched.worker.feed`) is a handler installed by :class:`FeedPlugin`, registered by
 the dispatcher on first use. This module is the client's side: a run's :class:`Feeds`, and the parked feeds
@@ -73,7 +69,7 @@ from dsched.dataplane.store import classify_workers
 from dsched.devices.device import device_resource, placement_device
 from dsched.devices.ownership import device_owners
 from dsched.dispatch.completion import ask_worker, notify_when_done, send_now, submit_task, until_done, watch_worker
-from dsched.dispatch.lanes import FastLanes, lanes_enabled, open_lane
+from dsched.dispatch.lanes import FastLanes, hold_program, lanes_enabled, open_lane
 from dsched.dispatch.parking import (
     ANSWER_WAIT,
     _is_gone,
@@ -156,7 +152,8 @@ class _Feed:
     owner: object = None  # the run's Feeds it serves; None while parked or after its run
     chunk_seconds: float = float("inf")  # how long its recent chunks ran (unknown: as if long)
     lane: object = None  # its fast lane (dsched.dispatch.lanes), where its worker shares this file system
-    program_id: str = ""  # the dispatcher whose program its worker holds (sent before, on its task or lane)
+    # The dispatchers whose programs its worker keeps, the one it runs now last (dsched.dispatch.lanes.hold_program).
+    programs: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
 
     def let_go(self):
         """Release its task (it ends, or has) and close its lane."""
@@ -491,7 +488,10 @@ class Feeds(FastLanes):
 
     def _rearming(self, feed) -> dict:
         """What a message to ``feed`` carries besides its chunks: the run's program, until the feed answered."""
-        return {"rearm": ToPickle((self.program, feed.epoch))} if feed.rearm else {}
+        if not feed.rearm:
+            return {}
+        hold_program(feed, self.program.dispatcher_id)
+        return {"rearm": ToPickle((self.program, feed.epoch))}
 
     def _submit(self, feed, key):
         self._by_key[key] = feed
@@ -582,7 +582,7 @@ class Feeds(FastLanes):
 def submit_feed(client, program, feed, key):
     """Start ``feed``'s task ``key`` with ``program`` (its first, or a successor on its inbox after it retired),
     pinned to its worker and holding its share of the device; its end is told to the feed's owner."""
-    feed.program_id = program.dispatcher_id
+    hold_program(feed, program.dispatcher_id)
     feed.future = submit_task(client, run_feed, program, feed.device, feed.id, key=key, workers=[feed.address],
                               allow_other_workers=False, resources={device_resource(feed.device): feed.holds},
                               pure=False)

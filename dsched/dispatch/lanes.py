@@ -24,12 +24,34 @@ from dsched.dispatch.completion import ask_worker
 from dsched.errors import unsendable_fn
 from dsched.observe.dashboard.client import tell_page
 from dsched.worker import lane as wire
+from dsched.worker.chunk import PROGRAMS_KEPT, ProgramRef
 from dsched.worker.feed import LANE_OP
 
-__all__ = ["Lane", "FastLanes", "open_lane", "lanes_enabled", "WINDOW"]
+__all__ = ["Lane", "FastLanes", "open_lane", "lanes_enabled", "program_to_send", "hold_program", "WINDOW"]
 
 _ASK_WAIT = 5.0  # seconds a worker has to say where its lane listens
 WINDOW = 64  # chunks a lane holds unanswered at most (their descriptors and replies fit its socket's buffers)
+
+
+def program_to_send(feed, program):
+    """What a rearm of ``feed`` carries for ``program``: nothing if its worker runs that program now, a
+    :class:`~dsched.worker.chunk.ProgramRef` if its inbox keeps it, else the program itself. A solver whose calls
+    take turns between models (a stress and a tangent) so sends each of them once: unpickling a model again on
+    every turn costs the worker milliseconds, and the model's first call on the new copy more."""
+    held, key = feed.programs, program.dispatcher_id
+    carried = None if held and next(reversed(held)) == key else ProgramRef(key) if key in held else program
+    hold_program(feed, key)
+    return carried
+
+
+def hold_program(feed, key):
+    """Note that ``feed``'s worker runs the program of dispatcher ``key`` now, and keeps it, as its inbox does
+    (the most recently used :data:`~dsched.worker.chunk.PROGRAMS_KEPT`)."""
+    held = feed.programs
+    held.pop(key, None)
+    held[key] = None
+    while len(held) > PROGRAMS_KEPT:
+        held.popitem(last=False)
 
 
 def lanes_enabled() -> bool:
@@ -129,10 +151,8 @@ class FastLanes:
             return
         items = [lane.backlog.popleft() for _ in range(min(room, len(lane.backlog)))]
         rearm = None
-        if feed.rearm:  # taken from the parked ones: the first message carries the run's program
-            program = self.program if feed.program_id != self.program.dispatcher_id else None  # None: the same
-            rearm, feed.rearm, lane.rearming = (program, feed.epoch), False, True
-            feed.program_id = self.program.dispatcher_id
+        if feed.rearm:  # taken from the parked ones: the first message carries the run's program (or names it)
+            rearm, feed.rearm, lane.rearming = (program_to_send(feed, self.program), feed.epoch), False, True
         for ticket, index, work, slot, about in items:
             lane.waiting[index] = (ticket, work, slot, about)
             if about is not None:  # the dashboard hears of it from here, in batches (flush_events)

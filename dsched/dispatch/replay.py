@@ -46,6 +46,7 @@ from dsched.dataplane.rundata import RunData, check_out
 from dsched.dataplane.segments import kept_until_released
 from dsched.dataplane.store import RunStore, find_shared, share_generator
 from dsched.devices.ownership import cluster_generation, forget_cluster_info, has_dashboard
+from dsched.dispatch.lanes import program_to_send
 from dsched.dispatch.steady import SteadyRun, plan_key
 from dsched.observe.collect import open_collectors
 from dsched.observe.report import ChunkRecord, RunReport
@@ -152,8 +153,7 @@ class ReplayPlan:
         """``feed``'s message for this run: its chunks to keep (the first time) or the kept ones again."""
         rearm = None
         if feed.rearm:  # its first message of the run takes it on, with the program if it holds another
-            rearm = (program if feed.program_id != program.dispatcher_id else None, feed.epoch)
-            feed.rearm, feed.program_id = False, program.dispatcher_id
+            rearm, feed.rearm = (program_to_send(feed, program), feed.epoch), False
         kept = self.current
         if feed.id in kept.kept_by:
             return (wire.AGAIN, rearm, kept.id, self.targets_blob(data.targets))

@@ -42,7 +42,7 @@ from dsched.devices.ownership import cluster_generation, has_dashboard
 from dsched.dispatch.async_run import record_dispatch
 from dsched.dispatch.completion import current_cancellation
 from dsched.dispatch.feeds import LINGER, PARK_DELAY, FeedTicket, submit_feed
-from dsched.dispatch.lanes import WINDOW
+from dsched.dispatch.lanes import WINDOW, program_to_send
 from dsched.dispatch.parking import _park, _running, _state, _take_parked, tell_parked_later
 from dsched.names import is_feed_key
 from dsched.observe.dashboard.client import tell_page
@@ -231,8 +231,7 @@ class SteadyRun:
         chunks = [feed.backlog.popleft() for _ in range(min(room, len(feed.backlog)))]
         rearm = None
         if feed.rearm:  # its first message of the run takes it on, with the run's program if it holds another
-            program = self.program if feed.program_id != self.program.dispatcher_id else None
-            rearm, feed.rearm, feed.program_id = (program, feed.epoch), False, self.program.dispatcher_id
+            rearm, feed.rearm = (program_to_send(feed, self.program), feed.epoch), False
         if not feed.lane.send((wire.CHUNKS, rearm, chunks)):
             self._lane_ended(feed)
 

@@ -16,7 +16,12 @@ from dsched.names import ITEMS_ANNOTATION
 from dsched.observe.report import ChunkRecord
 from dsched.worker.result_placement import run_and_write
 
-__all__ = ["ChunkProgram", "InFlight", "PackError", "run_chunk", "run_pack", "takes_out", "ITEMS_ANNOTATION"]
+__all__ = ["ChunkProgram", "InFlight", "PackError", "ProgramRef", "PROGRAMS_KEPT", "run_chunk", "run_pack", "takes_out",
+           "ITEMS_ANNOTATION"]
+
+#: programs a feed's inbox keeps (the most recently used): a solver whose calls take turns between a few models
+#: (a stress and a tangent, two materials) sends each to a feed once, then only its :class:`ProgramRef`
+PROGRAMS_KEPT = 4
 
 # A chunk task's item count, annotated where it differs from its resource request (a pack, a capped
 # request): observers such as the dashboard count items from it.
@@ -46,6 +51,12 @@ class ChunkProgram:
         if self.postprocess is not None:
             result = self.postprocess(result)
         return result
+
+
+class ProgramRef(NamedTuple):
+    """A program a feed's inbox keeps already, named by its dispatcher: what a rearm carries in its place."""
+
+    dispatcher_id: str
 
 
 def takes_out(fn) -> bool:

@@ -1,20 +1,16 @@
 """Device feeds, the worker's side: the inbox a feed's chunks wait in, the handlers that fill it, the feed's task.
 
-A feed (:mod:`dsched.dispatch.feeds` says why, and holds the client's side) is
-one Dask task, :func:`run_feed`, pinned to a device worker, that runs the
-chunks arriving in an inbox of its worker. The client sends each chunk with a
-direct RPC to that worker; the handler :class:`FeedPlugin` installs queues it
-in the feed's inbox and replies with the chunk's outcome and timings once the
-feed ran it. With the dashboard, the feed tells the scheduler of each chunk as
-it starts and ends (``dsched-chunks`` events).
+A feed (:mod:`dsched.dispatch.feeds` says why, and holds the client's side) is one Dask task, :func:`run_feed`, pinned
+to a device worker, that runs the chunks arriving in an inbox of its worker. The client sends each chunk with a direct
+RPC to that worker; the handler :class:`FeedPlugin` installs queues it in the feed's inbox and replies with the
+chunk's outcome and timings once the feed ran it. With the dashboard, the feed tells the scheduler of each chunk as it
+starts and ends (``dsched-chunks`` events).
 
-A feed *retires* after its current chunk when other tasks wait for its worker
-(its inbox stays open for a successor task the client starts), and between
-two runs of its client it may be *parked*: it waits, idle, for the next run to
-*rearm* it with that run's program, and ends when its time is up or anyone
-else waits for the worker. The rearm travels with the run's first chunks
-(no round trip of its own); a feed that had ended refuses them with
-:data:`ENDED`, and the client sends them to a new feed.
+A feed *retires* after its current chunk when other tasks wait for its worker (its inbox stays open for a successor
+task the client starts), and between two runs of its client it may be *parked*: it waits, idle, for the next run to
+*rearm* it with that run's program (or name one its inbox keeps from an earlier run), and ends when its time is up or
+anyone else waits for the worker. The rearm travels with the run's first chunks (no round trip of its own); a feed
+that had ended refuses them with :data:`ENDED`, and the client sends them to a new feed.
 """
 
 from __future__ import annotations
@@ -36,7 +32,7 @@ from dsched.checks import setting
 from dsched.names import CHUNK_EVENT_TOPIC, FEED_WORKER_PLUGIN
 from dsched.worker import lane as lanes
 from dsched.worker.chunk import _compute, _initialise
-from dsched.worker.kept import KeptPlans, run_kept
+from dsched.worker.kept import KeptPlans, KeptPrograms, run_kept
 from dsched.worker.wakeups import restore_policy, yield_on_wake
 
 __all__ = ["FeedPlugin", "run_feed", "RETIRED"]
@@ -73,6 +69,7 @@ class _Inbox:
         self.attached = False  # a feed task is taking chunks from it
         self.stopping = False  # the client said the run is over
         self.program = None  # what its chunks run: the first task's program, then each rearming run's
+        self.programs = KeptPrograms()  # those it ran lately, for a rearm that names one
         self.park_until = None  # parked: time.monotonic() at which it ends if no run rearms it
         self.epoch = 0  # of the last park or rearm applied
         self.woken = False  # a _WAKE is queued and not yet taken
@@ -192,8 +189,9 @@ class _Inbox:
         with self.lock:
             self.attached = True
             _fed.add(self)
+            self.programs.add(program)
             if self.program is None:  # a successor's program may be older than a rearming run's
-                self.program = program
+                self.program = self.programs.resolve(program)
 
     def wake(self):
         """Have the feed look now, not at its next poll, whether others wait for its worker (one wake queued)."""
@@ -228,9 +226,12 @@ class _Inbox:
             if self.closed:
                 return False
             if epoch > self.epoch:  # not a message of a run that parked it since
-                # A lane's rearm names no program when the run's is the one the feed holds (the same dispatcher).
+                # No program: the one it runs (the same dispatcher's); a ProgramRef: one it keeps, or else refused.
+                kept = None if program is None else self.programs.resolve(program)
+                if program is not None and kept is None:
+                    return False
                 self.epoch, self.park_until = epoch, None
-                self.program = self.program if program is None else program
+                self.program = self.program if kept is None else kept
             return True
 
     def end_if_parked(self) -> bool:
@@ -266,7 +267,7 @@ class _Inbox:
             self.closed = True
             self.error = error
             self.program = None  # closed inboxes are kept a while (to refuse late chunks): not their models
-            self.kept = KeptPlans()  # nor their plans' mappings
+            self.kept, self.programs = KeptPlans(), KeptPrograms()  # nor their plans' mappings
             _fed.discard(self)
             lane = None if keep_lane else self.lane
             self.lane = self.lane if keep_lane else None

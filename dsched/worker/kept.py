@@ -19,10 +19,10 @@ from dsched.dataplane.pinned import is_real_gpu
 from dsched.dataplane.store import SharedWork, SliceRef, resolve_work
 from dsched.devices.context import enter_device, is_emulated_here, leave_device
 from dsched.devices.device import Device
-from dsched.worker.chunk import _compute
+from dsched.worker.chunk import PROGRAMS_KEPT, ProgramRef, _compute
 from dsched.worker.result_placement import run_and_write
 
-__all__ = ["KeptPlans", "PLANS_KEPT", "PLACE_FROM"]
+__all__ = ["KeptPlans", "KeptPrograms", "PLANS_KEPT", "PLACE_FROM"]
 
 PLANS_KEPT = 4  # plans a feed keeps (a plan holds its inputs' mappings: older ones are let go)
 OUTPUTS_KEPT = 4  # output segments per plan whose rows are kept mapped (the pool lends a few in turn)
@@ -98,6 +98,43 @@ class KeptPlans:
 
     def clear(self):
         self._plans.clear()
+
+
+class KeptPrograms:
+    """The programs one feed's inbox keeps, by their dispatcher's id, the most recently used last
+    (:data:`~dsched.worker.chunk.PROGRAMS_KEPT`): a solver whose calls take turns between models rearms the feed
+    with a :class:`~dsched.worker.chunk.ProgramRef` to one of them, and its copy here runs again (no copy
+    unpickled on every turn, its caches warm)."""
+
+    def __init__(self):
+        self._programs = collections.OrderedDict()
+
+    def __iter__(self):
+        return iter(self._programs)
+
+    def __len__(self):
+        return len(self._programs)
+
+    def add(self, program):
+        """Keep ``program`` (a feed task's: the most recently used only if it is new here)."""
+        self._programs.setdefault(program.dispatcher_id, program)
+        self._trim()
+
+    def resolve(self, carried):
+        """The program a rearm carries, kept as the most recently used: ``carried`` itself, or the one its
+        :class:`~dsched.worker.chunk.ProgramRef` names; ``None`` for a name no longer kept (nor ``None`` given)."""
+        if isinstance(carried, ProgramRef):
+            carried = self._programs.get(carried.dispatcher_id)
+            if carried is None:
+                return None
+        self._programs.pop(carried.dispatcher_id, None)
+        self._programs[carried.dispatcher_id] = carried
+        self._trim()
+        return carried
+
+    def _trim(self):
+        while len(self._programs) > PROGRAMS_KEPT:
+            self._programs.popitem(last=False)
 
 
 def run_kept(program, device, chunk, slot, rows, plan):
