@@ -364,6 +364,12 @@ def test_an_inbox_keeps_its_last_programs_and_a_rearm_may_name_one_it_keeps():
     assert not inbox.rearm(ProgramRef("b"), epoch)  # refused, as an ended feed's: the run sends its chunks elsewhere
     assert inbox.program is others[-1] and inbox.epoch == epoch - 1  # and nothing of it applied
     assert inbox.rearm(ProgramRef("a"), epoch) and inbox.program is first
+    # A successor's task that starts after a newer run's rearm: its program is kept as the first to go, not run.
+    inbox = _Inbox()
+    inbox.attach(first)
+    assert inbox.rearm(second, 1)
+    inbox.attach(_program("successor's"))
+    assert inbox.program is second and list(inbox.programs) == ["successor's", "a", "b"]
 
 
 def test_a_client_names_a_program_its_feed_keeps_and_forgets_as_the_inbox_does():

@@ -116,9 +116,12 @@ class KeptPrograms:
         return len(self._programs)
 
     def add(self, program):
-        """Keep ``program`` (a feed task's: the most recently used only if it is new here)."""
-        self._programs.setdefault(program.dispatcher_id, program)
-        self._trim()
+        """Keep ``program``, a feed task's. The feed may run a newer one (a successor's task can start after a
+        newer run's rearm), so one new here is kept as the least recently used."""
+        if program.dispatcher_id not in self._programs:
+            self._programs[program.dispatcher_id] = program
+            self._programs.move_to_end(program.dispatcher_id, last=False)
+            self._trim()
 
     def resolve(self, carried):
         """The program a rearm carries, kept as the most recently used: ``carried`` itself, or the one its
