@@ -178,6 +178,27 @@ def test_calls_that_take_turns_between_two_functions_send_each_program_to_a_feed
     assert later and all(isinstance(r, ProgramRef) for r in later)
 
 
+def _keep_programs(n):
+    import dsched.worker.kept as kept
+
+    kept.PROGRAMS_KEPT = n
+
+
+def test_a_program_its_feed_no_longer_keeps_sends_the_chunks_to_a_new_feed(client, sent):
+    """The client thinks a feed keeps a program its inbox let go of (here the workers keep one, the client four):
+    the rearm naming it is refused as an ended feed's is, and the run's chunks go to a new feed, results intact."""
+    s = scheduler()
+    x = np.arange(1000.0)
+    client.run(_keep_programs, 1)
+    try:
+        for _ in range(3):
+            np.testing.assert_array_equal(dsched.dispatch(triple, x, scheduler=s, client=client), 3 * x)
+            np.testing.assert_array_equal(dsched.dispatch(np.negative, x, scheduler=s, client=client), -x)
+    finally:
+        client.run(_keep_programs, 4)
+    assert any(isinstance(r, ProgramRef) for r in sent["rearms"])  # named, refused, and every call still right
+
+
 def test_calls_that_differ_in_a_plain_argument_get_dispatchers_of_their_own(client):
     s = scheduler()
     x = np.arange(1000.0)
