@@ -86,12 +86,27 @@ class AggregateError(DispatchError, ExceptionGroup):
         return _rebuild, (self.errors, self._dispatched, self._undispatched)
 
 
+def _ranges(indexes) -> str:
+    """Sorted indexes as runs: ``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    runs = []
+    for i in indexes:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _summary(errors, dispatched, undispatched) -> str:
+    """The group's message: one line per distinct error, with the indexes of the errors that read so (a model that
+    fails the same way in a hundred chunks says so in one line, not a hundred)."""
     of = "" if dispatched is None else f" of {dispatched}"
     lines = [f"{len(errors)}{of} chunks failed:"]
+    alike = {}  # an error's line -> the indexes of the errors that read so, in order of first appearance
     for i, err in enumerate(errors):
         kind = "recoverable" if is_recoverable(err) else "fatal"
-        lines.append(f"[{i}] ({kind}) {type(err).__name__}: {err}")
+        alike.setdefault(f"({kind}) {type(err).__name__}: {err}", []).append(i)
+    lines += [f"[{_ranges(indexes)}] {line}" for line, indexes in alike.items()]
     if undispatched:
         lines.append(f"(the run stopped at the first failure: {undispatched} items were never dispatched)")
     return "\n".join(lines)

@@ -404,6 +404,19 @@ def test_several_failures_aggregate_in_dispatch_order(hybrid_client):
     assert all_idle(scheduler)
 
 
+def test_chunks_that_fail_alike_read_as_one_line_with_their_indexes():
+    """A model that fails the same way in a hundred chunks: one line, not a hundred."""
+    errors = [TypeError("step() got an unexpected keyword argument 'a'")] * 100
+    errors[5] = ValueError("bad row 5")
+    err = AggregateError.of(errors, dispatched=100)
+    assert str(err).splitlines() == [
+        "100 of 100 chunks failed:",
+        "[0-4, 6-99] (fatal) TypeError: step() got an unexpected keyword argument 'a'",
+        "[5] (fatal) ValueError: bad row 5",
+    ]
+    assert len(err.errors) == 100  # each chunk's error is still there, in dispatch order
+
+
 def all_recoverable(work, device):
     if work.start < 16:
         raise NotConverged(f"no convergence at {work.start}")
