@@ -132,6 +132,19 @@ def test_bad_names_are_refused_before_any_work(hybrid_client, memory):
             batch.update(lambda x: {"y": x}, reads=["x"], writes=["y"])
         with pytest.raises(ValueError, match=r"field: no field 'z' in this batch"):
             batch.get("z")
+
+        def step(x, state):
+            return {"x": x + state}
+
+        # fn cannot take what each chunk would call it with: said once, naming what it misses, before any chunk ran
+        with pytest.raises(ValueError, match=r"^fn: step\(\) missing a required argument: 'state' \(each chunk "
+                                             r"calls it with the keywords x, scale: the fields it reads, its inputs, "
+                                             r"out= arrays and kwargs\)$"):
+            batch.update(step, reads="x", writes=["x"], kwargs={"scale": 2.0})
+        with pytest.raises(ValueError, match=r"^fn: step\(\) got an unexpected keyword argument 'rate'"):
+            batch.update(step, reads=["x"], writes=["x"], inputs={"state": np.ones(10), "rate": np.ones(10)})
+        batch.update(step, reads=["x"], writes=["x"], inputs={"state": np.ones(10)})
+        np.testing.assert_array_equal(batch.get("x"), np.arange(10.0) + 1)
         with pytest.raises(ValueError, match=r"fields\['x'\]: 9 items along axis 0; the batch has 10"):
             batch.set("x", np.zeros(9))
     with pytest.raises(ValueError, match=r"fields\['b'\]: 3 items along axis 0; the batch has 2"):

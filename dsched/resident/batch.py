@@ -33,7 +33,7 @@ from dsched.dataplane.outputs import check_out_path
 from dsched.dataplane.store import classify_workers
 from dsched.devices.ownership import check_devices_owned, cluster_info, device_owners
 from dsched.names import EMULATED_RESOURCE
-from dsched.resident.fields import _check_fields, _check_inputs, _check_layouts, _names
+from dsched.resident.fields import _check_call, _check_fields, _check_inputs, _check_layouts, _names
 from dsched.resident.host_batch import HostBatch
 from dsched.resident.task_batch import TaskBatch
 from dsched.resident.tasks import Update, _Chunk, _client, _UpdateSpec
@@ -122,7 +122,9 @@ class Batch:
 
         ``fn(**{field: chunk array for field in reads}, **kwargs)`` returns a
         dict with one array per field in ``writes`` and ``outputs``, each with
-        the chunk's length along axis 0. ``writes`` are existing fields
+        the chunk's length along axis 0 (a ``fn`` that cannot take those
+        keywords, with the ``inputs`` and ``out`` below, is refused before any
+        work). ``writes`` are existing fields
         (replaced by the returned arrays); ``outputs`` may also name new
         fields. Fields read arrive read-only unless ``inplace`` is true: then a
         field both read and written arrives writable and ``fn`` may mutate it in
@@ -168,6 +170,7 @@ class Batch:
         label = label or getattr(fn, "__name__", "update")
         spec = _UpdateSpec(fn, label, reads, written, bool(inplace), dict(kwargs or {}))
         arrays = _check_inputs(inputs, axis, self.n, reads)
+        _check_call(fn, (*reads, *arrays, *(out if isinstance(out, dict) else ()), *spec.kwargs), label)
         return self._backend.update(spec, arrays, axis, out, _check_layouts(layouts, written))
 
     def set(self, field, values):

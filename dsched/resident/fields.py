@@ -6,7 +6,15 @@ entry) at fault, before anything is placed or submitted.
 
 from __future__ import annotations
 
+import collections
+import inspect
+import threading
+
 import numpy as np
+
+_CALLS_KEPT = 64  # (fn, keywords) found to bind, kept so that a solver's like updates skip the check
+_calls_bound = collections.OrderedDict()
+_calls_lock = threading.Lock()
 
 
 def _names(value, field) -> tuple:
@@ -92,3 +100,31 @@ def _check_layouts(layouts, written) -> dict:
             raise ValueError(f"layouts[{name!r}]: dtype {dtype} cannot live on a device")
         checked[name] = (tuple(int(n) for n in shape), dtype.str)
     return checked
+
+
+def _check_call(fn, keywords, label):
+    """That ``fn`` takes ``keywords`` (an update's reads, inputs, ``out=`` arrays and kwargs, by name, as each
+    chunk calls it); a ValueError naming what it misses or refuses otherwise, before any chunk fails with it. A
+    function whose signature cannot be read passes."""
+    key = (fn, keywords)
+    try:
+        with _calls_lock:
+            if key in _calls_bound:
+                _calls_bound.move_to_end(key)
+                return
+    except TypeError:  # a callable that cannot be hashed: checked at every update
+        key = None
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(**dict.fromkeys(keywords))
+    except TypeError as err:
+        raise ValueError(f"fn: {label}() {err} (each chunk calls it with the keywords {', '.join(keywords) or 'none'}"
+                         ": the fields it reads, its inputs, out= arrays and kwargs)") from None
+    if key is not None:
+        with _calls_lock:
+            _calls_bound[key] = None
+            while len(_calls_bound) > _CALLS_KEPT:
+                _calls_bound.popitem(last=False)
