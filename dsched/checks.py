@@ -19,10 +19,12 @@ ValueError: threads: expected an integer >= 1, got 0
 
 from __future__ import annotations
 
+import reprlib
+
 import dask.config
 import numpy as np
 
-__all__ = ["check_positive_int", "did_you_mean", "setting"]
+__all__ = ["check_positive_int", "check_callable", "described", "did_you_mean", "setting"]
 
 
 def check_positive_int(value, field: str, *, integers=(int, np.integer), expected="an integer >= 1",
@@ -39,6 +41,27 @@ def check_positive_int(value, field: str, *, integers=(int, np.integer), expecte
     if int(value) < 1:
         raise ValueError(f"{field}: {f'expected {expected}' if below is None else below}, got {value!r}")
     return int(value)
+
+
+def described(value) -> str:
+    """``value`` for a one-line message: an array by its type, shape and dtype (never its values), anything else
+    by a repr cut short.
+
+    >>> described(np.ones((1000, 3))), described("x" * 100)[:12]
+    ('ndarray of shape (1000, 3) and dtype float64', "'xxxxxxxxxxx")
+    """
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if isinstance(shape, tuple) and dtype is not None:
+        return f"{type(value).__name__} of shape {shape} and dtype {dtype}"
+    return reprlib.repr(value).replace("\n", " ")
+
+
+def check_callable(value, field: str, error=ValueError):
+    """``value`` if it is callable, else ``error`` naming ``field``: ``fn: expected a callable, got ndarray of shape
+    (1000, 3) and dtype float64`` (arguments given in the wrong order)."""
+    if not callable(value):
+        raise error(f"{field}: expected a callable, got {described(value)}")
+    return value
 
 
 def did_you_mean(word: str, candidates, suffix: str = "") -> str:

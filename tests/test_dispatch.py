@@ -596,6 +596,10 @@ def test_a_dict_with_scalars_is_split_and_its_scalars_go_whole(hybrid_client, mo
 def test_dispatch_needs_a_callable_and_a_scheduler_before_any_work():
     with pytest.raises(ValueError, match="fn: expected a callable, got 5"):
         dispatch(5, np.arange(4.0), scheduler=SimpleScheduler("cpu", 2))
+    # Arguments given in the wrong order: the array said by its shape, not printed whole.
+    with pytest.raises(ValueError, match=r"^fn: expected a callable, got ndarray of shape \(1000, 3\) and dtype "
+                                         r"float64$"):
+        dispatch(np.ones((1000, 3)), np.negative, scheduler=SimpleScheduler("cpu", 2))
     with pytest.raises(ValueError, match="scheduler: 'nope' is not a scheduler"):
         WorkDispatcher("nope", slice_product)
 

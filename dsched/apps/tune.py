@@ -43,7 +43,7 @@ from typing import Callable
 import numpy as np
 from distributed import Client
 
-from dsched.checks import check_positive_int
+from dsched.checks import check_callable, check_positive_int
 from dsched.cluster.local import LocalHybridCluster
 from dsched.dataplane.loaders import SliceGenerator
 from dsched.devices.cuda import visible_gpus
@@ -129,12 +129,11 @@ class TuningWorkload:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or "/" in self.name or self.name.startswith("."):
             raise ValueError(f"model: expected a plain name for the profile file, got {self.name!r}")
-        if not callable(self.do_work):
-            raise ValueError(f"do_work: expected a callable, got {self.do_work!r}")
+        check_callable(self.do_work, "do_work")
         if self.make_work is None:
             self.make_work = _slices
-        elif not callable(self.make_work):
-            raise ValueError(f"make_work: expected a callable, got {self.make_work!r}")
+        else:
+            check_callable(self.make_work, "make_work")
 
 
 def _slices(total):

@@ -16,6 +16,7 @@ from itertools import product
 
 import numpy as np
 
+from dsched.checks import check_callable
 from dsched.blocks.engines import engine_of, is_dask_array
 from dsched.blocks.planning import MAX_PLAN_CHUNKS, plan, plan_blocks
 from dsched.cluster.placement import PlannedBlock, run_block
@@ -177,8 +178,7 @@ def _check_arguments(fn, args, backend, scheduler, to_device, to_host):
     With ``backend="torch"``, ``fn`` is wrapped in :class:`TorchBlocks`, which
     moves the blocks itself (torch's own moves): no CuPy moves around it.
     """
-    if not callable(fn):
-        raise TypeError(f"fn: expected a callable, got {fn!r}")
+    check_callable(fn, "fn", TypeError)
     if backend not in ("numpy", "torch"):
         raise ValueError(f"backend: expected 'numpy' or 'torch', got {backend!r}")
     if backend == "torch":

@@ -19,7 +19,7 @@ import weakref
 
 from distributed import Client, default_client
 
-from dsched.checks import setting
+from dsched.checks import check_callable, setting
 from dsched.cluster.local import LocalHybridCluster
 from dsched.dataplane.loaders import Ranges, uncovered
 from dsched.dataplane.outputs import OutputLayout
@@ -152,8 +152,8 @@ class WorkDispatcher:
             raise ValueError(f"mode: expected 'sync' or 'async', got {mode!r}")
         for name, fn in [("do_work", do_work), ("reduce", reduce), ("preprocess", preprocess),
                          ("postprocess", postprocess), ("thread_init", thread_init), ("on_chunk_done", on_chunk_done)]:
-            if fn is not None and not callable(fn):
-                raise ValueError(f"{name}: expected a callable, got {fn!r}")
+            if fn is not None:
+                check_callable(fn, name)
         if do_work is None:
             raise ValueError("do_work: the do-work function is not set")
         missing = [m for m in ("schedule_work", "dispatched_work", "completed_work", "devices", "status")

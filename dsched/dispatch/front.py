@@ -20,7 +20,7 @@ import threading
 import dask
 import numpy as np
 
-from dsched.checks import setting
+from dsched.checks import check_callable, setting
 from dsched.dataplane.loaders import MappingLoader, resolve_axis
 from dsched.dataplane.outputs import OutputLayout
 from dsched.dataplane.rundata import check_out
@@ -287,8 +287,7 @@ class PreparedCall:
 
     def __init__(self, fn, args, kwargs, *, scheduler, client, mode, axis, out_axis, trace_file, out, overwrite,
                  timeout, keep_grad, host_arrays=False):
-        if not callable(fn):
-            raise ValueError(f"fn: expected a callable, got {fn!r}")
+        check_callable(fn, "fn")
         check_keywords(fn, kwargs, dispatch)  # a typo'd keyword of dispatch's would otherwise reach the model
         keep_grad = keep_grad_setting(keep_grad)
         if keep_grad and out is not None:

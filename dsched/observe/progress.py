@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dsched.checks import check_callable
 from dsched.observe.hooks import RunObserver
 
 __all__ = ["ChunkCallback"]
@@ -24,8 +25,7 @@ class ChunkCallback(RunObserver):
     """
 
     def __init__(self, fn):
-        if not callable(fn):
-            raise ValueError(f"on_chunk_done: expected a callable, got {fn!r}")
+        check_callable(fn, "on_chunk_done")
         self.fn = fn
 
     def chunk_completed(self, record):

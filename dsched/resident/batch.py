@@ -28,7 +28,7 @@ fault, before any work) and hands the work to the backend.
 from __future__ import annotations
 
 from dsched.blocks.planning import plan
-from dsched.checks import check_positive_int
+from dsched.checks import check_callable, check_positive_int
 from dsched.dataplane.outputs import check_out_path
 from dsched.dataplane.store import classify_workers
 from dsched.devices.ownership import check_devices_owned, cluster_info, device_owners
@@ -153,8 +153,7 @@ class Batch:
         learned from results that travel back once.
         """
         self._check_open()
-        if not callable(fn):
-            raise ValueError(f"fn: expected a callable, got {fn!r}")
+        check_callable(fn, "fn")
         reads, writes, outputs = (_names(v, n) for v, n in ((reads, "reads"), (writes, "writes"),
                                                              (outputs, "outputs")))
         knows = self._backend.knows
