@@ -564,8 +564,12 @@ def test_models_taking_any_keyword_get_every_keyword():  # a **kwargs function, 
 
 
 def test_dispatch_needs_an_array():
-    with pytest.raises(ValueError, match=r"args: dispatch needs at least one array"):
+    with pytest.raises(ValueError, match=r"^args: dispatch needs at least one array \(or container of arrays\) to "
+                                         r"split; a list of numbers is not one: np.asarray\(...\) makes one$"):
         dispatch(abs, 3.0, [1, 2], scheduler=SimpleScheduler("cpu", 2), mode="sync")
+    with pytest.raises(ValueError, match=r"^args: dispatch needs at least one array \(or container of arrays\) to "
+                                         r"split$"):
+        dispatch(abs, 3.0, "text", scheduler=SimpleScheduler("cpu", 2), mode="sync")
 
 
 def test_dispatch_reraises_a_chunk_failure(hybrid_client):

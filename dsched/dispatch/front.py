@@ -294,7 +294,9 @@ class PreparedCall:
             raise ValueError("out: outputs written in place carry no autograd graph; drop out= or keep_grad")
         self.layout = layout = ArgsLayout(args, keep_grad, axis)
         if not any(a is not None for a in layout.axes.values()):
-            raise ValueError("args: dispatch needs at least one array (or container of arrays) to split")
+            numbers = any(type(a) in (list, tuple) and a and all(isinstance(v, (int, float)) for v in a) for a in args)
+            raise ValueError("args: dispatch needs at least one array (or container of arrays) to split"
+                             + ("; a list of numbers is not one: np.asarray(...) makes one" if numbers else ""))
         if mode == "sync" and not host_arrays and not getattr(fn, "moves_inputs", False):
             _check_sync_devices(scheduler, layout)
         self.fn, self.kwargs, self.axis, self.out_axis = fn, kwargs, axis, out_axis_of(axis, out_axis)
