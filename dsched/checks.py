@@ -52,7 +52,7 @@ def described(value) -> str:
     """
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
     if isinstance(shape, tuple) and dtype is not None:
-        return f"{type(value).__name__} of shape {shape} and dtype {dtype}"
+        return f"{type(value).__name__} of shape {tuple(shape)} and dtype {dtype}"
     return reprlib.repr(value).replace("\n", " ")
 
 

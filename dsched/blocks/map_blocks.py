@@ -16,9 +16,9 @@ from itertools import product
 
 import numpy as np
 
-from dsched.checks import check_callable
 from dsched.blocks.engines import engine_of, is_dask_array
 from dsched.blocks.planning import MAX_PLAN_CHUNKS, plan, plan_blocks
+from dsched.checks import check_callable
 from dsched.cluster.placement import PlannedBlock, run_block
 from dsched.devices import backends
 

@@ -6,14 +6,14 @@ entry) at fault, before anything is placed or submitted.
 
 from __future__ import annotations
 
-import collections
 import inspect
 import threading
+import weakref
 
 import numpy as np
 
-_CALLS_KEPT = 64  # (fn, keywords) found to bind, kept so that a solver's like updates skip the check
-_calls_bound = collections.OrderedDict()
+# fn -> the keywords it was found to take (a solver's like updates skip the check), held weakly: not a user's model
+_calls_bound = weakref.WeakKeyDictionary()
 _calls_lock = threading.Lock()
 
 
@@ -106,14 +106,13 @@ def _check_call(fn, keywords, label):
     """That ``fn`` takes ``keywords`` (an update's reads, inputs, ``out=`` arrays and kwargs, by name, as each
     chunk calls it); a ValueError naming what it misses or refuses otherwise, before any chunk fails with it. A
     function whose signature cannot be read passes."""
-    key = (fn, keywords)
     try:
         with _calls_lock:
-            if key in _calls_bound:
-                _calls_bound.move_to_end(key)
+            if keywords in _calls_bound.get(fn, ()):
                 return
-    except TypeError:  # a callable that cannot be hashed: checked at every update
-        key = None
+        kept = True
+    except TypeError:  # a callable that cannot be referenced weakly (or hashed): checked at every update
+        kept = False
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -123,8 +122,6 @@ def _check_call(fn, keywords, label):
     except TypeError as err:
         raise ValueError(f"fn: {label}() {err} (each chunk calls it with the keywords {', '.join(keywords) or 'none'}"
                          ": the fields it reads, its inputs, out= arrays and kwargs)") from None
-    if key is not None:
+    if kept:
         with _calls_lock:
-            _calls_bound[key] = None
-            while len(_calls_bound) > _CALLS_KEPT:
-                _calls_bound.popitem(last=False)
+            _calls_bound.setdefault(fn, set()).add(keywords)
