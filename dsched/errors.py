@@ -86,6 +86,30 @@ class AggregateError(DispatchError, ExceptionGroup):
         return _rebuild, (self.errors, self._dispatched, self._undispatched)
 
 
+_SENT_BY_VALUE = "<dynamic-code>"  # the file name cloudpickle gives code it sends by value (a script's functions)
+
+
+def note_where_defined(error, fn):
+    """Name ``fn``'s file in a note on ``error`` where its traceback runs through ``fn`` as the workers got it.
+
+    cloudpickle sends a function of the user's script by value and names its file ``"<dynamic-code>"`` (its
+    payloads are then the same wherever the script lies): a worker's traceback says ``File "<dynamic-code>", line
+    6, in boom``. The line numbers are the script's own; the note gives the file.
+    """
+    code = getattr(getattr(fn, "fn", fn), "__code__", None)  # dispatch's wrapper holds the user's function
+    if code is None or code.co_filename == _SENT_BY_VALUE:
+        return
+    tb = getattr(error, "__traceback__", None)
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == _SENT_BY_VALUE and tb.tb_frame.f_code.co_name == code.co_name:
+            note = (f'dsched: File "{_SENT_BY_VALUE}" above is {code.co_filename} (sent to the workers by value), '
+                    f"where {code.co_name} is defined at line {code.co_firstlineno}")
+            if note not in getattr(error, "__notes__", ()):
+                error.add_note(note)
+            return
+        tb = tb.tb_next
+
+
 def _ranges(indexes) -> str:
     """Sorted indexes as runs: ``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
     runs = []

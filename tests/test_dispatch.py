@@ -417,6 +417,30 @@ def test_chunks_that_fail_alike_read_as_one_line_with_their_indexes():
     assert len(err.errors) == 100  # each chunk's error is still there, in dispatch order
 
 
+def test_a_failure_in_a_scripts_function_names_the_script_where_the_worker_says_dynamic_code(tmp_path):
+    """A function of the user's script reaches worker processes by value, and their tracebacks name its file
+    "<dynamic-code>" (cloudpickle's choice): a note gives the script's path."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "model.py"
+    script.write_text("""import numpy as np, dsched
+from distributed import Client
+
+def boom(x):
+    raise ValueError("bad input")
+
+if __name__ == "__main__":
+    with dsched.LocalHybridCluster(["cpu"], processes=True, threads_per_worker=1, dashboard_address=None) as c, \\
+            Client(c) as client:
+        dsched.dispatch(boom, np.ones((10, 3)), scheduler=dsched.SimpleScheduler("cpu", 10), client=client)
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1 and 'File "<dynamic-code>", line 5, in boom' in done.stderr
+    assert (f'dsched: File "<dynamic-code>" above is {script} (sent to the workers by value), where boom is '
+            "defined at line 4") in done.stderr
+
+
 def all_recoverable(work, device):
     if work.start < 16:
         raise NotConverged(f"no convergence at {work.start}")

@@ -32,7 +32,7 @@ from dsched.dispatch.async_run import AsyncRun
 from dsched.dispatch.completion import current_cancellation
 from dsched.dispatch.replay import MISS, ReplayPlan, run_replay
 from dsched.dispatch.steady import SteadyPath, SteadyRun, inputs_signature, steady_path_enabled
-from dsched.errors import AggregateError, ChunkTimeoutError
+from dsched.errors import AggregateError, ChunkTimeoutError, note_where_defined
 from dsched.observe.collect import open_collectors
 from dsched.observe.dashboard.client import RunTotal
 from dsched.observe.hooks import Observers, RunStart
@@ -315,6 +315,8 @@ class WorkDispatcher:
         catches the failure however many chunks it hit.
         """
         failed = [r for r in report.records if r.error is not None]
+        for record in failed:
+            note_where_defined(record.error, self._program.do_work)
         undispatched = total - sum(r.size for r in report.records)
         if len(failed) == 1:
             record = failed[0]
