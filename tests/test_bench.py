@@ -153,6 +153,22 @@ def test_percall_benchmarks_time_every_form_against_the_pipe_round_trip():
     assert "emulated" in table and "dsched.dispatch" in table and "a future: the caller's" in table
 
 
+def test_the_rows_with_a_target_and_the_pipe_are_timed_in_turn_round_after_round():
+    """Each round times the pipe, then each row: a row's ratio is the median of its rounds' ratios to the pipe."""
+    from types import SimpleNamespace
+
+    from dsched.apps.bench.percall import timed_in_rounds
+
+    calls = []
+    pipe = SimpleNamespace(round_trip=lambda: calls.append("pipe"))
+    medians, ratios = timed_in_rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, pipe,
+                                      calls=30, warmup=6, rounds=3)
+    per_round = ["pipe"] * 12 + ["a"] * 12 + ["b"] * 12  # 10 timed calls after 2 warm-up ones, each in turn
+    assert calls == per_round * 3
+    assert set(medians) == set(ratios) == {"pipe round trip", "a", "b"} and ratios["pipe round trip"] == 1.0
+    assert all(us > 0 for us in medians.values()) and all(r > 0 for r in ratios.values())
+
+
 def _suites(monkeypatch, **outcomes):
     """Replace dsched bench's suites by ones that return a table or raise, as ``outcomes`` says."""
     from dsched.apps import cli
