@@ -21,7 +21,7 @@ from dsched.dispatch import front
 from dsched.dispatch.feeds import Feeds
 from dsched.dispatch.lanes import Lane
 from dsched.worker import lane as wire
-from dsched.worker.chunk import ChunkProgram, ProgramRef
+from dsched.worker.chunk import PROGRAMS_KEPT, ChunkProgram, ProgramRef
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ def _keep_programs(n):
 
 
 def test_a_program_its_feed_no_longer_keeps_sends_the_chunks_to_a_new_feed(client, sent):
-    """The client thinks a feed keeps a program its inbox let go of (here the workers keep one, the client four):
+    """The client thinks a feed keeps a program its inbox let go of (here the workers keep one, the client PROGRAMS_KEPT):
     the rearm naming it is refused as an ended feed's is, and the run's chunks go to a new feed, results intact."""
     s = scheduler()
     x = np.arange(1000.0)
@@ -195,7 +195,7 @@ def test_a_program_its_feed_no_longer_keeps_sends_the_chunks_to_a_new_feed(clien
             np.testing.assert_array_equal(dsched.dispatch(triple, x, scheduler=s, client=client), 3 * x)
             np.testing.assert_array_equal(dsched.dispatch(np.negative, x, scheduler=s, client=client), -x)
     finally:
-        client.run(_keep_programs, 4)
+        client.run(_keep_programs, PROGRAMS_KEPT)
     assert any(isinstance(r, ProgramRef) for r in sent["rearms"])  # named, refused, and every call still right
 
 
