@@ -6,13 +6,14 @@ entry) at fault, before anything is placed or submitted.
 
 from __future__ import annotations
 
-import inspect
 import threading
 import weakref
 
 import numpy as np
 
-# fn -> the keywords it was found to take (a solver's like updates skip the check), held weakly: not a user's model
+from dsched.dispatch.arguments import _signature
+
+# fn (a method's function) -> (bound, keywords) it was found to take (a solver's like updates skip the check), held weakly: not a user's model
 _calls_bound = weakref.WeakKeyDictionary()
 _calls_lock = threading.Lock()
 
@@ -106,16 +107,17 @@ def _check_call(fn, keywords, label):
     """That ``fn`` takes ``keywords`` (an update's reads, inputs, ``out=`` arrays and kwargs, by name, as each
     chunk calls it); a ValueError naming what it misses or refuses otherwise, before any chunk fails with it. A
     function whose signature cannot be read passes."""
+    # A bound method is made anew at every attribute access: kept by its function (every instance binds alike).
+    owner, seen = getattr(fn, "__func__", fn), (hasattr(fn, "__func__"), keywords)
     try:
         with _calls_lock:
-            if keywords in _calls_bound.get(fn, ()):
+            if seen in _calls_bound.get(owner, ()):
                 return
         kept = True
     except TypeError:  # a callable that cannot be referenced weakly (or hashed): checked at every update
         kept = False
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
+    signature = _signature(fn)
+    if signature is None:
         return
     try:
         signature.bind(**dict.fromkeys(keywords))
@@ -124,4 +126,4 @@ def _check_call(fn, keywords, label):
                          ": the fields it reads, its inputs, out= arrays and kwargs)") from None
     if kept:
         with _calls_lock:
-            _calls_bound.setdefault(fn, set()).add(keywords)
+            _calls_bound.setdefault(owner, set()).add(seen)

@@ -139,12 +139,6 @@ class PipePeer:
         self.close()
 
 
-def time_pipe(calls, warmup) -> float:
-    """Median microseconds of a small round trip to two processes at once, a ``Pipe`` each."""
-    with PipePeer() as pipe:
-        return median_us(pipe.round_trip, calls, warmup)
-
-
 def timed_in_rounds(calls_by_name, pipe, calls, warmup, rounds=ROUNDS) -> tuple:
     """``(medians, ratios)``: each call of ``calls_by_name`` and the pipe's round trip timed in turn, ``rounds``
     times (``calls`` calls each in all); medians in microseconds over the rounds' medians, and each call's ratio to
