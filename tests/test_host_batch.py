@@ -223,14 +223,15 @@ def test_a_new_batch_reuses_the_segments_a_closed_one_gave_back(process_client):
 
 
 _CTRL_C_CLIENT = """
-    import os, threading, time
+    import os, sys, threading, time
     import numpy as np
     from distributed import Client
     import dsched
 
     def hang(x):
         if x[0] >= 20:
-            print("HANG", flush=True)
+            sys.stdout.write("HANG\\n")  # one write each: the workers share the client's stdout
+            sys.stdout.flush()
             threading.Event().wait(600)
         return {"x": x + 1}
 
@@ -244,7 +245,8 @@ _CTRL_C_CLIENT = """
                     batch.get("x")
             except KeyboardInterrupt:
                 left = [n for n in os.listdir("/dev/shm") if n.startswith(f"dsched-{os.getpid()}-")]
-                print("LEFT", left, flush=True)
+                sys.stdout.write(f"LEFT {left}\\n")
+                sys.stdout.flush()
 """
 
 
