@@ -111,6 +111,27 @@ def test_an_error_in_the_block_restores_numpy_s_handler():
 
 
 @on_a_thread
+def test_an_error_raised_while_arrays_of_the_block_are_freed_stays_itself():
+    # Unwinding an error frees the arrays the failing code made; the handler frees them with the error pending
+    # and must leave it so: else NumPy's ufunc returns NULL without an exception (a SystemError for the model's
+    # own ValueError).
+    def mutate(x):
+        temporary = np.arange(300.0)  # freed as the error leaves this frame
+        x += temporary[:4]  # read-only: ValueError
+        return x
+
+    x = np.zeros(4)
+    x.flags.writeable = False
+    for learn in (False, True):
+        with pytest.raises(ValueError, match="read-only"):
+            with placing({}, learn=learn):
+                mutate(x)
+        with pytest.raises(ValueError, match="read-only"):
+            with placing({}, learn=learn):
+                np.add(x, np.arange(4.0) + 1, out=x)
+
+
+@on_a_thread
 def test_a_placed_array_is_live_until_it_is_gone_and_an_address_is_never_given_twice():
     rows = np.zeros(4)
     target = {0: (_address(rows), rows.nbytes, rows)}

@@ -22,7 +22,11 @@ Rules that keep other arrays safe:
   destination's view) is kept alive, which keeps its mapping open;
 - when learning, every allocation of the call is logged and followed until
   it is freed (:meth:`Placing.survivors`), so a caller can tell what the code
-  it ran keeps.
+  it ran keeps;
+- an error that frees arrays of the call as it leaves their frame stays
+  itself: a callback cannot leave a Python error pending, so ``free`` keeps
+  it, and :func:`placing` raises it in place of the ``SystemError`` Python
+  makes of an error return without an error.
 
 The handler is built with ctypes against NumPy's C API table, so no compiled
 extension is needed; :func:`available` says whether it could be (CPython and
@@ -229,8 +233,19 @@ def _make(numpy_handler, new_capsule):
         except BaseException:  # noqa: BLE001
             return None
 
+    # An error leaving a frame (or a failing ufunc) frees the arrays it made with the error pending. A callback
+    # cannot leave it so: the first call that checks Python's error indicator raises it here. So free raises it
+    # first, on purpose (pending() checks), and keeps it for placing() to raise in place of the SystemError that
+    # NumPy or Python then makes of an error return without an error.
+    pending = ctypes.pythonapi.Py_IsInitialized
+    pending.restype, pending.argtypes = ctypes.c_int, []
+
     @callback["free"]
     def free(_, address, size):
+        try:
+            pending()
+        except BaseException as err:  # noqa: BLE001
+            _keep_lost(err)
         try:
             _followed.pop(address, None)
             if _live.pop(address, None) is None:
@@ -244,6 +259,18 @@ def _make(numpy_handler, new_capsule):
     capsule = new_capsule(ctypes.addressof(handler), ctypes.addressof(name), None)
     _keep_alive.extend([functions, their, handler, name])
     return capsule
+
+
+def _keep_lost(error):
+    """Keep ``error``, pending as an array was freed, for the placing() under way on this thread (if any)."""
+    if getattr(_thread, "call", None) is not None and getattr(_thread, "lost", None) is None:
+        _thread.lost = error
+
+
+def _lost_error():
+    """The error kept by :func:`_keep_lost` since the last look, now forgotten; ``None`` if none."""
+    error, _thread.lost = getattr(_thread, "lost", None), None
+    return error
 
 
 _keep_alive = []  # the callbacks, the structure and its name: arrays allocated by the handler outlive any call
@@ -286,9 +313,16 @@ def placing(targets, *, learn=False):
     capsule, set_handler = _handler()
     outer = getattr(_thread, "call", None)
     _thread.call = call
+    lost = _lost_error()  # an outer call's, if any
     previous = set_handler(capsule)
     try:
         yield call
+    except SystemError:
+        error = _lost_error()  # the block's own error, lost as an array was freed (see _make): raised as itself
+        if error is None:
+            raise
+        raise error from error.__cause__  # its own cause kept; the SystemError is no context of it
     finally:
         set_handler(previous)
         _thread.call = outer
+        _thread.lost = lost
