@@ -56,7 +56,7 @@ from dsched.dataplane.segments import free_shared
 from dsched.dataplane.store import find_shared, pooled_empty
 from dsched.dispatch import WorkDispatcher, dispatch
 from dsched.errors import AggregateError
-from dsched.resident.host_update import CHUNK_ATTRIBUTE, ChunkUpdate, LayoutChanged, flat, layout_of
+from dsched.resident.host_update import CHUNK_ATTRIBUTE, ChunkUpdate, LayoutChanged, UpdateWork, flat, layout_of
 from dsched.resident.hostdata import inputs_in_shared_memory, out_arrays
 from dsched.resident.jobs import Job, JobQueue
 from dsched.resident.tasks import Update
@@ -133,6 +133,7 @@ class HostBatch:
         self._jobs = []  # pushed jobs not known to have succeeded, in push order
         self._last_use, self._last_write = {}, {}  # field -> the last job pushed that reads or writes it, writes it
         self._programs = collections.OrderedDict()
+        self._runners = {}  # id of a kept program -> its _UpdateRunner
         self._segments = set()  # the names of every segment the batch made
         self._closed = False
         self._lane = JobQueue()
@@ -299,14 +300,20 @@ class HostBatch:
         return self._planned.dispatched, error
 
     def _dispatch(self, program, start, reads, inputs, axis, outs, targets):
-        """``dispatch`` of ``program`` over items ``start:``; with ``targets`` (else the arrays it makes) as ``out``."""
+        """One run of ``program`` over items ``start:``; with ``targets`` (else the arrays it makes) as ``out``."""
         args = [_items_from(self._rows, start), *(_items_from(a, start) for a in reads),
                 *(_items_from(a, start, axis) for a in inputs.values()), *(_items_from(a, start) for a in outs.values())]
         axes = (0,) * (1 + len(reads)) + (axis,) * len(inputs) + (0,) * len(outs)
-        # In place, the results come flat (ChunkUpdate): one array alone is written by dispatch's shortest path.
-        out = None if targets is None else flat([_items_from(a, start) for a in (*targets.values(), *outs.values())])
-        return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
-                        out=out, host_arrays=True)
+        if targets is None:  # the layouts learned: dispatch makes the arrays
+            return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
+                            host_arrays=True)
+        # In place, the results come flat (ChunkUpdate): one array alone is written by the shortest path.
+        out = flat([_items_from(a, start) for a in (*targets.values(), *outs.values())])
+        runner = self._runners.get(id(program))
+        if runner is None:  # a program not kept (keyword arguments that are not hashable)
+            return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
+                            out=out, host_arrays=True)
+        return runner.run(args, axes, out)
 
     def _commit(self, targets, failed):
         """The spare arrays become the fields, with the rows of ``failed`` chunks copied from the current ones."""
@@ -367,7 +374,8 @@ class HostBatch:
         return kept.spare
 
     def _program(self, spec, inputs, outs, layouts):
-        """The update's :class:`ChunkUpdate`: a like update's again (so dispatch reuses its dispatcher)."""
+        """The update's :class:`ChunkUpdate`: a like update's again, run by its own dispatcher
+        (:class:`_UpdateRunner`), whose replays then send each feed one small message per step."""
         try:
             key = (spec.fn, spec.label, spec.reads, spec.writes, spec.inplace, tuple(sorted(spec.kwargs.items())),
                    tuple(inputs), tuple(outs), None if layouts is None else tuple(sorted(layouts.items())))
@@ -376,8 +384,10 @@ class HostBatch:
             return ChunkUpdate(spec, inputs, outs, layouts, self.chunks)
         if program is None:
             program = self._programs[key] = ChunkUpdate(spec, inputs, outs, layouts, self.chunks)
+            count = 1 + len(spec.reads) + len(inputs) + len(outs)
+            self._runners[id(program)] = _UpdateRunner(program, count, self._planned, self.client)
             while len(self._programs) > PROGRAMS_KEPT:
-                self._programs.popitem(last=False)
+                self._runners.pop(id(self._programs.popitem(last=False)[1])).close()
         self._programs.move_to_end(key)
         return program
 
@@ -456,7 +466,10 @@ class HostBatch:
             segments, self._segments = self._segments, set()
             self._fields.clear()
             self._programs.clear()
+            runners, self._runners = list(self._runners.values()), {}
             self._rows = None
+        for runner in runners:
+            runner.close()
         for token in segments:
             free_shared(token)  # those back in the pool, or unlinked already, are passed over
 
@@ -489,6 +502,36 @@ def _items_from(array, start, axis=0):
     """``array``'s items from ``start`` on along ``axis``: from 0, the array itself (a solver's step passes the same
     arrays every time, so they are found where they lie in shared memory once)."""
     return array if start == 0 else array[(slice(None),) * axis + (slice(start, None),)]
+
+
+class _UpdateRunner:
+    """A kept program's own dispatcher, and the loader of its last run: a like update skips :func:`dsched.dispatch`'s
+    front (its layout of the arguments, its look-up of a recent call) and runs straight on it."""
+
+    def __init__(self, program, count, scheduler, client):
+        self.keys = tuple(str(i) for i in range(count))
+        self.dispatcher = WorkDispatcher(scheduler, UpdateWork(program, count), join="concat", axis=0, client=client)
+        self.signature = self.loader = None
+
+    def run(self, arrays, axes, out):
+        """Run the update over ``arrays`` (each along its entry of ``axes``), its results written into ``out``."""
+        signature = (axes, *((a.shape, a.dtype) for a in arrays))
+        if signature == self.signature:
+            loader = self.loader.like(dict(zip(self.keys, arrays)))
+        else:
+            loader = MappingLoader(dict(zip(self.keys, arrays)), axis=dict(zip(self.keys, axes)))
+        dispatcher = self.dispatcher
+        dispatcher.out = out
+        try:
+            result = dispatcher.run(loader)
+        finally:  # nothing of this run's arrays is kept
+            dispatcher.out = dispatcher.last_run = dispatcher._last_generator = None
+        if signature != self.signature:
+            self.signature, self.loader = signature, loader.like({})
+        return result
+
+    def close(self):
+        self.dispatcher.close()
 
 
 class _ChunkPartial:

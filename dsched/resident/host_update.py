@@ -28,9 +28,11 @@ from __future__ import annotations
 import numpy as np
 
 from dsched.dataplane.outputs import ChunkResultError
+from dsched.devices.threads import limit_this_thread
+from dsched.errors import as_recoverable
 from dsched.resident.tasks import _to_host, checked_result
 
-__all__ = ["ChunkUpdate", "LayoutChanged", "layout_of", "flat", "CHUNK_ATTRIBUTE"]
+__all__ = ["ChunkUpdate", "UpdateWork", "LayoutChanged", "layout_of", "flat", "CHUNK_ATTRIBUTE"]
 
 CHUNK_ATTRIBUTE = "dsched_batch_chunk"  # on an error a chunk raised: the index of the batch's chunk
 
@@ -140,3 +142,40 @@ class ChunkUpdate:
             raise RuntimeError(f"update {self.spec.label!r}: {len(rows)} items from {chunk} on are not a chunk "
                                "of the batch")
         return chunk
+
+
+class UpdateWork:
+    """``do_work`` of an in-place update's own dispatcher: a chunk's arrays, in order, to its :class:`ChunkUpdate`.
+
+    The batch runs a like update again and again: it keeps a
+    :class:`~dsched.dispatch.dispatcher.WorkDispatcher` per program, whose loader
+    names the arrays ``"0"``, ``"1"``, ... (the items' chunk indexes, then the
+    fields read, the inputs and the out arrays). A chunk arrives as host arrays
+    (the batch's memory), is never moved, and gets its output rows as ``out=``.
+
+    Parameters
+    ----------
+    program : ChunkUpdate
+        The update.
+    count : int
+        How many arrays a chunk carries.
+    """
+
+    def __init__(self, program, count):
+        self.program, self.keys = program, tuple(str(i) for i in range(count))
+        self.fn = program.spec.fn  # the user's function, for the note that names its file (errors.note_where_defined)
+
+    def __call__(self, work, device, out=None):
+        return self.on_host(work, out)
+
+    def on_host(self, work, out=None):
+        """The chunk's update: nothing to move (the chunks of a batch in host memory are host arrays)."""
+        limit_this_thread()  # torch's thread count is per thread: give this one the worker's share
+        try:
+            return self.program(*[work[key] for key in self.keys], out=out)
+        except RuntimeError as err:
+            recoverable = as_recoverable(err)  # NEML2's own solve failures, from an fn calling NEML2
+            if recoverable is None:
+                raise
+            setattr(recoverable, CHUNK_ATTRIBUTE, getattr(err, CHUNK_ATTRIBUTE, None))  # the batch's chunk
+            raise recoverable from err
