@@ -1,7 +1,7 @@
 """A resident batch in host memory (``Batch(memory="host")``) on worker processes: what its backend adds.
 
-Each field is one array in shared memory that the workers map, and each update one ``dispatch`` over the
-batch's own chunks (the plan's). Here: results equal the task engine's bit for bit on exactly the plan's chunks;
+Each field is one array in shared memory that the workers map, and each update one run over the batch's own
+chunks (the plan's), on a dispatcher the batch keeps per update program. Here: results equal the task engine's bit for bit on exactly the plan's chunks;
 a failed chunk keeps its rows while the chunks after it still run; a worker killed mid-update has its chunks run
 again; ``/dev/shm`` flat over many steps; every segment unlinked at close, after an exception and after a Ctrl-C;
 where host memory cannot be chosen. What both backends promise is in ``tests/test_batch.py``.
@@ -310,6 +310,37 @@ def test_load_steps_equal_numpy_when_a_step_is_a_new_function(process_client):
             state = j2_load_step(strain, state["plastic_strain"], state["alpha"], factor=factor)
         np.testing.assert_array_equal(batch.get("p"), state["plastic_strain"])
         np.testing.assert_array_equal(batch.get("a"), state["alpha"])
+
+
+def _plus_one(x):
+    return {"x": x + 1.0}
+
+
+def test_like_updates_run_on_the_batchs_own_dispatcher_and_replay_from_the_third_step(process_client, monkeypatch):
+    """A solver's step: the update's program and its dispatcher are kept by the batch (dispatch() is not called),
+    the second step leaves a replay plan and every later one replays it, the fields swapping between two arrays."""
+    from chunk_models import runs_taking
+    from dsched.dispatch import replay
+    from dsched.resident import host_batch
+
+    def no_dispatch(*args, **kwargs):
+        raise AssertionError("a like update went through dispatch()")
+
+    replays = runs_taking(monkeypatch, replay.ReplayRun)
+    with Batch({"x": np.zeros(30)}, hybrid(), client=process_client, memory="host") as batch:
+        batch.update(_plus_one, reads=["x"], writes=["x"]).wait()
+        monkeypatch.setattr(host_batch, "dispatch", no_dispatch)
+        for _ in range(5):
+            batch.update(_plus_one, reads=["x"], writes=["x"])
+            batch.get("x")
+        np.testing.assert_array_equal(batch.get("x"), np.full(30, 6.0))
+        [runner] = batch._backend._runners.values()
+        assert len(replays) == 4  # steps 3 to 6
+        planned, start = [], 0
+        for device, size in dsched.plan(30, hybrid()):
+            planned, start = planned + [(str(device), start, size)], start + size
+        assert [(str(r.device), r.offset, r.size) for r in replays[-1].report.records] == planned
+    assert not batch._backend._runners and runner.dispatcher._steady_paths == {}  # closed with the batch
 
 
 def _renamed(out):

@@ -5,10 +5,12 @@ processes, or workers in this process) and none is a real GPU, a chunk's fields
 need not live in its worker: the workers map this host's shared memory
 (:func:`dsched.shared_empty`), so a field can be a single array for all items,
 and a chunk's rows a view of it. :class:`HostBatch` keeps each field so, and
-runs an update as one :func:`dsched.dispatch` of
-:class:`~dsched.resident.host_update.ChunkUpdate` over the batch: a step costs
-what a call costs (a fast lane's round trip per device), not a Dask task per
-chunk and field.
+runs an update as one run of :class:`~dsched.resident.host_update.ChunkUpdate`
+over the batch: a step costs what a call costs (a fast lane's round trip per
+device), not a Dask task per chunk and field. A like update's program is kept
+with a :class:`~dsched.dispatch.dispatcher.WorkDispatcher` of its own
+(:class:`_UpdateRunner`), which a solver's steps reach without
+:func:`dsched.dispatch`'s look at the arguments, and replay from the second on.
 
 - **Chunks.** The batch's chunks are those :func:`dsched.plan` cut it into, the
   same at every update: dispatch cuts them by

@@ -1,8 +1,10 @@
-"""One update of a batch in host memory, as :func:`dsched.dispatch` calls it on each chunk.
+"""One update of a batch in host memory, as its run calls it on each chunk.
 
-:class:`~dsched.resident.host_batch.HostBatch` runs an update as one
-``dispatch(ChunkUpdate(...), chunk of each item, *fields read, *inputs, *out arrays, out=...)``:
-every array is split into the batch's chunks, and each chunk's rows reach
+:class:`~dsched.resident.host_batch.HostBatch` runs an update over
+``(chunk of each item, *fields read, *inputs, *out arrays)``, with ``out=``:
+on a dispatcher of its own (:class:`UpdateWork` hands a chunk's arrays in
+order), or, while the layouts are learned, as one :func:`dsched.dispatch`.
+Every array is split into the batch's chunks, and each chunk's rows reach
 :class:`ChunkUpdate` as views of the batch's memory. It calls the update's
 ``fn`` with them as keywords, as the task engine does (fields read-only, a field
 both read and written writable with ``inplace``, the update's ``out`` rows
