@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import contextvars
 import queue
 import threading
@@ -334,11 +333,18 @@ def current_cancellation():
     return _current.get()
 
 
-@contextlib.contextmanager
-def cancellable(cancellation):
-    """Make ``cancellation`` the current one while the block runs."""
-    token = _current.set(cancellation)
-    try:
-        yield cancellation
-    finally:
-        _current.reset(token)
+class cancellable:
+    """Make ``cancellation`` the current one while the block runs (a class, not a generator: a solver's step
+    enters one)."""
+
+    __slots__ = ("cancellation", "token")
+
+    def __init__(self, cancellation):
+        self.cancellation = cancellation
+
+    def __enter__(self):
+        self.token = _current.set(self.cancellation)
+        return self.cancellation
+
+    def __exit__(self, *exc):
+        _current.reset(self.token)

@@ -154,8 +154,7 @@ class Batch:
         """
         self._check_open()
         check_callable(fn, "fn")
-        reads, writes, outputs = (_names(v, n) for v, n in ((reads, "reads"), (writes, "writes"),
-                                                             (outputs, "outputs")))
+        reads, writes, outputs = _names(reads, "reads"), _names(writes, "writes"), _names(outputs, "outputs")
         knows = self._backend.knows
         for field_name, names in (("reads", reads), ("writes", writes)):
             for name in names:

@@ -167,7 +167,7 @@ class HostBatch:
         ``arrays`` its own inputs along ``axis``, ``out`` its out= arrays (checked here), ``layouts`` those of
         new fields (checked)."""
         outs = out_arrays(out, set(spec.reads) | set(arrays), self.n, self._shared)
-        if self._shared:  # as they are now: the update runs later
+        if self._shared and arrays:  # as they are now: the update runs later
             arrays = inputs_in_shared_memory(arrays)
         job = Job(spec.label, spec.reads, spec.writes,
                   functools.partial(self._apply, spec, arrays, axis, outs, dict(layouts or {})))
@@ -242,7 +242,8 @@ class HostBatch:
                 raise ValueError(f"reads: no field {missing[0]!r}; the update that was to make it failed")
             if all(f in self._fields or f in declared for f in spec.writes):
                 made = [f for f in spec.writes if f not in self._fields]
-                self._make(declared, made)
+                if made:
+                    self._make(declared, made)
                 layouts = {f: layout_of(self._fields[f].current) for f in spec.writes}
                 try:
                     return self._run_in_place(spec, inputs, axis, outs, layouts)
@@ -253,10 +254,11 @@ class HostBatch:
                     raise
             return self._run_learning(spec, inputs, axis, outs)
         finally:
-            with self._lock:  # fields the update was to make and did not: gone (unless pushed again since)
-                for field in spec.writes:
-                    if field not in self._fields and self._last_write.get(field) is job:
-                        self._names.pop(field, None)
+            if any(field not in self._fields for field in spec.writes):
+                with self._lock:  # fields the update was to make and did not: gone (unless pushed again since)
+                    for field in spec.writes:
+                        if field not in self._fields and self._last_write.get(field) is job:
+                            self._names.pop(field, None)
 
     def _run_in_place(self, spec, inputs, axis, outs, layouts):
         """The update with the fields' layouts known: the chunks write into the spare arrays, failed chunks keep

@@ -86,10 +86,18 @@ class ChunkUpdate:
         self.layouts = None if layouts is None else dict(layouts)
         self.chunks = tuple(chunks)
         self.__name__ = spec.label
+        # A solver's usual update (nothing in place, no out= arrays, the layouts known) takes a short way: the
+        # arrays by name straight to fn, and its fields, if they are what the batch expects, straight back.
+        plain = self.layouts is not None and not self.outs and not (spec.inplace and set(spec.reads) & set(spec.writes))
+        self._names = (*spec.reads, *self.inputs) if plain else None
+        self._expected = None if not plain else tuple(
+            (field, tuple(self.layouts[field][0]), np.dtype(self.layouts[field][1])) for field in spec.writes)
 
     def __call__(self, rows, *arrays, out=None):
         chunk = self._chunk(rows)
         try:
+            if self._names is not None:
+                return self._call_plain(chunk, arrays)
             return self._call(chunk, arrays, out)
         except Exception as err:
             setattr(err, CHUNK_ATTRIBUTE, chunk.index)
@@ -116,7 +124,12 @@ class ChunkUpdate:
         outs = {name: targets[name] if name in targets else np.array(array)
                 for name, array in zip(self.outs, rest[len(self.inputs):])}
         given.update(outs)
-        result = spec.fn(**given, **spec.kwargs)
+        return self._checked(chunk, spec.fn(**given, **spec.kwargs), outs)
+
+    def _checked(self, chunk, result, outs):
+        """``fn``'s ``result`` checked (a field's layout changed: :class:`LayoutChanged`), as :meth:`__call__`
+        returns it: by name while layouts are learned, else flat."""
+        spec = self.spec
         fields = {field: _to_host(value) for field, value in checked_result(spec, chunk, result).items()}
         if self.layouts is not None:
             for field, value in fields.items():
@@ -129,6 +142,18 @@ class ChunkUpdate:
             return fields, outs
         # In place: the fields written, then the out rows, flat, as the batch's out= lists them.
         return flat([fields[field] for field in spec.writes] + [outs[name] for name in self.outs])
+
+    def _call_plain(self, chunk, arrays):
+        """:meth:`_call` of an update with nothing in place and no out= arrays, its layouts known: the fields
+        ``fn`` returned, flat, checked at a glance, or by :meth:`_call`'s checks (and their messages) otherwise."""
+        spec = self.spec
+        result = spec.fn(**dict(zip(self._names, arrays)), **spec.kwargs)
+        if type(result) is dict and len(result) == len(self._expected):
+            values = [result.get(field) for field, _, _ in self._expected]
+            if all(type(value) is np.ndarray and value.shape[1:] == shape and value.dtype == dtype and
+                   len(value) == chunk.stop - chunk.start for value, (_, shape, dtype) in zip(values, self._expected)):
+                return flat(values)
+        return self._checked(chunk, result, {})
 
     def _targets(self, out) -> dict:
         """``{field or out name: its writable rows}`` of dispatch's ``out=`` (nothing while layouts are learned)."""

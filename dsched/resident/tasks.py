@@ -78,9 +78,10 @@ class _Version:
     field: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _UpdateSpec:
-    """What every chunk task of one update needs, shipped with it."""
+    """What every chunk task of one update needs, shipped with it (not frozen: its fields are set at once, and
+    one is made per update)."""
 
     fn: object
     label: str
