@@ -199,6 +199,7 @@ class MappingLoader(WorkGenerator):
         super().__init__(total)
         self.mapping, self.axis = dict(mapping), axis
         self._batched = set(sizes) if sizes else set(along)
+        self.batched_keys = tuple(key for key in self.mapping if key in self._batched)  # in the mapping's order
 
     def _take(self, start, stop):
         return {k: (take(v, self.axes[k], start, stop) if k in self._batched else v) for k, v in self.mapping.items()}
@@ -209,6 +210,7 @@ class MappingLoader(WorkGenerator):
         loader = object.__new__(MappingLoader)
         WorkGenerator.__init__(loader, self.total)
         loader.mapping, loader.axis, loader.axes, loader._batched = dict(mapping), self.axis, self.axes, self._batched
+        loader.batched_keys = self.batched_keys
         return loader
 
 

@@ -78,7 +78,7 @@ from dsched.devices import backends
 from dsched.devices.templates import pack_template, unpack_template
 
 __all__ = ["ArrayRef", "RunStore", "classify_workers", "shared_empty", "shared_copy", "pooled_empty", "find_shared",
-           "SHM_DIR"]
+           "shared_location", "SHM_DIR"]
 
 # Arrays of this process that in-process workers read directly, by token.
 _local_arrays: dict[str, np.ndarray] = {}
@@ -358,13 +358,19 @@ def pooled_empty(shape, dtype=float) -> np.ndarray:
 def find_shared(array):
     """An :class:`ArrayRef` to ``array`` where it lies, if it is C-contiguous memory of a :func:`shared_empty` array
     or of a run's outputs (while the user holds them)."""
-    if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.dtype.hasobject:
-        return None
-    found = _shared_location(array)
+    found = shared_location(array)
     if found is None:
         return None
     token, offset = found
     return ArrayRef(token, tuple(array.shape), array.dtype.str, _this_pid(), True, offset)
+
+
+def shared_location(array):
+    """``(segment token, offset)`` where :func:`find_shared` finds ``array``, or ``None``: without the reference
+    (a replay asks where its inputs lie at every call)."""
+    if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.dtype.hasobject:
+        return None
+    return _shared_location(array)
 
 
 # --- which workers can read what ---------------------------------------------

@@ -44,7 +44,7 @@ from dsched.checks import setting
 from dsched.dataplane.loaders import ArrayLoader, MappingLoader
 from dsched.dataplane.rundata import RunData, check_out
 from dsched.dataplane.segments import kept_until_released
-from dsched.dataplane.store import RunStore, find_shared, share_generator
+from dsched.dataplane.store import RunStore, share_generator, shared_location
 from dsched.devices.ownership import cluster_generation, forget_cluster_info, has_dashboard
 from dsched.dispatch.lanes import program_to_send
 from dsched.dispatch.steady import SteadyRun, plan_key
@@ -126,7 +126,7 @@ class ReplayPlan:
         memory, as the chunks the feeds keep read them. Each placement of the inputs has chunks of its own (under
         an id of its own): a solver that swaps two states from step to step has two."""
         arrays = _inputs_of(generator)[2]
-        where = tuple(None if ref is None else (ref.token, ref.offset) for ref in map(find_shared, arrays))
+        where = tuple(map(shared_location, arrays))
         kept = self.inputs_kept.get(where)
         if kept is not None and not kept.same_whole(generator):  # a value passed whole changed (a parameter)
             self.inputs_kept.pop(where).close()
@@ -402,7 +402,7 @@ def _inputs_of(generator) -> tuple:
     if isinstance(generator, ArrayLoader):
         return ArrayLoader, None, [generator.array], [generator.axis]
     if isinstance(generator, MappingLoader):
-        keys = sorted(generator._batched, key=list(generator.mapping).index)
+        keys = generator.batched_keys
         return MappingLoader, keys, [generator.mapping[k] for k in keys], [generator.axes[k] for k in keys]
     return None, None, [], []
 

@@ -305,14 +305,19 @@ class HostBatch:
 
     def _dispatch(self, program, start, reads, inputs, axis, outs, targets):
         """One run of ``program`` over items ``start:``; with ``targets`` (else the arrays it makes) as ``out``."""
-        args = [_items_from(self._rows, start), *(_items_from(a, start) for a in reads),
-                *(_items_from(a, start, axis) for a in inputs.values()), *(_items_from(a, start) for a in outs.values())]
+        if start == 0:  # every step of a solver: the arrays themselves
+            args = [self._rows, *reads, *inputs.values(), *outs.values()]
+        else:
+            args = [_items_from(self._rows, start), *(_items_from(a, start) for a in reads),
+                    *(_items_from(a, start, axis) for a in inputs.values()),
+                    *(_items_from(a, start) for a in outs.values())]
         axes = (0,) * (1 + len(reads)) + (axis,) * len(inputs) + (0,) * len(outs)
         if targets is None:  # the layouts learned: dispatch makes the arrays
             return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
                             host_arrays=True)
         # In place, the results come flat (ChunkUpdate): one array alone is written by the shortest path.
-        out = flat([_items_from(a, start) for a in (*targets.values(), *outs.values())])
+        out = flat([_items_from(a, start) for a in (*targets.values(), *outs.values())] if start else
+                   [*targets.values(), *outs.values()])
         runner = self._runners.get(id(program))
         if runner is None:  # a program not kept (keyword arguments that are not hashable)
             return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
@@ -519,7 +524,7 @@ class _UpdateRunner:
 
     def run(self, arrays, axes, out):
         """Run the update over ``arrays`` (each along its entry of ``axes``), its results written into ``out``."""
-        signature = (axes, *((a.shape, a.dtype) for a in arrays))
+        signature = (axes, *[(a.shape, a.dtype) for a in arrays])
         if signature == self.signature:
             loader = self.loader.like(dict(zip(self.keys, arrays)))
         else:
