@@ -13,7 +13,7 @@ import numpy as np
 from dsched.dataplane.sources import as_streamed
 from dsched.devices.backends import UnsupportedArrayError, backend_of, batch_shape, take
 
-__all__ = ["uncovered", "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader", "items_signature"]
+__all__ = ["uncovered", "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader", "items_signature", "memoized"]
 
 
 class WorkGenerator(ABC):
@@ -200,6 +200,7 @@ class MappingLoader(WorkGenerator):
         self.mapping, self.axis = dict(mapping), axis
         self._batched = set(sizes) if sizes else set(along)
         self.batched_keys = tuple(key for key in self.mapping if key in self._batched)  # in the mapping's order
+        self.memo = {}  # what depends only on the entries' keys, types, shapes and dtypes: shared with like()'s
 
     def _take(self, start, stop):
         return {k: (take(v, self.axes[k], start, stop) if k in self._batched else v) for k, v in self.mapping.items()}
@@ -210,7 +211,7 @@ class MappingLoader(WorkGenerator):
         loader = object.__new__(MappingLoader)
         WorkGenerator.__init__(loader, self.total)
         loader.mapping, loader.axis, loader.axes, loader._batched = dict(mapping), self.axis, self.axes, self._batched
-        loader.batched_keys = self.batched_keys
+        loader.batched_keys, loader.memo = self.batched_keys, self.memo
         return loader
 
 
@@ -271,6 +272,19 @@ def uncovered(ranges, done):
         if position < stop:
             left.append((position, stop))
     return left
+
+
+def memoized(loader, name, make):
+    """``make(loader)``, kept in the memo a :class:`MappingLoader` shares with the loaders :meth:`~MappingLoader.like`
+    makes of it (which have its entries' keys, types, shapes and dtypes): a solver's call asks once per layout.
+    Another loader, or one without all its entries (a template), is asked every time."""
+    memo = getattr(loader, "memo", None)
+    if memo is None or len(loader.mapping) != len(loader.axes):
+        return make(loader)
+    value = memo.get(name, memo)
+    if value is memo:
+        value = memo[name] = make(loader)
+    return value
 
 
 def items_signature(mapping, axes) -> tuple:

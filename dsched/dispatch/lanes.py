@@ -73,9 +73,10 @@ class Lane:
         self.rearming = False  # its first message since it was taken from the parked ones is not answered yet
 
     def send(self, message) -> bool:
-        """Write ``message``; ``False`` if the feed's end is closed (it ended, or its worker is gone)."""
+        """Write ``message`` (bytes: one pickled already); ``False`` if the feed's end is closed (it ended, or its
+        worker is gone)."""
         try:
-            data = wire.dumps(message)
+            data = message if type(message) is bytes else wire.dumps(message)
         except Exception as err:  # noqa: BLE001  what the pickler refused: a run's program (fn) for a parked feed
             raise unsendable_fn(err) from None
         try:

@@ -41,7 +41,7 @@ import weakref
 import numpy as np
 
 from dsched.checks import setting
-from dsched.dataplane.loaders import ArrayLoader, MappingLoader
+from dsched.dataplane.loaders import ArrayLoader, MappingLoader, memoized
 from dsched.dataplane.rundata import RunData, check_out
 from dsched.dataplane.segments import kept_until_released
 from dsched.dataplane.store import RunStore, share_generator, shared_location
@@ -93,6 +93,7 @@ class ReplayPlan:
         self.lock = threading.Lock()  # held by the run that replays it (one at a time: one input segment)
         self.closing = False  # dropped while a run replayed it: closed as that run ends
         self.blobs = {}  # the output targets of recent calls, pickled (targets_blob)
+        self.agains = {}  # (inputs' id, targets' blob) -> the AGAIN message, pickled (_again)
         kept_until_released(self)
 
     @classmethod
@@ -156,7 +157,8 @@ class ReplayPlan:
             rearm, feed.rearm = (program_to_send(feed, program), feed.epoch), False
         kept = self.current
         if feed.id in kept.kept_by:
-            return (wire.AGAIN, rearm, kept.id, self.targets_blob(data.targets))
+            blob = self.targets_blob(data.targets)
+            return (wire.AGAIN, rearm, kept.id, blob) if rearm is not None else self._again(kept.id, blob)
         kept.kept_by.add(feed.id)
         return (wire.KEEP, rearm, kept.id,
                 [(r.index, kept.works[i], data.slot(r.device, r.offset, r.offset + r.size, r.index)) for i, r in chunks])
@@ -175,6 +177,17 @@ class ReplayPlan:
             while len(self.blobs) > BLOBS_KEPT:
                 del self.blobs[next(iter(self.blobs))]
         return blob
+
+    def _again(self, kept_id, blob) -> bytes:
+        """The message of a feed that keeps the chunks and runs the program already, pickled once per placement of
+        the inputs and outputs (:meth:`~dsched.dispatch.lanes.Lane.send` sends bytes as they are)."""
+        key = (kept_id, blob)
+        data = self.agains.get(key)
+        if data is None:
+            data = self.agains[key] = wire.dumps((wire.AGAIN, None, kept_id, blob))
+            while len(self.agains) > BLOBS_KEPT * INPUTS_KEPT:
+                del self.agains[next(iter(self.agains))]
+        return data
 
     def close(self):
         """Give the input segments back (the pool keeps them for later calls of their sizes) and close the bell;
@@ -431,6 +444,12 @@ def _whole_entries(generator) -> dict:
 def _shapes(generator) -> tuple:
     """What the plan's chunks depend on in the inputs: each batched input's key, type, shape, dtype and axis (NumPy
     arrays only: other types' rows are rebuilt per chunk)."""
+    if isinstance(generator, MappingLoader):
+        return memoized(generator, "replay shapes", _shapes_of)
+    return _shapes_of(generator)
+
+
+def _shapes_of(generator) -> tuple:
     _, keys, arrays, axes = _inputs_of(generator)
     if not arrays or not all(type(a) is np.ndarray for a in arrays):
         return None

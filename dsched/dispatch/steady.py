@@ -36,7 +36,7 @@ import select
 
 
 from dsched.checks import setting
-from dsched.dataplane.loaders import ArrayLoader, MappingLoader, items_signature
+from dsched.dataplane.loaders import ArrayLoader, MappingLoader, items_signature, memoized
 from dsched.devices.device import placement_device
 from dsched.devices.ownership import cluster_generation, has_dashboard
 from dsched.dispatch.async_run import record_dispatch
@@ -386,7 +386,7 @@ def inputs_signature(generator):
     if isinstance(generator, ArrayLoader):
         return items_signature({None: generator.array}, {None: generator.axis})
     if isinstance(generator, MappingLoader):
-        return items_signature(generator.mapping, generator.axes)
+        return memoized(generator, "signature", lambda g: items_signature(g.mapping, g.axes))
     return None
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import collections
 import pickle
 
+import numpy as np
+
 from dsched.dataplane.pinned import is_real_gpu
 from dsched.dataplane.store import SharedWork, SliceRef, resolve_work
 from dsched.devices.context import enter_device, is_emulated_here, leave_device
@@ -145,8 +147,12 @@ def run_kept(program, device, chunk, slot, rows, plan):
     if slot is None or plan.real_gpu:  # the full path: page-locked inputs, a stream of its own
         return _compute(program, device, chunk.work, slot)
     work = chunk.inputs()
-    out = slot.views(rows) if rows and program.takes_out else None
-    if rows and program.place_results and _nbytes(rows) >= PLACE_FROM:  # a copy worth saving
+    kept = type(rows) is _Rows  # the rows of outputs a recent call used: their views and size known
+    if rows and program.takes_out:
+        out = rows.views if kept and rows.views is not None else slot.views(rows)
+    else:
+        out = None
+    if rows and program.place_results and (rows.nbytes if kept else _nbytes(rows)) >= PLACE_FROM:  # worth it
         return run_and_write(program, slot, rows, lambda: program.run(device, work, out), device)
     on_host = getattr(program.do_work, "on_host", None) if plan.on_host else None  # dispatch's: nothing to move
     token = enter_device(device)  # running_on(device); no GPU to select
@@ -164,14 +170,31 @@ def _nbytes(rows) -> int:
     return sum(r.nbytes for r in rows if r is not None)
 
 
+class _Rows(list):
+    """A chunk's output rows (:meth:`~dsched.dataplane.outputs.OutputSlot.rows`), kept with what each call of a
+    replay asks of them: their views for a model's ``out=``, and their size."""
+
+    __slots__ = ("views", "nbytes")
+
+
 def _with_rows(slot) -> tuple:
     """``(slot, its rows)``; rows ``None`` where they cannot be mapped now (the chunk's write says why)."""
     if slot is None:
         return None, None
     try:
-        return slot, slot.rows()
+        rows = slot.rows()
     except Exception:  # noqa: BLE001  a segment gone: the chunk fails with the reason as it writes
         return slot, None
+    if not rows:
+        return slot, rows
+    kept = _Rows(rows)
+    views = slot.views(rows)
+    # An array, or a tuple of them, serves every call; a dict (or list) of them is made again for each, since a
+    # model may change what it holds.
+    plain = type(views) is np.ndarray or type(views) is tuple and all(type(v) is np.ndarray for v in views)
+    kept.views = views if plain else None
+    kept.nbytes = _nbytes(rows)
+    return slot, kept
 
 
 def _retarget(slot, targets):
