@@ -178,6 +178,8 @@ def test_a_batch_without_fields_takes_them_from_its_updates(hybrid_client, memor
     (lambda x: {"x": x[:-1]}, r"update 'bad': chunk 0 on cuda:0 \(items 0:5\): field 'x' has 4 items \(shape "
                               r"\(4,\)\); expected 5 items along axis 0 \(the chunk's size\)"),
     (lambda x: x, r"update 'bad': chunk 0 on cuda:0 \(items 0:5\) returned ndarray; expected a dict"),
+    (lambda x: {"x": np.array(1.0)}, r"update 'bad': chunk 0 on cuda:0 \(items 0:5\): field 'x' has no batch axis; "
+                                     r"expected 5 items along axis 0"),
 ])
 def test_bad_results_name_the_field_and_chunk_and_the_batch_stays_usable(hybrid_client, memory, fn, message):
     with Batch({"x": np.arange(8.0)}, hybrid_scheduler(), client=hybrid_client, memory=memory) as batch:

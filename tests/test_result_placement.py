@@ -132,6 +132,26 @@ def test_an_error_raised_while_arrays_of_the_block_are_freed_stays_itself():
 
 
 @on_a_thread
+def test_an_error_the_block_handled_does_not_stand_for_a_later_one():
+    def fails(x, kind):
+        temporary = np.arange(300.0)  # freed as the error leaves this frame, the error pending
+        if kind is ValueError:
+            x += temporary[:4]  # read-only: NumPy's ValueError
+        raise kind("later")
+
+    x = np.zeros(4)
+    x.flags.writeable = False
+    for later in (KeyError, SystemError):  # a genuine SystemError stays itself too
+        with pytest.raises(later, match="later"):
+            with placing({}, learn=True):
+                try:
+                    fails(x, ValueError)
+                except Exception:  # noqa: BLE001  handled by the block's own code
+                    pass
+                fails(x, later)
+
+
+@on_a_thread
 def test_a_placed_array_is_live_until_it_is_gone_and_an_address_is_never_given_twice():
     rows = np.zeros(4)
     target = {0: (_address(rows), rows.nbytes, rows)}

@@ -261,10 +261,23 @@ def _make(numpy_handler, new_capsule):
     return capsule
 
 
+# What Python says of an error return with no error set (the error dropped): the SystemError placing() replaces.
+_LOST_SAYS = ("without setting an exception", "error return without exception set",
+              "returned a result with an exception set")
+
+
+def _says_lost(error) -> bool:
+    return type(error) is SystemError and any(words in str(error) for words in _LOST_SAYS)
+
+
 def _keep_lost(error):
-    """Keep ``error``, pending as an array was freed, for the placing() under way on this thread (if any)."""
-    if getattr(_thread, "call", None) is not None and getattr(_thread, "lost", None) is None:
-        _thread.lost = error
+    """Keep ``error``, pending as an array was freed, for the placing() under way on this thread (if any): the
+    latest, but not the SystemError Python makes of the one kept as it unwinds further."""
+    if getattr(_thread, "call", None) is None:
+        return
+    if _says_lost(error) and getattr(_thread, "lost", None) is not None:
+        return
+    _thread.lost = error
 
 
 def _lost_error():
@@ -317,8 +330,9 @@ def placing(targets, *, learn=False):
     previous = set_handler(capsule)
     try:
         yield call
-    except SystemError:
-        error = _lost_error()  # the block's own error, lost as an array was freed (see _make): raised as itself
+    except SystemError as err:
+        # The block's own error, lost as an array was freed (see _make), is raised as itself.
+        error = _lost_error() if _says_lost(err) else None
         if error is None:
             raise
         raise error from error.__cause__  # its own cause kept; the SystemError is no context of it

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsched.checks import setting
 from dsched.dataplane.loaders import MappingLoader
 from dsched.dataplane.segments import free_shared
 from dsched.dataplane.store import find_shared, pooled_empty
@@ -318,10 +319,12 @@ class HostBatch:
         # In place, the results come flat (ChunkUpdate): one array alone is written by the shortest path.
         out = flat([_items_from(a, start) for a in (*targets.values(), *outs.values())] if start else
                    [*targets.values(), *outs.values()])
-        runner = self._runners.get(id(program))
-        if runner is None:  # a program not kept (keyword arguments that are not hashable)
+        if id(program) not in self._runners:  # a program not kept (keyword arguments that are not hashable)
             return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
                             out=out, host_arrays=True)
+        runner = self._runners[id(program)]
+        if runner is None:
+            runner = self._runners[id(program)] = _UpdateRunner(program, len(args), self._planned, self.client)
         return runner.run(args, axes, out)
 
     def _commit(self, targets, failed):
@@ -386,17 +389,20 @@ class HostBatch:
         """The update's :class:`ChunkUpdate`: a like update's again, run by its own dispatcher
         (:class:`_UpdateRunner`), whose replays then send each feed one small message per step."""
         try:
+            # With Dask's config of result placement, which a runner's dispatcher reads once, as dispatch() does.
             key = (spec.fn, spec.label, spec.reads, spec.writes, spec.inplace, tuple(sorted(spec.kwargs.items())),
-                   tuple(inputs), tuple(outs), None if layouts is None else tuple(sorted(layouts.items())))
+                   tuple(inputs), tuple(outs), None if layouts is None else tuple(sorted(layouts.items())),
+                   bool(setting("place-results", True)))
             program = self._programs.get(key)
         except TypeError:  # keyword arguments that are not hashable: a program of its own
             return ChunkUpdate(spec, inputs, outs, layouts, self.chunks)
         if program is None:
             program = self._programs[key] = ChunkUpdate(spec, inputs, outs, layouts, self.chunks)
-            count = 1 + len(spec.reads) + len(inputs) + len(outs)
-            self._runners[id(program)] = _UpdateRunner(program, count, self._planned, self.client)
+            self._runners[id(program)] = None  # kept: its runner is made at its first run in place
             while len(self._programs) > PROGRAMS_KEPT:
-                self._runners.pop(id(self._programs.popitem(last=False)[1])).close()
+                runner = self._runners.pop(id(self._programs.popitem(last=False)[1]), None)
+                if runner is not None:
+                    runner.close()
         self._programs.move_to_end(key)
         return program
 
@@ -475,7 +481,7 @@ class HostBatch:
             segments, self._segments = self._segments, set()
             self._fields.clear()
             self._programs.clear()
-            runners, self._runners = list(self._runners.values()), {}
+            runners, self._runners = [r for r in self._runners.values() if r is not None], {}
             self._rows = None
         for runner in runners:
             runner.close()
@@ -524,7 +530,7 @@ class _UpdateRunner:
 
     def run(self, arrays, axes, out):
         """Run the update over ``arrays`` (each along its entry of ``axes``), its results written into ``out``."""
-        signature = (axes, *[(a.shape, a.dtype) for a in arrays])
+        signature = (axes, *[(type(a), a.shape, a.dtype) for a in arrays])
         if signature == self.signature:
             loader = self.loader.like(dict(zip(self.keys, arrays)))
         else:

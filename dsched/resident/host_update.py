@@ -150,8 +150,9 @@ class ChunkUpdate:
         result = spec.fn(**dict(zip(self._names, arrays)), **spec.kwargs)
         if type(result) is dict and len(result) == len(self._expected):
             values = [result.get(field) for field, _, _ in self._expected]
-            if all(type(value) is np.ndarray and value.shape[1:] == shape and value.dtype == dtype and
-                   len(value) == chunk.stop - chunk.start for value, (_, shape, dtype) in zip(values, self._expected)):
+            items = (chunk.stop - chunk.start,)
+            if all(type(value) is np.ndarray and value.shape[:1] == items and value.shape[1:] == shape and
+                   value.dtype == dtype for value, (_, shape, dtype) in zip(values, self._expected)):
                 return flat(values)
         return self._checked(chunk, result, {})
 
