@@ -313,19 +313,18 @@ class HostBatch:
                     *(_items_from(a, start, axis) for a in inputs.values()),
                     *(_items_from(a, start) for a in outs.values())]
         axes = (0,) * (1 + len(reads)) + (axis,) * len(inputs) + (0,) * len(outs)
-        if targets is None:  # the layouts learned: dispatch makes the arrays
-            return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
-                            host_arrays=True)
-        # In place, the results come flat (ChunkUpdate): one array alone is written by the shortest path.
-        out = flat([_items_from(a, start) for a in (*targets.values(), *outs.values())] if start else
-                   [*targets.values(), *outs.values()])
-        if id(program) not in self._runners:  # a program not kept (keyword arguments that are not hashable)
-            return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
-                            out=out, host_arrays=True)
-        runner = self._runners[id(program)]
-        if runner is None:
-            runner = self._runners[id(program)] = _UpdateRunner(program, len(args), self._planned, self.client)
-        return runner.run(args, axes, out)
+        out = None  # the layouts learned: dispatch makes the arrays
+        if targets is not None:  # in place, the results come flat (ChunkUpdate): one array alone, the shortest path
+            out = flat([_items_from(a, start) for a in (*targets.values(), *outs.values())] if start else
+                       [*targets.values(), *outs.values()])
+            if id(program) in self._runners:  # a kept program (keyword arguments that hash): its own dispatcher
+                runner = self._runners[id(program)]
+                if runner is None:
+                    runner = self._runners[id(program)] = _UpdateRunner(program, len(args), self._planned,
+                                                                        self.client)
+                return runner.run(args, axes, out)
+        return dispatch(program, *args, scheduler=self._planned, client=self.client, axis=axes, out_axis=0,
+                        out=out, host_arrays=True)
 
     def _commit(self, targets, failed):
         """The spare arrays become the fields, with the rows of ``failed`` chunks copied from the current ones."""
@@ -524,8 +523,9 @@ class _UpdateRunner:
     front (its layout of the arguments, its look-up of a recent call) and runs straight on it."""
 
     def __init__(self, program, count, scheduler, client):
-        self.keys = tuple(str(i) for i in range(count))
-        self.dispatcher = WorkDispatcher(scheduler, UpdateWork(program, count), join="concat", axis=0, client=client)
+        work = UpdateWork(program, count)
+        self.keys = work.keys  # the loader's names for a chunk's arrays, as the work reads them
+        self.dispatcher = WorkDispatcher(scheduler, work, join="concat", axis=0, client=client)
         self.signature = self.loader = None
 
     def run(self, arrays, axes, out):

@@ -147,12 +147,12 @@ def run_kept(program, device, chunk, slot, rows, plan):
     if slot is None or plan.real_gpu:  # the full path: page-locked inputs, a stream of its own
         return _compute(program, device, chunk.work, slot)
     work = chunk.inputs()
-    kept = type(rows) is _Rows  # the rows of outputs a recent call used: their views and size known
+    # rows (_with_rows): None, [] where no output lies in memory, else _Rows, with their views and size
     if rows and program.takes_out:
-        out = rows.views if kept and rows.views is not None else slot.views(rows)
+        out = rows.views if rows.views is not None else slot.views(rows)
     else:
         out = None
-    if rows and program.place_results and (rows.nbytes if kept else _nbytes(rows)) >= PLACE_FROM:  # worth it
+    if rows and program.place_results and rows.nbytes >= PLACE_FROM:  # a copy worth saving
         return run_and_write(program, slot, rows, lambda: program.run(device, work, out), device)
     on_host = getattr(program.do_work, "on_host", None) if plan.on_host else None  # dispatch's: nothing to move
     token = enter_device(device)  # running_on(device); no GPU to select
