@@ -72,7 +72,8 @@ def evaluate(engine, operation, state, extra, params, *, batch, device, block, s
         return engine.run(operation, state, extra, params)
     rows = batch[0]
     bounds = _bounds(engine, rows, device, block)
-    if len(bounds) == 1 and not engine.compiled:
+    # One block at a size it was compiled for (a compiled model's steady call): the chunk as it is, no slices made
+    if len(bounds) == 1 and (not engine.compiled or sizes.size(rows) == rows):
         return engine.run(operation, state, extra, params)
     parts = []
     for start, stop in bounds:
