@@ -225,6 +225,32 @@ def test_blocked_numpy_results_are_allocated_in_their_output_rows_on_worker_proc
     assert all(after[w]["placed"] > before[w]["placed"] for w in after), (before, after)
 
 
+def test_values_without_autograd_equal_neml2_under_no_grad_and_derivatives_keep_their_record(process_client):
+    inputs = {"strain": _strain(600, seed=5)}
+    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [250, 350])
+    with torch.no_grad():
+        quiet = _direct(ELASTIC, inputs)
+    recorded = _direct(ELASTIC, inputs)
+    assert not np.array_equal(quiet["stress"], recorded["stress"])  # NEML2 divides otherwise: the option shows
+    out = NEML2Model(ELASTIC, "model", autograd=False).dispatch(inputs, scheduler=s, client=process_client)
+    np.testing.assert_array_equal(out["stress"], quiet["stress"])
+    default = NEML2Model(ELASTIC, "model").dispatch(inputs, scheduler=s, client=process_client)
+    np.testing.assert_array_equal(default["stress"], recorded["stress"])
+    # Derivatives need autograd's record: the option leaves them (and the values that come with them) as NEML2's.
+    values, jacobian = NEML2Model(ELASTIC, "model", derivatives=True, autograd=False).dispatch(
+        inputs, scheduler=s, client=process_client)
+    ref_values, ref_jacobian = _direct(ELASTIC, inputs, derivatives=True)
+    np.testing.assert_array_equal(values["stress"], ref_values["stress"])
+    np.testing.assert_array_equal(jacobian["stress"]["strain"], ref_jacobian["stress"]["strain"])
+
+
+def test_autograd_is_a_bool_and_not_off_with_keep_grad():
+    with pytest.raises(ValueError, match=r"^autograd: expected True or False, got 'no'$"):
+        NEML2Model(ELASTIC, "model", autograd="no")
+    with pytest.raises(ValueError, match=r"^autograd: False drops what keep_grad=True keeps"):
+        NEML2Model(ELASTIC, "model", keep_grad=True, autograd=False)
+
+
 def test_neml2_typed_chunks_come_back_as_their_type_from_worker_processes(process_client):
     strain = neml2.types.SR2(torch.as_tensor(_strain(11)))
     s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [4, 3])

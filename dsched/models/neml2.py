@@ -34,6 +34,7 @@ round-robin when ranks outnumber devices and rejects idle devices: pass
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -136,6 +137,16 @@ class NEML2Model:
         once per device (:func:`compiled_graphs` counts the graphs); with
         chunk sizes that grow from call to call (a performance-model policy),
         give ``block`` so that pieces of ``block`` rows bound the sizes.
+    autograd : bool
+        ``True`` (the default): values are evaluated as NEML2 evaluates them
+        when called, recording autograd through the model's parameters, and
+        equal NEML2's own call bit for bit. ``False``: values alone (not the
+        derivatives) are evaluated under ``torch.no_grad``, with nothing
+        recorded for a backward pass nobody asks for: the cost of recording is
+        saved, most of all by eager models with an implicit update. NEML2 takes
+        other paths for some operations when nothing needs a gradient, so
+        the results may differ from its default call in the last bits (they
+        equal NEML2's own call under ``torch.no_grad``). Not with ``keep_grad``.
 
     The file is read once here, so a wrong file, model or output name is a
     ``ValueError`` before any work starts. Each worker thread then loads
@@ -143,9 +154,9 @@ class NEML2Model:
     """
 
     def __init__(self, input, model, *, outputs=None, derivatives=False, overrides=(), keep_grad=False,
-                 block="auto", compile=False):
+                 block="auto", compile=False, autograd=True):
         self.compile = _compile_options(compile)
-        self._options(block, derivatives, keep_grad, compiled=self.compile is not None)
+        self._options(block, derivatives, keep_grad, compiled=self.compile is not None, autograd=autograd)
         self.input = Path(input).resolve()
         if not self.input.is_file():
             raise ValueError(f"input: no NEML2 input file at {input}")
@@ -158,7 +169,7 @@ class NEML2Model:
 
     @classmethod
     def from_artifacts(cls, root, *, dtype="float64", outputs=None, derivatives=False, keep_grad=False,
-                       block="auto") -> NEML2Model:
+                       block="auto", autograd=True) -> NEML2Model:
         """A model of NEML2's AOTI artifacts under ``root`` (``neml2.export_model_for_aoti``'s output folder).
 
         Each worker loads the leaf of its own device and ``dtype`` with
@@ -174,7 +185,7 @@ class NEML2Model:
         artifacts = Artifacts(root, dtype)
         self = cls.__new__(cls)
         self.compile = None
-        self._options(block, derivatives, keep_grad, compiled=False)
+        self._options(block, derivatives, keep_grad, compiled=False, autograd=autograd)
         self.input, self.model, self.overrides, self.artifacts = artifacts.root, artifacts.root.name, (), artifacts
         types = _import_neml2().types
         try:
@@ -187,7 +198,7 @@ class NEML2Model:
         self._describe(*specs, defaults, outputs)
         return self
 
-    def _options(self, block, derivatives, keep_grad, compiled):
+    def _options(self, block, derivatives, keep_grad, compiled, autograd=True):
         if isinstance(block, str) and block == "auto":
             block = None if compiled else BLOCK
         if block is not None:
@@ -195,6 +206,11 @@ class NEML2Model:
                                expected="an integer >= 1, None or 'auto'", below=None)
         self.block = None if block is None else int(block)
         self.derivatives, self.keep_grad = bool(derivatives), bool(keep_grad)
+        if not isinstance(autograd, bool):
+            raise ValueError(f"autograd: expected True or False, got {autograd!r}")
+        if self.keep_grad and not autograd:
+            raise ValueError("autograd: False drops what keep_grad=True keeps (the outputs' autograd history)")
+        self.autograd = autograd
 
     def _describe(self, input_spec, output_spec, parameters, outputs):
         """The variables and parameters, from the model loaded on the client (or the artifacts' metadata)."""
@@ -323,11 +339,14 @@ class NEML2Model:
         batch = np.broadcast_shapes(*(tuple(value.dynamic_batch_shape) for value in (*state.values(), *extra.values())))
         engine.use_parameters(parameters)
         neml2 = _import_neml2()
+        recording = self.autograd or operation != "values"  # derivatives need the record whatever the option
         try:
-            values, second = evaluate(
-                engine, operation, state, extra, params, batch=batch, device=device, block=self.block,
-                sizes=padded_sizes((self._token, str(device))) if engine.compiled else None, outputs=self.output_names,
-                allocate=numpy_storage if kind == "numpy" else None, keep_grad=self.keep_grad)
+            with contextlib.nullcontext() if recording else torch.no_grad():
+                values, second = evaluate(
+                    engine, operation, state, extra, params, batch=batch, device=device, block=self.block,
+                    sizes=padded_sizes((self._token, str(device))) if engine.compiled else None,
+                    outputs=self.output_names, allocate=numpy_storage if kind == "numpy" else None,
+                    keep_grad=self.keep_grad)
         except neml2.solvers.ConvergenceError as err:
             raise NEML2ConvergenceError(f"NEML2 model {self.model!r} ({self.input.name}): {err}") from None
         return self._results(operation, values, second, batch, kind)
