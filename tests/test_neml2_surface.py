@@ -224,6 +224,27 @@ def test_a_compiled_model_compiles_once_per_worker_with_a_fixed_batch(process_cl
     assert model.compiled_graphs(process_client) == after_vjp
 
 
+def test_a_compiled_model_without_autograd_takes_turns_between_values_and_gradients_with_no_recompilation(
+        process_client):
+    """Values under torch.no_grad and a parameter gradient with autograd are two graphs per worker, each built once."""
+    inputs = {"strain": np.random.default_rng(8).uniform(-4e-3, 4e-3, size=(40, 6))}
+    cotangents = {"stress": np.random.default_rng(9).normal(size=(40, 6))}
+    model = NEML2Model(ELASTIC, "model", compile=COMPILE, autograd=False)
+    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [20, 20])
+    model.dispatch(inputs, scheduler=s, client=process_client)
+    grads = model.param_vjp(inputs, cotangents, scheduler=s, client=process_client)
+    both = model.compiled_graphs(process_client)
+    for _ in range(2):
+        out = model.dispatch(inputs, scheduler=s, client=process_client)
+        again = model.param_vjp(inputs, cotangents, scheduler=s, client=process_client)
+    assert model.compiled_graphs(process_client) == both  # no recompilation when the two take turns
+    with torch.no_grad():
+        expected = _numpy(_load(ELASTIC).call_by_name(_state({"strain": inputs["strain"]}))["stress"])
+    np.testing.assert_allclose(out["stress"], expected, rtol=1e-14, atol=0)
+    for name, value in grads.items():
+        np.testing.assert_array_equal(again[name], value, err_msg=name)
+
+
 def test_padding_keeps_a_device_to_the_sizes_it_has_compiled():
     from dsched.models.row_blocks import PaddedSizes, padded, pieces, unpadded
 

@@ -138,15 +138,15 @@ class NEML2Model:
         chunk sizes that grow from call to call (a performance-model policy),
         give ``block`` so that pieces of ``block`` rows bound the sizes.
     autograd : bool
-        ``True`` (the default): values are evaluated as NEML2 evaluates them
-        when called, recording autograd through the model's parameters, and
-        equal NEML2's own call bit for bit. ``False``: values alone (not the
-        derivatives) are evaluated under ``torch.no_grad``, with nothing
-        recorded for a backward pass nobody asks for: the cost of recording is
-        saved, most of all by eager models with an implicit update. NEML2 takes
-        other paths for some operations when nothing needs a gradient, so
-        the results may differ from its default call in the last bits (they
-        equal NEML2's own call under ``torch.no_grad``). Not with ``keep_grad``.
+        ``True`` (the default): values are evaluated as NEML2's own call
+        evaluates them, recording autograd through the model's parameters.
+        ``False``: values alone (not the derivatives) are evaluated under
+        ``torch.no_grad``, with nothing recorded for a backward pass nobody
+        asks for: the cost of recording is saved, most of all by eager
+        models. NEML2 takes other paths for some operations when nothing
+        needs a gradient, so the results may differ from its default call in
+        the last bits (as NEML2's own call under ``torch.no_grad`` does). Not
+        with ``keep_grad``.
 
     The file is read once here, so a wrong file, model or output name is a
     ``ValueError`` before any work starts. Each worker thread then loads
