@@ -72,7 +72,7 @@ def evaluate(engine, operation, state, extra, params, *, batch, device, block, s
         return engine.run(operation, state, extra, params)
     rows = batch[0]
     bounds = _bounds(engine, rows, device, block)
-    # One block at a size it was compiled for (a compiled model's steady call): the chunk as it is, no slices made
+    # One block that needs no padding (a compiled model at its own size: its steady call): the chunk as it is
     if len(bounds) == 1 and (not engine.compiled or sizes.size(rows) == rows):
         return engine.run(operation, state, extra, params)
     parts = []
