@@ -444,9 +444,7 @@ def _whole_entries(generator) -> dict:
 def _shapes(generator) -> tuple:
     """What the plan's chunks depend on in the inputs: each batched input's key, type, shape, dtype and axis (NumPy
     arrays only: other types' rows are rebuilt per chunk)."""
-    if isinstance(generator, MappingLoader):
-        return memoized(generator, "replay shapes", _shapes_of)
-    return _shapes_of(generator)
+    return memoized(generator, "replay shapes", _shapes_of)  # another loader than a MappingLoader: asked each time
 
 
 def _shapes_of(generator) -> tuple:

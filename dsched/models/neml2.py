@@ -198,7 +198,7 @@ class NEML2Model:
         self._describe(*specs, defaults, outputs)
         return self
 
-    def _options(self, block, derivatives, keep_grad, compiled, autograd=True):
+    def _options(self, block, derivatives, keep_grad, compiled, autograd):
         if isinstance(block, str) and block == "auto":
             block = None if compiled else BLOCK
         if block is not None:

@@ -306,17 +306,12 @@ class HostBatch:
 
     def _dispatch(self, program, start, reads, inputs, axis, outs, targets):
         """One run of ``program`` over items ``start:``; with ``targets`` (else the arrays it makes) as ``out``."""
-        if start == 0:  # every step of a solver: the arrays themselves
-            args = [self._rows, *reads, *inputs.values(), *outs.values()]
-        else:
-            args = [_items_from(self._rows, start), *(_items_from(a, start) for a in reads),
-                    *(_items_from(a, start, axis) for a in inputs.values()),
-                    *(_items_from(a, start) for a in outs.values())]
+        args = [_items_from(self._rows, start), *(_items_from(a, start) for a in reads),
+                *(_items_from(a, start, axis) for a in inputs.values()), *(_items_from(a, start) for a in outs.values())]
         axes = (0,) * (1 + len(reads)) + (axis,) * len(inputs) + (0,) * len(outs)
         out = None  # the layouts learned: dispatch makes the arrays
         if targets is not None:  # in place, the results come flat (ChunkUpdate): one array alone, the shortest path
-            out = flat([_items_from(a, start) for a in (*targets.values(), *outs.values())] if start else
-                       [*targets.values(), *outs.values()])
+            out = flat([_items_from(a, start) for a in (*targets.values(), *outs.values())])
             if id(program) in self._runners:  # a kept program (keyword arguments that hash): its own dispatcher
                 runner = self._runners[id(program)]
                 if runner is None:
