@@ -68,6 +68,23 @@ def test_dispatch_calls_in_a_loop_ride_the_steady_path(client, steady_runs):
     assert len(steady_runs) == 3  # every call after the first
 
 
+def test_a_larger_batch_after_one_that_used_one_device_starts_the_other_the_full_way(client, steady_runs):
+    # The first run's 80 items are one cpu chunk: its path has a feed on cpu alone. The next run's policy also
+    # picks cuda:0, which that path has no feed for: the steady run sends what it can, the full way runs the rest
+    # (and leaves no path: the run after goes the full way and leaves one over both devices).
+    step = lambda v: v + 1.0  # noqa: E731
+    s = scheduler()
+    np.testing.assert_array_equal(dsched.dispatch(step, np.arange(80.0), scheduler=s, client=client),
+                                  np.arange(80.0) + 1)
+    x = np.arange(1000.0)
+    for _ in range(3):
+        np.testing.assert_array_equal(dsched.dispatch(step, x, scheduler=s, client=client), x + 1)
+    assert len(steady_runs) == 2  # the second call's (cuda:0's chunks left to the full way) and the fourth's
+    assert {device for device, *_ in chunks_of(steady_runs[0].report)} == {"cpu"}
+    assert {device for device, *_ in chunks_of(steady_runs[-1].report)} == {"cpu", "cuda:0"}
+    assert [s.load for s in s.status()] == [0, 0]
+
+
 def test_a_failed_chunk_keeps_the_others_and_the_path_comes_back(client, steady_runs):
     d = dsched.WorkDispatcher(scheduler(), fail_on_negatives, join="concat", client=client)
     x = np.arange(1000.0)

@@ -211,6 +211,10 @@ class SteadyRun:
 
     def _send(self, device, m, work, offset):
         record = record_dispatch(self.scheduler, self.observers, self.report, device, m, offset)
+        if device not in self.feeds:  # the last run left this device out (a smaller batch): the full run starts it
+            self._give_back(record)
+            self.undone.append(record)
+            return
         feed = min(self.feeds[device], key=lambda f: (f.lane is None, f.sent))
         feed.sent += 1
         self.sent.append((device, feed, offset, m))
