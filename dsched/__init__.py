@@ -31,6 +31,7 @@ from dsched.resident.batch import Batch
 from dsched.resident.driver import TransientDriver
 from dsched.resident.trial import TrialState
 from dsched.schedulers import (
+    BalancedScheduler,
     DeviceStatus,
     PerformanceModelScheduler,
     SimpleMPIScheduler,
@@ -44,7 +45,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Device", "current_device", "visible_gpus", "array_module", "torch_device",
     "WorkScheduler", "DeviceStatus", "SimpleScheduler", "StaticHybridScheduler", "SimpleMPIScheduler",
-    "PerformanceModelScheduler",
+    "PerformanceModelScheduler", "BalancedScheduler",
     "WorkGenerator", "SliceGenerator", "ArrayLoader", "MappingLoader",
     "concat_reduce", "derivative_reduce",
     "WorkDispatcher", "dispatch", "submit", "DispatchFuture", "shared_empty", "shared_copy", "ChunkRecord",

@@ -1,0 +1,168 @@
+"""BalancedScheduler: one chunk per device, cut where the devices finish together, learned from call to call.
+
+A program that calls again and again over the same points (a Newton loop,
+time steps, a finite-element material) often has points whose cost is uneven
+and stays uneven from one call to the next: a plastic zone, points whose
+Newton solve takes more iterations, a range of strain rates. Equal parts then
+leave one device waiting for the other at every call, and a policy of fixed
+batch sizes cannot see it.
+
+This policy cuts each call's batch into one chunk per device, in the order
+the devices are listed (so a device keeps about the same points from call to
+call), and learns from each call where to cut the next. After a call it takes
+each chunk's seconds, timed on its worker, as spread evenly over the chunk's
+points: that makes a cost for every stretch of the batch, and the new cuts
+share the whole cost equally between the devices. Costs that hold from one
+call to the next are balanced after one call on devices of equal speed, and
+within a few calls on devices of different speeds (a stretch that moves to
+another device is costed at its old device's speed, so the cuts close in
+geometrically). The cuts are kept as fractions of the batch, so a call of
+another size starts from them too.
+
+Each device keeps at least :data:`MIN_SHARE` of the batch (one item at the
+least), so that a device slowed down once is still timed, and taken back
+when it recovers. A chunk that failed, or whose time is unknown, leaves the
+cuts as they were.
+
+Examples
+--------
+>>> s = BalancedScheduler(["cpu", "cuda:0"])
+>>> s.begin_run(100)
+>>> [(str(d), n) for d, n in s.plan(100)]
+[('cpu', 50), ('cuda:0', 50)]
+>>> for device, n in s.plan(100):                # the dispatcher's calls, one chunk per device
+...     _ = s.schedule_work(); s.dispatched_work(device, n)
+>>> s.completed_work("cpu", 50); s.observe("cpu", 50, 0.3)        # the first half cost three times the second
+>>> s.completed_work("cuda:0", 50); s.observe("cuda:0", 50, 0.1)
+>>> [(str(d), n) for d, n in s.plan(100)]           # 0.2 s each: 33 of the first points, the rest on cuda:0
+[('cpu', 33), ('cuda:0', 67)]
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+
+from dsched.checks import check_positive_int
+from dsched.devices.device import Device
+from dsched.schedulers.base import WorkScheduler, broadcast, build_status
+
+__all__ = ["BalancedScheduler", "MIN_SHARE"]
+
+#: the least fraction of a batch each device keeps (so that it is still timed)
+MIN_SHARE = 0.01
+
+
+class BalancedScheduler(WorkScheduler):
+    """One chunk per device per call, cut so that the devices finish together, as the last calls' timings say.
+
+    Parameters
+    ----------
+    devices : list of str or Device
+        As for :class:`StaticHybridScheduler` (at most one CPU, no duplicates),
+        in the order their chunks cover the batch.
+    weights : float or list, optional
+        The shares of the first call (relative speeds, e.g. ``[1, 4]``);
+        equal by default.
+
+    Notes
+    -----
+    The dispatcher tells the policy each run's size (``begin_run``) and each
+    chunk's seconds on its worker (``observe``): runs of ``dispatch``,
+    ``WorkDispatcher`` and ``submit`` on a cluster. A run in ``mode="sync"``
+    times nothing, and keeps the cuts. One run at a time: a scheduler shared
+    by calls in flight together gives each the cuts it had when it began.
+    """
+
+    def __init__(self, devices, *, weights=None):
+        status = build_status(devices, 1, None)
+        shares = broadcast(weights, len(status), "weights", default=1.0)
+        for i, value in enumerate(shares):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"weights[{i}]: expected a positive number, got {value!r}")
+        super().__init__(status)
+        total = float(sum(shares))
+        self._shares = [float(w) / total for w in shares]  # each device's fraction of a batch, in device order
+        self._queue = collections.deque()  # this run's chunks not yet handed out: (Device, size)
+        self._sizes = {}  # this run's chunks: Device -> size
+        self._seconds = {}  # their seconds, as observed
+        self.runs_learned = 0  # runs whose timings moved the cuts
+
+    @property
+    def shares(self) -> list:
+        """Each device's fraction of the next batch, in device order."""
+        with self._lock:
+            return list(self._shares)
+
+    def plan(self, n) -> list:
+        """The chunks ``n`` items are cut into now, ``[(Device, size)]`` in device order (none of size 0)."""
+        n = check_positive_int(n, "n")
+        with self._lock:
+            return self._cut(n)
+
+    # --- the dispatcher's protocol -----------------------------------------------
+
+    def begin_run(self, total) -> None:
+        """A run of ``total`` items starts: its chunks are cut now, by the shares in effect."""
+        total = check_positive_int(total, "total")
+        with self._lock:
+            chunks = self._cut(total)
+            self._queue = collections.deque(chunks)
+            self._sizes = dict(chunks)
+            self._seconds = {}
+
+    def schedule_work(self):
+        """The run's next chunk, ``(Device, size)`` in device order; ``None`` once all are handed out."""
+        with self._lock:
+            if not self._queue:
+                return None
+            device, n = self._queue.popleft()
+            record = self._index[device]
+            record.capacity = max(record.capacity, record.load + n)  # what dispatched_work checks
+            return device, n
+
+    def observe(self, device, n, seconds) -> None:
+        """A chunk of ``n`` items ran ``seconds`` on ``device``'s worker; the cuts move once every chunk of the
+        run is timed."""
+        with self._lock:
+            device = Device(device)
+            if self._sizes.get(device) != n or not (math.isfinite(seconds) and seconds > 0):
+                return
+            self._seconds[device] = float(seconds)
+            if len(self._seconds) == len(self._sizes):
+                self._learn()
+
+    # --- internals -----------------------------------------------------------------
+
+    def _cut(self, n) -> list:
+        """``n`` items in one chunk per device by the shares (rounded so that they sum to ``n``)."""
+        edges = np.rint(np.cumsum([0.0] + self._shares) * n).astype(int)
+        edges[-1] = n
+        sizes = np.diff(np.maximum.accumulate(edges))
+        return [(s.device, int(m)) for s, m in zip(self._status, sizes) if m > 0]
+
+    def _learn(self):
+        """New shares from the run's chunks: each chunk's seconds spread over its items, the whole cost shared
+        equally by the devices."""
+        devices = [s.device for s in self._status]
+        sizes = [self._sizes.get(d, 0) for d in devices]
+        seconds = [self._seconds.get(d, 0.0) for d in devices]
+        n = sum(sizes)
+        # The cumulative cost at each chunk edge, as a function of the position in the batch.
+        positions = np.cumsum([0] + sizes, dtype=float)
+        costs = np.cumsum([0.0] + seconds)
+        keep = np.concatenate(([True], np.diff(positions) > 0))  # a device without a chunk adds no edge
+        targets = costs[-1] * np.arange(1, len(devices)) / len(devices)
+        cuts = np.interp(targets, costs[keep], positions[keep]) / n
+        shares = np.diff(np.concatenate(([0.0], cuts, [1.0])))
+        floor = max(MIN_SHARE, 1.0 / n) if n else MIN_SHARE
+        shares = np.maximum(shares, min(floor, 1.0 / len(devices)))
+        self._shares = list(shares / shares.sum())
+        self.runs_learned += 1
+        self._sizes, self._seconds = {}, {}
+
+    def __repr__(self):
+        parts = ", ".join(f"{s.device}({share:.3f})" for s, share in zip(self._status, self._shares))
+        return f"BalancedScheduler({parts})"

@@ -1,0 +1,130 @@
+"""BalancedScheduler: one chunk per device, its cuts learned from the chunks' timings.
+
+The policy tests drive it through the dispatcher's protocol with given timings (exact and repeatable); the
+cluster tests run it through ``dsched.dispatch`` on worker processes (cpu and an emulated cuda:0, a CPU
+process claiming the device), on a model whose first items cost a known sleep each.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+import dsched
+from dsched import BalancedScheduler, Device
+from dsched.schedulers.balanced import MIN_SHARE
+
+DEVICES = ["cpu", "cuda:0"]
+
+
+def run(scheduler, total, seconds_of):
+    """One run through the protocol; ``seconds_of(offset, size)`` is a chunk's time. The chunks, in order."""
+    scheduler.begin_run(total)
+    chunks, offset = [], 0
+    while (choice := scheduler.schedule_work()) is not None:
+        device, n = choice
+        scheduler.dispatched_work(device, n)
+        chunks.append((str(device), offset, n))
+        offset += n
+    for device, start, n in chunks:
+        scheduler.completed_work(device, n)
+        scheduler.observe(device, n, seconds_of(start, n))
+    assert offset == total and all(s.load == 0 for s in scheduler.status())
+    return chunks
+
+
+def heavy_first(heavy, each=1.0):
+    """Chunk times when items ``0..heavy-1`` cost ``each`` second and the others nothing (but a floor)."""
+    return lambda offset, n: max(0, min(offset + n, heavy) - offset) * each + 1e-6
+
+
+def test_the_first_run_is_cut_in_equal_parts_in_device_order_then_by_weights():
+    assert run(BalancedScheduler(DEVICES), 101, lambda o, n: 1.0) == [("cpu", 0, 50), ("cuda:0", 50, 51)]
+    three = BalancedScheduler(["cpu", "cuda:0", "cuda:1"], weights=[1, 2, 1])
+    assert [(str(d), n) for d, n in three.plan(100)] == [("cpu", 25), ("cuda:0", 50), ("cuda:1", 25)]
+
+
+def test_uneven_costs_that_hold_are_balanced_after_one_run():
+    s = BalancedScheduler(DEVICES)
+    # Cost density 3 on the first half, 1 on the second: the even cut of 4 units of time is at a third.
+    run(s, 300, lambda offset, n: (3.0 if offset == 0 else 1.0) * n)
+    assert s.plan(300) == [(Device("cpu"), 100), (Device("cuda:0"), 200)]
+    assert s.runs_learned == 1
+
+
+def test_costs_concentrated_in_a_stretch_are_closed_in_on():
+    s = BalancedScheduler(DEVICES)
+    cuts = [run(s, 200, heavy_first(50))[0][2] for _ in range(4)]
+    assert cuts == [100, 50, 25, 25]  # the cost was taken as even over a chunk, then found where it is
+
+
+def test_devices_of_different_speeds_close_in_geometrically():
+    speeds = {"cpu": 1.0, "cuda:0": 3.0}
+    s = BalancedScheduler(DEVICES)
+    seen = []
+    for _ in range(8):
+        chunks = run(s, 4000, lambda offset, n: 1e-3 * n / speeds["cpu" if offset == 0 else "cuda:0"])
+        seen.append(chunks[0][2])
+    assert seen[0] == 2000 and abs(seen[-1] - 1000) <= 2  # the cpu's even share of the time: a quarter
+    assert all(abs(b - 1000) < abs(a - 1000) or abs(b - 1000) <= 2 for a, b in zip(seen, seen[1:]))
+
+
+def test_a_device_stalled_keeps_its_floor_and_comes_back():
+    s = BalancedScheduler(DEVICES)
+    stalled = [run(s, 1000, lambda offset, n: 1000.0 if offset == 0 else 1e-3 * n)[0][2] for _ in range(9)]
+    assert stalled == [500, 250, 125, 63, 32, 16, 10, 10, 10]  # halved at each stall, down to its floor
+    assert s.plan(1000)[0] == (Device("cpu"), int(MIN_SHARE * 1000))
+    for _ in range(3):
+        run(s, 1000, lambda offset, n: 1e-3 * n)
+    assert abs(s.plan(1000)[0][1] - 500) <= 2
+
+
+def test_an_untimed_or_failed_chunk_leaves_the_cuts():
+    s = BalancedScheduler(DEVICES)
+    s.begin_run(100)
+    for device, n in [s.schedule_work(), s.schedule_work()]:
+        s.dispatched_work(device, n)
+        s.completed_work(device, n)
+    s.observe("cpu", 50, 2.0)
+    s.observe("cuda:0", 49, 1.0)  # not this run's chunk
+    s.observe("cuda:0", 50, float("nan"))
+    assert s.shares == [0.5, 0.5] and s.runs_learned == 0
+    s.begin_run(100)  # the next run forgets the half-timed one
+    assert s.schedule_work() == (Device("cpu"), 50)
+
+
+def test_fewer_items_than_devices_and_a_run_of_another_size():
+    s = BalancedScheduler(["cpu", "cuda:0", "cuda:1"])
+    assert run(s, 1, lambda o, n: 1.0) == [("cuda:0", 0, 1)]
+    assert s.runs_learned == 1 and [(str(d), n) for d, n in s.plan(3)] == [("cpu", 1), ("cuda:0", 1), ("cuda:1", 1)]
+    run(s, 300, lambda offset, n: 2.0 * n if offset == 0 else 1.0 * n)
+    assert s.plan(30) == [(Device(d), n) for d, n in zip(["cpu", "cuda:0", "cuda:1"], [7, 10, 13])]
+
+
+@pytest.mark.parametrize("weights, message", [
+    ([1, 0], r"^weights\[1\]: expected a positive number, got 0$"),
+    ("fast", r"^weights\[0\]: expected a positive number, got 'fast'$"),
+    ([1, 2, 3], r"^weights: expected"),
+])
+def test_weights_are_positive_numbers_one_per_device(weights, message):
+    with pytest.raises(ValueError, match=message):
+        BalancedScheduler(DEVICES, weights=weights)
+
+
+def _sleep_on_heavy(x):
+    """1 ms per item whose value is negative: the model of uneven, persistent costs."""
+    time.sleep(1e-3 * int((x < 0).sum()))
+    return 2.0 * x
+
+
+def test_dispatch_on_worker_processes_moves_the_cut_to_the_costly_items(process_client):
+    s = BalancedScheduler(DEVICES)
+    x = np.arange(400.0)
+    x[:100] *= -1  # the first 100 items sleep 1 ms each: 100 ms of work, all in the cpu's first half
+    sizes = []
+    for _ in range(5):
+        np.testing.assert_array_equal(dsched.dispatch(_sleep_on_heavy, x, scheduler=s, client=process_client), 2 * x)
+        sizes.append(s.plan(400)[0][1])
+    assert 95 <= sizes[0] <= 105, sizes  # after the first run: a cost even over the cpu's 200 items, half of it
+    assert 42 <= sizes[-1] <= 58, sizes  # then closed in on the 100 costly items' middle
+    assert [st.load for st in s.status()] == [0, 0]
