@@ -39,13 +39,23 @@ def heavy_first(heavy, each=1.0):
 
 
 def test_the_first_run_is_cut_in_equal_parts_in_device_order_then_by_weights():
-    assert run(BalancedScheduler(DEVICES), 101, lambda o, n: 1.0) == [("cpu", 0, 50), ("cuda:0", 50, 51)]
+    assert run(BalancedScheduler(DEVICES, step=1.0, tolerance=0), 101, lambda o, n: 1.0) == [("cpu", 0, 50), ("cuda:0", 50, 51)]
     three = BalancedScheduler(["cpu", "cuda:0", "cuda:1"], weights=[1, 2, 1])
     assert [(str(d), n) for d, n in three.plan(100)] == [("cpu", 25), ("cuda:0", 50), ("cuda:1", 25)]
 
 
+def test_by_default_a_run_moves_the_cuts_half_of_the_way():
+    # Items 0-99 cost 3 each, the others 1: the even cut of 500 is at 83 1/3. All the way, the cuts reach it
+    # in three runs; half of the way, in about six.
+    cost = heavy_first(100, each=2.0)
+    cost_of = lambda offset, n: cost(offset, n) + n  # noqa: E731
+    half, whole = BalancedScheduler(DEVICES, tolerance=0), BalancedScheduler(DEVICES, step=1.0, tolerance=0)
+    assert [run(whole, 300, cost_of)[0][2] for _ in range(6)] == [150, 107, 87, 83, 84, 83]
+    assert [run(half, 300, cost_of)[0][2] for _ in range(8)] == [150, 129, 113, 102, 93, 88, 86, 85]
+
+
 def test_uneven_costs_that_hold_are_balanced_after_one_run():
-    s = BalancedScheduler(DEVICES)
+    s = BalancedScheduler(DEVICES, step=1.0, tolerance=0)
     # Cost density 3 on the first half, 1 on the second: the even cut of 4 units of time is at a third.
     run(s, 300, lambda offset, n: (3.0 if offset == 0 else 1.0) * n)
     assert s.plan(300) == [(Device("cpu"), 100), (Device("cuda:0"), 200)]
@@ -53,14 +63,14 @@ def test_uneven_costs_that_hold_are_balanced_after_one_run():
 
 
 def test_costs_concentrated_in_a_stretch_are_closed_in_on():
-    s = BalancedScheduler(DEVICES)
+    s = BalancedScheduler(DEVICES, step=1.0, tolerance=0)
     cuts = [run(s, 200, heavy_first(50))[0][2] for _ in range(4)]
     assert cuts == [100, 50, 25, 25]  # the cost was taken as even over a chunk, then found where it is
 
 
 def test_devices_of_different_speeds_close_in_geometrically():
     speeds = {"cpu": 1.0, "cuda:0": 3.0}
-    s = BalancedScheduler(DEVICES)
+    s = BalancedScheduler(DEVICES, step=1.0, tolerance=0)
     seen = []
     for _ in range(8):
         chunks = run(s, 4000, lambda offset, n: 1e-3 * n / speeds["cpu" if offset == 0 else "cuda:0"])
@@ -70,7 +80,7 @@ def test_devices_of_different_speeds_close_in_geometrically():
 
 
 def test_a_device_stalled_keeps_its_floor_and_comes_back():
-    s = BalancedScheduler(DEVICES)
+    s = BalancedScheduler(DEVICES, step=1.0, tolerance=0)
     stalled = [run(s, 1000, lambda offset, n: 1000.0 if offset == 0 else 1e-3 * n)[0][2] for _ in range(9)]
     assert stalled == [500, 250, 125, 63, 32, 16, 10, 10, 10]  # halved at each stall, down to its floor
     assert s.plan(1000)[0] == (Device("cpu"), int(MIN_SHARE * 1000))
@@ -80,7 +90,7 @@ def test_a_device_stalled_keeps_its_floor_and_comes_back():
 
 
 def test_an_untimed_or_failed_chunk_leaves_the_cuts():
-    s = BalancedScheduler(DEVICES)
+    s = BalancedScheduler(DEVICES, step=1.0, tolerance=0)
     s.begin_run(100)
     for device, n in [s.schedule_work(), s.schedule_work()]:
         s.dispatched_work(device, n)
@@ -94,21 +104,34 @@ def test_an_untimed_or_failed_chunk_leaves_the_cuts():
 
 
 def test_fewer_items_than_devices_and_a_run_of_another_size():
-    s = BalancedScheduler(["cpu", "cuda:0", "cuda:1"])
+    s = BalancedScheduler(["cpu", "cuda:0", "cuda:1"], step=1.0, tolerance=0)
     assert run(s, 1, lambda o, n: 1.0) == [("cuda:0", 0, 1)]
-    assert s.runs_learned == 1 and [(str(d), n) for d, n in s.plan(3)] == [("cpu", 1), ("cuda:0", 1), ("cuda:1", 1)]
+    assert s.runs_learned == 0 and [(str(d), n) for d, n in s.plan(3)] == [("cpu", 1), ("cuda:0", 1), ("cuda:1", 1)]
     run(s, 300, lambda offset, n: 2.0 * n if offset == 0 else 1.0 * n)
     assert s.plan(30) == [(Device(d), n) for d, n in zip(["cpu", "cuda:0", "cuda:1"], [7, 10, 13])]
 
 
-@pytest.mark.parametrize("weights, message", [
-    ([1, 0], r"^weights\[1\]: expected a positive number, got 0$"),
-    ("fast", r"^weights\[0\]: expected a positive number, got 'fast'$"),
-    ([1, 2, 3], r"^weights: expected"),
+def test_times_within_the_tolerance_keep_the_cuts():
+    s = BalancedScheduler(DEVICES, step=1.0)  # 5 %
+    run(s, 200, lambda offset, n: 1.04 if offset == 0 else 0.96)  # 4 % over the mean
+    assert s.plan(200)[0] == (Device("cpu"), 100) and s.runs_learned == 0
+    run(s, 200, lambda offset, n: 1.06 if offset == 0 else 0.94)  # 6 % over it: the cut moves to 1/1.06 of 100
+    assert s.plan(200)[0] == (Device("cpu"), 94) and s.runs_learned == 1
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"weights": [1, 0]}, r"^weights\[1\]: expected a positive number, got 0$"),
+    ({"weights": "fast"}, r"^weights\[0\]: expected a positive number, got 'fast'$"),
+    ({"weights": [1, 2, 3]}, r"^weights: expected"),
+    ({"step": 0}, r"^step: expected a fraction in \(0, 1\], got 0$"),
+    ({"step": 1.5}, r"^step: expected a fraction in \(0, 1\], got 1.5$"),
+    ({"step": True}, r"^step: expected a fraction in \(0, 1\], got True$"),
+    ({"tolerance": 1}, r"^tolerance: expected a fraction in \[0, 1\), got 1$"),
+    ({"tolerance": -0.1}, r"^tolerance: expected a fraction in \[0, 1\), got -0.1$"),
 ])
-def test_weights_are_positive_numbers_one_per_device(weights, message):
+def test_weights_step_and_tolerance_are_checked(options, message):
     with pytest.raises(ValueError, match=message):
-        BalancedScheduler(DEVICES, weights=weights)
+        BalancedScheduler(DEVICES, **options)
 
 
 def _sleep_on_heavy(x):
@@ -118,7 +141,7 @@ def _sleep_on_heavy(x):
 
 
 def test_dispatch_on_worker_processes_moves_the_cut_to_the_costly_items(process_client):
-    s = BalancedScheduler(DEVICES)
+    s = BalancedScheduler(DEVICES, step=1.0, tolerance=0)
     x = np.arange(400.0)
     x[:100] *= -1  # the first 100 items sleep 1 ms each: 100 ms of work, all in the cpu's first half
     sizes = []

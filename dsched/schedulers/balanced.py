@@ -12,12 +12,15 @@ the devices are listed (so a device keeps about the same points from call to
 call), and learns from each call where to cut the next. After a call it takes
 each chunk's seconds, timed on its worker, as spread evenly over the chunk's
 points: that makes a cost for every stretch of the batch, and the new cuts
-share the whole cost equally between the devices. Costs that hold from one
-call to the next are balanced after one call on devices of equal speed, and
-within a few calls on devices of different speeds (a stretch that moves to
+share the whole cost equally between the devices (a call whose chunks took
+within ``tolerance`` of the same time leaves them). Costs that hold from one
+call to the next would be balanced after one call on devices of equal speed,
+and within a few on devices of different speeds (a stretch that moves to
 another device is costed at its old device's speed, so the cuts close in
-geometrically). The cuts are kept as fractions of the batch, so a call of
-another size starts from them too.
+geometrically). By default a call moves the cuts half of the way there
+(``step``), so that a one-off delay moves them only half as far. The cuts
+are kept as fractions of the batch, so a call of another size starts from
+them too.
 
 Each device keeps at least :data:`MIN_SHARE` of the batch (one item at the
 least), so that a device slowed down once is still timed, and taken back
@@ -26,7 +29,7 @@ cuts as they were.
 
 Examples
 --------
->>> s = BalancedScheduler(["cpu", "cuda:0"])
+>>> s = BalancedScheduler(["cpu", "cuda:0"], step=1.0)   # all the way at each call
 >>> s.begin_run(100)
 >>> [(str(d), n) for d, n in s.plan(100)]
 [('cpu', 50), ('cuda:0', 50)]
@@ -66,6 +69,16 @@ class BalancedScheduler(WorkScheduler):
     weights : float or list, optional
         The shares of the first call (relative speeds, e.g. ``[1, 4]``);
         equal by default.
+    step : float
+        How far each call moves the cuts toward those that would have
+        balanced it: 1 all the way, 0.5 (the default) half of it, which
+        follows a lasting imbalance within a few calls and only half of a
+        one-off one (a worker held up by something else, a timing's noise).
+    tolerance : float
+        The imbalance left alone: a call whose chunks' times are all within
+        this fraction of their mean (5 % by default) keeps the cuts. Cuts
+        that move at every call follow the timings' noise, and cost the
+        workers' memory allocators chunks of a new size each time.
 
     Notes
     -----
@@ -76,8 +89,13 @@ class BalancedScheduler(WorkScheduler):
     by calls in flight together gives each the cuts it had when it began.
     """
 
-    def __init__(self, devices, *, weights=None):
+    def __init__(self, devices, *, weights=None, step=0.5, tolerance=0.05):
         status = build_status(devices, 1, None)
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 < step <= 1:
+            raise ValueError(f"step: expected a fraction in (0, 1], got {step!r}")
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
+            raise ValueError(f"tolerance: expected a fraction in [0, 1), got {tolerance!r}")
+        self.step, self.tolerance = float(step), float(tolerance)
         shares = broadcast(weights, len(status), "weights", default=1.0)
         for i, value in enumerate(shares):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
@@ -94,7 +112,7 @@ class BalancedScheduler(WorkScheduler):
     def shares(self) -> list:
         """Each device's fraction of the next batch, in device order."""
         with self._lock:
-            return list(self._shares)
+            return [float(share) for share in self._shares]
 
     def plan(self, n) -> list:
         """The chunks ``n`` items are cut into now, ``[(Device, size)]`` in device order (none of size 0)."""
@@ -144,11 +162,15 @@ class BalancedScheduler(WorkScheduler):
         return [(s.device, int(m)) for s, m in zip(self._status, sizes) if m > 0]
 
     def _learn(self):
-        """New shares from the run's chunks: each chunk's seconds spread over its items, the whole cost shared
-        equally by the devices."""
+        """New shares from the run's chunks, unless their times are within the tolerance: each chunk's seconds
+        spread over its items, the whole cost shared equally by the devices."""
         devices = [s.device for s in self._status]
         sizes = [self._sizes.get(d, 0) for d in devices]
         seconds = [self._seconds.get(d, 0.0) for d in devices]
+        self._sizes, self._seconds = {}, {}
+        timed = [t for t in seconds if t > 0]
+        if max(timed) <= (1.0 + self.tolerance) * (sum(timed) / len(timed)):
+            return  # balanced enough: the cuts stay
         n = sum(sizes)
         # The cumulative cost at each chunk edge, as a function of the position in the batch.
         positions = np.cumsum([0] + sizes, dtype=float)
@@ -157,11 +179,11 @@ class BalancedScheduler(WorkScheduler):
         targets = costs[-1] * np.arange(1, len(devices)) / len(devices)
         cuts = np.interp(targets, costs[keep], positions[keep]) / n
         shares = np.diff(np.concatenate(([0.0], cuts, [1.0])))
+        shares = np.asarray(self._shares) + self.step * (shares - np.asarray(self._shares))
         floor = max(MIN_SHARE, 1.0 / n) if n else MIN_SHARE
         shares = np.maximum(shares, min(floor, 1.0 / len(devices)))
         self._shares = list(shares / shares.sum())
         self.runs_learned += 1
-        self._sizes, self._seconds = {}, {}
 
     def __repr__(self):
         parts = ", ".join(f"{s.device}({share:.3f})" for s, share in zip(self._status, self._shares))
