@@ -21,8 +21,9 @@ def run(scheduler, total, seconds_of):
     """One run through the protocol; ``seconds_of(offset, size)`` is a chunk's time. The chunks, in order."""
     scheduler.begin_run(total)
     chunks, offset = [], 0
-    while (choice := scheduler.schedule_work()) is not None:
-        device, n = choice
+    while offset < total:  # as a dispatcher asks: while items are left
+        device, n = scheduler.schedule_work()
+        n = min(n, total - offset)
         scheduler.dispatched_work(device, n)
         chunks.append((str(device), offset, n))
         offset += n
@@ -51,7 +52,7 @@ def test_by_default_a_run_moves_the_cuts_half_of_the_way():
     cost_of = lambda offset, n: cost(offset, n) + n  # noqa: E731
     half, whole = BalancedScheduler(DEVICES, tolerance=0), BalancedScheduler(DEVICES, step=1.0, tolerance=0)
     assert [run(whole, 300, cost_of)[0][2] for _ in range(6)] == [150, 107, 87, 83, 84, 83]
-    assert [run(half, 300, cost_of)[0][2] for _ in range(8)] == [150, 129, 113, 102, 93, 88, 86, 85]
+    assert [run(half, 300, cost_of)[0][2] for _ in range(8)] == [150, 129, 114, 102, 93, 88, 86, 85]
 
 
 def test_uneven_costs_that_hold_are_balanced_after_one_run():
@@ -92,7 +93,7 @@ def test_a_device_stalled_keeps_its_floor_and_comes_back():
 def test_an_untimed_or_failed_chunk_leaves_the_cuts():
     s = BalancedScheduler(DEVICES, step=1.0, tolerance=0)
     s.begin_run(100)
-    for device, n in [s.schedule_work(), s.schedule_work()]:
+    for device, n in [s.schedule_work(), s.schedule_work()]:  # noqa: B007
         s.dispatched_work(device, n)
         s.completed_work(device, n)
     s.observe("cpu", 50, 2.0)
@@ -151,3 +152,45 @@ def test_dispatch_on_worker_processes_moves_the_cut_to_the_costly_items(process_
     assert 95 <= sizes[0] <= 105, sizes  # after the first run: a cost even over the cpu's 200 items, half of it
     assert 42 <= sizes[-1] <= 58, sizes  # then closed in on the 100 costly items' middle
     assert [st.load for st in s.status()] == [0, 0]
+
+
+def test_each_batch_size_keeps_its_own_cuts_and_a_new_size_starts_from_the_last_learned():
+    s = BalancedScheduler(DEVICES, step=1.0, tolerance=0)
+    run(s, 300, lambda offset, n: (3.0 if offset == 0 else 1.0) * n)  # the cpu's points cost three times more
+    assert s.plan(300)[0][1] == 100 and s.plan(30)[0][1] == 10  # 30 was not seen: the fractions of 300
+    run(s, 30, lambda offset, n: 1.0 * n if offset == 0 else 2.0 * n)  # at 30 it is the other way round
+    assert s.plan(30)[0][1] == 18 and s.plan(300)[0][1] == 100 and s.plan(60)[0][1] == 35
+
+
+FAILING = {"on": True}
+
+
+def _fails_on_negatives(work, device):
+    if FAILING["on"] and (work < 0).any():
+        raise ValueError("a negative item")
+    return 2.0 * work
+
+
+def test_the_chunks_a_failed_run_left_run_again_over_their_ranges():
+    # Three devices, the first and the last chunk failed: run_failed runs their two ranges, which the policy's
+    # cut of their 200 items does not fit; the generator stops each chunk at its range's end, and the last
+    # device takes what is left after the planned chunks.
+    from distributed import Client
+
+    s = BalancedScheduler(["cpu", "cuda:0", "cuda:1"])
+    x = np.arange(300.0)
+    x[[10, 250]] = -1.0
+    FAILING["on"] = True
+    with dsched.LocalHybridCluster(["cpu", "cuda:0", "cuda:1"], emulate=True, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:  # in-process workers: they see FAILING
+        d = dsched.WorkDispatcher(s, _fails_on_negatives, join="concat", client=client)
+        try:
+            with pytest.raises(ValueError, match="a negative item"):
+                d.run(dsched.ArrayLoader(x))
+            assert sorted(r.offset for r in d.last_run.records if r.error is not None) == [0, 200]
+            FAILING["on"] = False
+            np.testing.assert_array_equal(d.run_failed(), 2 * x)
+        finally:
+            FAILING["on"] = True
+    assert [(str(r.device), r.offset, r.size) for r in d.last_run.records] == [
+        ("cpu", 0, 67), ("cuda:0", 67, 33), ("cuda:1", 200, 67), ("cuda:1", 267, 33)]

@@ -19,13 +19,14 @@ and within a few on devices of different speeds (a stretch that moves to
 another device is costed at its old device's speed, so the cuts close in
 geometrically). By default a call moves the cuts half of the way there
 (``step``), so that a one-off delay moves them only half as far. The cuts
-are kept as fractions of the batch, so a call of another size starts from
-them too.
+are learned per batch size, as fractions of the batch: a call of a size not
+seen yet starts from the fractions learned last.
 
 Each device keeps at least :data:`MIN_SHARE` of the batch (one item at the
 least), so that a device slowed down once is still timed, and taken back
-when it recovers. A chunk that failed, or whose time is unknown, leaves the
-cuts as they were.
+when it recovers. A run with a chunk that failed, or was not timed, or was
+not cut as planned (a run over several ranges, such as the chunks a failed
+run left), leaves the cuts as they were.
 
 Examples
 --------
@@ -85,8 +86,10 @@ class BalancedScheduler(WorkScheduler):
     The dispatcher tells the policy each run's size (``begin_run``) and each
     chunk's seconds on its worker (``observe``): runs of ``dispatch``,
     ``WorkDispatcher`` and ``submit`` on a cluster. A run in ``mode="sync"``
-    times nothing, and keeps the cuts. One run at a time: a scheduler shared
-    by calls in flight together gives each the cuts it had when it began.
+    times nothing, and keeps the cuts. One run at a time (``submit`` runs
+    the calls on one scheduler one after another). The cuts fall on any
+    item, so an output the run writes to a Zarr array (``out=``) is written
+    in chunks of one row.
     """
 
     def __init__(self, devices, *, weights=None, step=0.5, tolerance=0.05):
@@ -102,15 +105,18 @@ class BalancedScheduler(WorkScheduler):
                 raise ValueError(f"weights[{i}]: expected a positive number, got {value!r}")
         super().__init__(status)
         total = float(sum(shares))
-        self._shares = [float(w) / total for w in shares]  # each device's fraction of a batch, in device order
+        self._shares = [float(w) / total for w in shares]  # the shares last learned (or given): a new size's
+        self._learned = {}  # batch size -> its shares, each device's fraction in device order
         self._queue = collections.deque()  # this run's chunks not yet handed out: (Device, size)
         self._sizes = {}  # this run's chunks: Device -> size
         self._seconds = {}  # their seconds, as observed
+        self._total, self._last = None, status[0].device  # this run's size; the device of its last chunk
         self.runs_learned = 0  # runs whose timings moved the cuts
 
     @property
     def shares(self) -> list:
-        """Each device's fraction of the next batch, in device order."""
+        """Each device's fraction of a batch, in device order, as last learned (a batch of a size not seen
+        yet starts from them)."""
         with self._lock:
             return [float(share) for share in self._shares]
 
@@ -130,13 +136,22 @@ class BalancedScheduler(WorkScheduler):
             self._queue = collections.deque(chunks)
             self._sizes = dict(chunks)
             self._seconds = {}
+            self._total = total
 
     def schedule_work(self):
-        """The run's next chunk, ``(Device, size)`` in device order; ``None`` once all are handed out."""
+        """The run's next chunk, ``(Device, size)`` in device order.
+
+        Once the planned chunks are handed out, the rest of the run (a run
+        over several ranges, whose generator stops each chunk at a range's
+        end) goes to the device of the last one, in chunks as large as the
+        generator gives.
+        """
         with self._lock:
-            if not self._queue:
-                return None
-            device, n = self._queue.popleft()
+            if self._queue:
+                device, n = self._queue.popleft()
+            else:  # the dispatcher asks only while items are left
+                device, n = self._last, self._total or 1 << 30
+            self._last = device
             record = self._index[device]
             record.capacity = max(record.capacity, record.load + n)  # what dispatched_work checks
             return device, n
@@ -155,21 +170,22 @@ class BalancedScheduler(WorkScheduler):
     # --- internals -----------------------------------------------------------------
 
     def _cut(self, n) -> list:
-        """``n`` items in one chunk per device by the shares (rounded so that they sum to ``n``)."""
-        edges = np.rint(np.cumsum([0.0] + self._shares) * n).astype(int)
+        """``n`` items in one chunk per device by the shares of that size (rounded so that they sum to ``n``)."""
+        edges = np.rint(np.cumsum([0.0] + list(self._learned.get(n, self._shares))) * n).astype(int)
         edges[-1] = n
         sizes = np.diff(np.maximum.accumulate(edges))
         return [(s.device, int(m)) for s, m in zip(self._status, sizes) if m > 0]
 
     def _learn(self):
-        """New shares from the run's chunks, unless their times are within the tolerance: each chunk's seconds
-        spread over its items, the whole cost shared equally by the devices."""
+        """The run's batch size's new shares, unless its chunks' times are all within the tolerance of their mean:
+        each chunk's seconds spread over its items, the whole cost shared equally by the devices."""
         devices = [s.device for s in self._status]
         sizes = [self._sizes.get(d, 0) for d in devices]
         seconds = [self._seconds.get(d, 0.0) for d in devices]
         self._sizes, self._seconds = {}, {}
         timed = [t for t in seconds if t > 0]
-        if max(timed) <= (1.0 + self.tolerance) * (sum(timed) / len(timed)):
+        mean = sum(timed) / len(timed)
+        if all(abs(t - mean) <= self.tolerance * mean for t in timed):
             return  # balanced enough: the cuts stay
         n = sum(sizes)
         # The cumulative cost at each chunk edge, as a function of the position in the batch.
@@ -178,11 +194,11 @@ class BalancedScheduler(WorkScheduler):
         keep = np.concatenate(([True], np.diff(positions) > 0))  # a device without a chunk adds no edge
         targets = costs[-1] * np.arange(1, len(devices)) / len(devices)
         cuts = np.interp(targets, costs[keep], positions[keep]) / n
-        shares = np.diff(np.concatenate(([0.0], cuts, [1.0])))
-        shares = np.asarray(self._shares) + self.step * (shares - np.asarray(self._shares))
-        floor = max(MIN_SHARE, 1.0 / n) if n else MIN_SHARE
-        shares = np.maximum(shares, min(floor, 1.0 / len(devices)))
-        self._shares = list(shares / shares.sum())
+        balanced = np.diff(np.concatenate(([0.0], cuts, [1.0])))
+        used = np.asarray(sizes, dtype=float) / n  # the run's own cut, which the step starts from
+        shares = used + self.step * (balanced - used)
+        shares = np.maximum(shares, min(max(MIN_SHARE, 1.0 / n), 1.0 / len(devices)))
+        self._shares = self._learned[n] = [float(share) for share in shares / shares.sum()]
         self.runs_learned += 1
 
     def __repr__(self):
