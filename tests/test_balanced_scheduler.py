@@ -194,3 +194,18 @@ def test_the_chunks_a_failed_run_left_run_again_over_their_ranges():
             FAILING["on"] = True
     assert [(str(r.device), r.offset, r.size) for r in d.last_run.records] == [
         ("cpu", 0, 67), ("cuda:0", 67, 33), ("cuda:1", 200, 67), ("cuda:1", 267, 33)]
+
+
+def test_a_run_not_cut_as_planned_teaches_nothing_and_old_sizes_are_forgotten():
+    s = BalancedScheduler(DEVICES, step=1.0, tolerance=0)
+    s.begin_run(100)
+    planned = [s.schedule_work(), s.schedule_work()]
+    assert planned == [(Device("cpu"), 50), (Device("cuda:0"), 50)]
+    assert s.schedule_work() == (Device("cuda:0"), 100)  # items left past the plan (a run over ranges): the last's
+    for device, n in planned:
+        s.observe(device, n, 1.0 if str(device) == "cpu" else 3.0)
+    assert s.runs_learned == 0 and s.plan(100)[0][1] == 50
+    from dsched.schedulers.balanced import SIZES_KEPT
+    for n in range(10, 10 + SIZES_KEPT + 1):
+        run(s, n, lambda offset, m: 1.0 if offset == 0 else 3.0)
+    assert len(s._learned) == SIZES_KEPT and 10 not in s._learned and s.runs_learned == SIZES_KEPT + 1

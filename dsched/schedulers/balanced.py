@@ -57,6 +57,7 @@ __all__ = ["BalancedScheduler", "MIN_SHARE"]
 
 #: the least fraction of a batch each device keeps (so that it is still timed)
 MIN_SHARE = 0.01
+SIZES_KEPT = 64  # batch sizes whose cuts are kept (the oldest learned is forgotten first)
 
 
 class BalancedScheduler(WorkScheduler):
@@ -151,6 +152,7 @@ class BalancedScheduler(WorkScheduler):
                 device, n = self._queue.popleft()
             else:  # the dispatcher asks only while items are left
                 device, n = self._last, self._total or 1 << 30
+                self._sizes = {}  # a run not cut as planned: its timings teach nothing
             self._last = device
             record = self._index[device]
             record.capacity = max(record.capacity, record.load + n)  # what dispatched_work checks
@@ -198,7 +200,10 @@ class BalancedScheduler(WorkScheduler):
         used = np.asarray(sizes, dtype=float) / n  # the run's own cut, which the step starts from
         shares = used + self.step * (balanced - used)
         shares = np.maximum(shares, min(max(MIN_SHARE, 1.0 / n), 1.0 / len(devices)))
+        self._learned.pop(n, None)  # the newest last
         self._shares = self._learned[n] = [float(share) for share in shares / shares.sum()]
+        if len(self._learned) > SIZES_KEPT:
+            del self._learned[next(iter(self._learned))]
         self.runs_learned += 1
 
     def __repr__(self):
