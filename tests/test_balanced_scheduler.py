@@ -209,3 +209,31 @@ def test_a_run_not_cut_as_planned_teaches_nothing_and_old_sizes_are_forgotten():
     for n in range(10, 10 + SIZES_KEPT + 1):
         run(s, n, lambda offset, m: 1.0 if offset == 0 else 3.0)
     assert len(s._learned) == SIZES_KEPT and 10 not in s._learned and s.runs_learned == SIZES_KEPT + 1
+
+
+def _sleep_5_ms_and_on_heavy(x):
+    """5 ms per chunk (times well above the timings' noise), and 1 ms per negative item."""
+    time.sleep(5e-3 + 1e-3 * int((x < 0).sum()))
+    return 2.0 * x
+
+
+def test_like_calls_replay_while_the_cut_holds_and_a_replay_still_teaches_it(process_client, monkeypatch):
+    from chunk_models import runs_taking
+    from dsched.dispatch.replay import ReplayRun
+
+    replays = runs_taking(monkeypatch, ReplayRun)
+    s = BalancedScheduler(DEVICES, step=1.0, tolerance=0.5)  # only a large imbalance moves the cut
+    even = np.arange(400.0)
+    for _ in range(4):  # the full way, the steady path, then replays: the same halves, within the tolerance
+        np.testing.assert_array_equal(dsched.dispatch(_sleep_5_ms_and_on_heavy, even, scheduler=s, client=process_client),
+                                      2 * even)
+    assert len(replays) == 2 and s.plan(400)[0][1] == 200 and s.runs_learned == 0
+    uneven = even.copy()
+    uneven[:100] *= -1  # 105 ms against 5 in the cpu's half: the replay's timings move the cut
+    np.testing.assert_array_equal(dsched.dispatch(_sleep_5_ms_and_on_heavy, uneven, scheduler=s, client=process_client),
+                                  2 * uneven)
+    assert len(replays) == 3 and s.runs_learned == 1 and 90 <= s.plan(400)[0][1] <= 110
+    np.testing.assert_array_equal(dsched.dispatch(_sleep_5_ms_and_on_heavy, uneven, scheduler=s, client=process_client),
+                                  2 * uneven)
+    assert len(replays) == 3  # the cut moved: this call went the full way, with the new cut
+    assert [st.load for st in s.status()] == [0, 0]

@@ -24,7 +24,10 @@ came back, the next like run cuts it the same way. So a clean steady run leaves 
 
 The policy is not asked (its loads stay at zero), and no observer is told: a run
 with observers (a trace, progress, callbacks, collectors, a policy that predicts,
-the dashboard) takes the steady path instead. Dask config ``dsched.replay: false``
+the dashboard) takes the steady path instead. A policy whose plan key holds while
+it learns from chunk timings (:class:`~dsched.BalancedScheduler`) is told the run's
+size and each chunk's time; once they move its cuts, its key changes and the next
+call runs the full way. Dask config ``dsched.replay: false``
 turns replays off.
 """
 
@@ -286,6 +289,9 @@ def _replay(dispatcher, generator, steady, plan, start):
     run, ended = None, False
     try:
         plan.inputs(generator)
+        begin_run = getattr(dispatcher.scheduler, "begin_run", None)
+        if begin_run is not None:  # a policy that learns from the replay's timings (BalancedScheduler)
+            begin_run(generator.total)
         run = ReplayRun(steady.client, data, report, feeds, plan, dispatcher)
         run.loop()
         ended = True
@@ -395,6 +401,8 @@ class ReplayRun(SteadyRun):
         if not ok:
             record.error, self.failed = value, True
             self.data.failed(record)
+        elif self.observe is not None and record.stop > record.start:  # a policy that learns from chunk timings
+            self.observe(record.device, record.size, record.stop - record.start)
 
     def _give_back(self, record):
         """A replay took no load from the policy: nothing to give back."""

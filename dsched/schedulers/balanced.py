@@ -86,7 +86,8 @@ class BalancedScheduler(WorkScheduler):
     -----
     The dispatcher tells the policy each run's size (``begin_run``) and each
     chunk's seconds on its worker (``observe``): runs of ``dispatch``,
-    ``WorkDispatcher`` and ``submit`` on a cluster. A run in ``mode="sync"``
+    ``WorkDispatcher`` and ``submit`` on a cluster, replays of a like call's
+    chunks included (they replay while the cut holds: :meth:`plan_key`). A run in ``mode="sync"``
     times nothing, and keeps the cuts. One run at a time (``submit`` runs
     the calls on one scheduler one after another). The cuts fall on any
     item, so an output the run writes to a Zarr array (``out=``) is written
@@ -126,6 +127,14 @@ class BalancedScheduler(WorkScheduler):
         n = check_positive_int(n, "n")
         with self._lock:
             return self._cut(n)
+
+    def plan_key(self):
+        """The cut of the last run's batch size, while no chunk is out: a like call replays that run's chunks while
+        the cut holds (:mod:`dsched.dispatch.replay`), and goes the full way once the timings move it."""
+        with self._lock:
+            if self._total is None or any(s.load for s in self._status):
+                return None
+            return "balanced", self._total, tuple(self._learned.get(self._total, self._shares))
 
     # --- the dispatcher's protocol -----------------------------------------------
 
@@ -173,10 +182,12 @@ class BalancedScheduler(WorkScheduler):
 
     def _cut(self, n) -> list:
         """``n`` items in one chunk per device by the shares of that size (rounded so that they sum to ``n``)."""
-        edges = np.rint(np.cumsum([0.0] + list(self._learned.get(n, self._shares))) * n).astype(int)
+        edges, total = [0], 0.0  # in Python, not NumPy: a replayed call asks for it, and a few devices are quick
+        for share in self._learned.get(n, self._shares):
+            total += share
+            edges.append(max(edges[-1], round(total * n)))  # round half to even, as NumPy's rint
         edges[-1] = n
-        sizes = np.diff(np.maximum.accumulate(edges))
-        return [(s.device, int(m)) for s, m in zip(self._status, sizes) if m > 0]
+        return [(s.device, b - a) for s, a, b in zip(self._status, edges, edges[1:]) if b > a]
 
     def _learn(self):
         """The run's batch size's new shares, unless its chunks' times are all within the tolerance of their mean:
