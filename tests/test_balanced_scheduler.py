@@ -40,7 +40,8 @@ def heavy_first(heavy, each=1.0):
 
 
 def test_the_first_run_is_cut_in_equal_parts_in_device_order_then_by_weights():
-    assert run(BalancedScheduler(DEVICES, step=1.0, tolerance=0), 101, lambda o, n: 1.0) == [("cpu", 0, 50), ("cuda:0", 50, 51)]
+    first = run(BalancedScheduler(DEVICES, step=1.0, tolerance=0), 101, lambda o, n: 1.0)
+    assert first == [("cpu", 0, 50), ("cuda:0", 50, 51)]
     three = BalancedScheduler(["cpu", "cuda:0", "cuda:1"], weights=[1, 2, 1])
     assert [(str(d), n) for d, n in three.plan(100)] == [("cpu", 25), ("cuda:0", 50), ("cuda:1", 25)]
 
@@ -224,16 +225,14 @@ def test_like_calls_replay_while_the_cut_holds_and_a_replay_still_teaches_it(pro
     replays = runs_taking(monkeypatch, ReplayRun)
     s = BalancedScheduler(DEVICES, step=1.0, tolerance=0.5)  # only a large imbalance moves the cut
     even = np.arange(400.0)
+    call = lambda x: dsched.dispatch(_sleep_5_ms_and_on_heavy, x, scheduler=s, client=process_client)  # noqa: E731
     for _ in range(4):  # the full way, the steady path, then replays: the same halves, within the tolerance
-        np.testing.assert_array_equal(dsched.dispatch(_sleep_5_ms_and_on_heavy, even, scheduler=s, client=process_client),
-                                      2 * even)
+        np.testing.assert_array_equal(call(even), 2 * even)
     assert len(replays) == 2 and s.plan(400)[0][1] == 200 and s.runs_learned == 0
     uneven = even.copy()
     uneven[:100] *= -1  # 105 ms against 5 in the cpu's half: the replay's timings move the cut
-    np.testing.assert_array_equal(dsched.dispatch(_sleep_5_ms_and_on_heavy, uneven, scheduler=s, client=process_client),
-                                  2 * uneven)
+    np.testing.assert_array_equal(call(uneven), 2 * uneven)
     assert len(replays) == 3 and s.runs_learned == 1 and 90 <= s.plan(400)[0][1] <= 110
-    np.testing.assert_array_equal(dsched.dispatch(_sleep_5_ms_and_on_heavy, uneven, scheduler=s, client=process_client),
-                                  2 * uneven)
+    np.testing.assert_array_equal(call(uneven), 2 * uneven)
     assert len(replays) == 3  # the cut moved: this call went the full way, with the new cut
     assert [st.load for st in s.status()] == [0, 0]

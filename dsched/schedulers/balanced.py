@@ -87,11 +87,11 @@ class BalancedScheduler(WorkScheduler):
     The dispatcher tells the policy each run's size (``begin_run``) and each
     chunk's seconds on its worker (``observe``): runs of ``dispatch``,
     ``WorkDispatcher`` and ``submit`` on a cluster, replays of a like call's
-    chunks included (they replay while the cut holds: :meth:`plan_key`). A run in ``mode="sync"``
-    times nothing, and keeps the cuts. One run at a time (``submit`` runs
-    the calls on one scheduler one after another). The cuts fall on any
-    item, so an output the run writes to a Zarr array (``out=``) is written
-    in chunks of one row.
+    chunks included (they replay while the cut holds: :meth:`plan_key`). A
+    run in ``mode="sync"`` times nothing, and keeps the cuts. One run at a
+    time (``submit`` runs the calls on one scheduler one after another). The
+    cuts fall on any item, so an output the run writes to a Zarr array
+    (``out=``) is written in chunks of one row.
     """
 
     def __init__(self, devices, *, weights=None, step=0.5, tolerance=0.05):
@@ -103,7 +103,8 @@ class BalancedScheduler(WorkScheduler):
         self.step, self.tolerance = float(step), float(tolerance)
         shares = broadcast(weights, len(status), "weights", default=1.0)
         for i, value in enumerate(shares):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value > 0):
                 raise ValueError(f"weights[{i}]: expected a positive number, got {value!r}")
         super().__init__(status)
         total = float(sum(shares))
