@@ -398,11 +398,7 @@ class ReplayRun(SteadyRun):
             return
         record, ok, value = answer
         record.heard = time.time()
-        if not ok:
-            record.error, self.failed = value, True
-            self.data.failed(record)
-        elif self.observe is not None and record.stop > record.start:  # a policy that learns from chunk timings
-            self.observe(record.device, record.size, record.stop - record.start)
+        self._settle(record, ok, value)
 
     def _give_back(self, record):
         """A replay took no load from the policy: nothing to give back."""

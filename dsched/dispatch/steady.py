@@ -212,8 +212,7 @@ class SteadyRun:
     def _send(self, device, m, work, offset):
         record = record_dispatch(self.scheduler, self.observers, self.report, device, m, offset)
         if device not in self.feeds:  # the last run left this device out (a smaller batch): the full run starts it
-            self._give_back(record)
-            self.undone.append(record)
+            self._leave(record)
             return
         feed = min(self.feeds[device], key=lambda f: (f.lane is None, f.sent))
         feed.sent += 1
@@ -288,13 +287,18 @@ class SteadyRun:
         self._give_back(record)
         if self.events is not None:
             self.events.append(self._event("done" if ok else "failed", record, feed))
+        self._settle(record, ok, value)
+        self.observers.chunk_completed(record)
+        self._pump(feed)
+
+    def _settle(self, record, ok, value):
+        """An answered chunk's outcome: a failure kept (its rows marked), or a success's time told to a policy that
+        learns from chunk timings."""
         if not ok:
             record.error, self.failed = value, True
             self.data.failed(record)
         elif self.observe is not None and record.stop > record.start:
             self.observe(record.device, record.size, record.stop - record.start)
-        self.observers.chunk_completed(record)
-        self._pump(feed)
 
     def _event(self, phase, record, feed) -> tuple:
         """A chunk event for the page (:data:`~dsched.names.CHUNK_EVENT_TOPIC`'s fields)."""
@@ -339,8 +343,12 @@ class SteadyRun:
         for index, (record, owner) in list(self.in_flight.items()):
             if owner is feed:
                 del self.in_flight[index]
-                self._give_back(record)
-                self.undone.append(record)
+                self._leave(record)
+
+    def _leave(self, record):
+        """A chunk this run will not run: its load given back, its rows left to the full run."""
+        self._give_back(record)
+        self.undone.append(record)
 
     def _give_back(self, record):
         """The policy's load of a chunk answered, or not to be answered."""
