@@ -23,8 +23,9 @@ The two together are a solve where the material dominates: with 64 layers on
 216 hexahedra it takes about 85 % of FElupe's own solve. ``--one-call`` runs the
 material's function once per chunk for the stress, the state and the tangent
 (FElupe runs it twice per iteration); ``--tangent apart`` dispatches the stress
-and the tangent each when FElupe asks for it. ``dsched bench --only fe`` times
-these solves.
+and the tangent each when FElupe asks for it, and ``--tangent predict`` leaves
+the tangent out where Newton's iterates say FElupe only tests convergence.
+``dsched bench --only fe`` times these solves.
 """
 
 import argparse
@@ -95,7 +96,9 @@ class OneCall:
     def __init__(self, umat):
         self.umat, self.x = umat, umat.x
 
-    def __call__(self, x):
+    def __call__(self, x, tangent=True):
+        if not tangent:  # FEMaterial asks for the stress and state alone (tangent="predict" or "apart")
+            return self.umat.gradient(x), None
         umat, function, results = copy.copy(self.umat), self.umat.material, collections.deque()
 
         def with_tangent(*args, tangent, **kwargs):
@@ -169,16 +172,15 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="load steps")
     parser.add_argument("--one-call", action="store_true",
                         help="call the material function once per chunk for stress, state and tangent (OneCall)")
-    parser.add_argument("--tangent", choices=("with-gradient", "apart"), default="with-gradient",
+    parser.add_argument("--tangent", choices=("with-gradient", "apart", "predict"), default="with-gradient",
                         help="FEMaterial's tangent: with each stress evaluation (one dispatch per Newton iteration, "
-                             "the default) or apart, when FElupe asks for it")
+                             "the default), apart (when FElupe asks for it), or predict (with each stress but "
+                             "Newton's convergence checks)")
     parser.add_argument("--scheduler-file", help="a running Dask cluster's scheduler file (else a local one)")
     args = parser.parse_args(argv)
     for name in ("size", "layers", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}: expected at least 1, got {getattr(args, name)}")
-    if args.one_call and args.tangent == "apart":
-        parser.error("--tangent apart: --one-call computes the tangent with the stress, there is nothing to put apart")
 
     from distributed import Client
 

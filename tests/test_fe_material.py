@@ -136,6 +136,53 @@ def test_apart_dispatches_the_gradient_and_the_hessian_each_when_asked(process_c
 
 
 @needs_felupe
+def test_predict_leaves_the_tangent_out_where_newton_converges_and_adds_it_if_asked(process_client, example, hybrid,
+                                                                                   dispatches):
+    """Newton's iterates: F changes by 1e-3, then by 1e-6 (a thousandfold less: the convergence check, no tangent),
+    then the tangent is asked at that x after all (one dispatch of the tangent alone, the gradient kept); a new
+    state starts over. Every list equals FElupe's to the last bit."""
+    j2 = example.material()
+    F, state = plastic_inputs(j2)
+    umat = FEMaterial(j2, scheduler=hybrid, client=process_client, tangent="predict")
+    for change, want in ((0.0, ["both"]), (1e-3, ["both"]), (1e-6, ["gradient"])):
+        F = F + change
+        assert_lists_equal(umat.gradient([F, state]), j2.gradient([F, state]))
+        assert dispatches[-len(want):] == want
+    assert umat.tangents_left_out == 1 and umat.evaluations == 3
+    assert_lists_equal(umat.hessian([F, state]), j2.hessian([F, state]))
+    assert dispatches[3:] == ["hessian"]
+    assert_lists_equal(umat.gradient([F, state]), j2.gradient([F, state]))  # kept: no dispatch
+    assert dispatches[4:] == []
+    # The next load step: a new state, then Newton's first change. Neither is a convergence check.
+    _, state = umat.gradient([F, state])
+    for F in (F, F + 1e-3, F + 1e-3 + 2e-5):  # a fiftyfold shrink: not under the default contraction of 0.01
+        assert_lists_equal(umat.gradient([F, state]), j2.gradient([F, np.array(state)]))
+    assert dispatches[4:] == ["both", "both", "both"] and umat.tangents_left_out == 1
+
+
+def with_flag(x, tangent=True):
+    """A one-call material that can skip its tangent; its second gradient item says whether it was asked for."""
+    flag = np.full((1, *x[0].shape[2:]), float(tangent))
+    return [x[0], flag], ([3.0 * x[0]] if tangent else None)
+
+
+def test_predict_calls_a_one_call_function_with_tangent_false_when_it_can_take_it(process_client, dispatches):
+    F, state = np.ones((3, 3, 1, 4)), np.zeros((1, 1, 4))
+    asked = []
+    for material in (with_flag, both_at_once):
+        umat = FEMaterial(material, x=[np.eye(3), np.zeros(1)], scheduler=SimpleScheduler("cpu", 4),
+                          client=process_client, tangent="predict", contraction=0.5)
+        for step in (0.0, 0.2, 0.1):  # 0.1 is half of 0.2: converging, at contraction 0.5
+            stress, flag = umat.gradient([F + step, state])
+            asked.append(None if flag is None else flag.tolist())
+        np.testing.assert_array_equal(stress, F + 0.1)
+        assert umat.tangents_left_out == 1
+    assert asked[:3] == [[[[1.0] * 4]], [[[1.0] * 4]], [[[0.0] * 4]]]  # tangent=False at the convergence check
+    assert asked[3:] == [None] * 3  # both_at_once has no tangent parameter: called as it is, its tangent dropped
+    assert dispatches == ["both", "both", "gradient"] * 2
+
+
+@needs_felupe
 def test_one_call_gives_felupes_gradient_and_hessian(process_client, example, hybrid):
     j2 = example.material()
     x = plastic_inputs(j2)
@@ -161,12 +208,12 @@ def test_a_tangent_the_same_for_every_cell_comes_back_broadcast(process_client, 
 
 
 @needs_felupe
-@pytest.mark.parametrize("layers", [1, 3])
-def test_a_felupe_solve_through_dsched_equals_felupes_own(process_client, example, layers):
+@pytest.mark.parametrize("layers, tangent", [(1, "with-gradient"), (3, "with-gradient"), (3, "predict")])
+def test_a_felupe_solve_through_dsched_equals_felupes_own(process_client, example, layers, tangent):
     """The whole Newton loop: displacements and state variables bit-identical, one dispatch per iteration."""
     _, u, state = example.solve("plate", 3, example.material(layers), steps=3)
     umat = FEMaterial(example.material(layers), scheduler=StaticHybridScheduler(["cpu", "cuda:0"], [4, 3]),
-                      client=process_client)  # 18 cells in five chunks
+                      client=process_client, tangent=tangent)  # 18 cells in five chunks
     counted = _Counted(umat)
     _, u_dsched, state_dsched = example.solve("plate", 3, counted, steps=3)
     np.testing.assert_array_equal(u_dsched, u)
@@ -175,6 +222,8 @@ def test_a_felupe_solve_through_dsched_equals_felupes_own(process_client, exampl
     # FElupe asks for the hessian at the x of the gradient before it: no dispatch of its own.
     assert counted.calls["hessian"] > 0 and counted.dispatched["hessian"] == 0
     assert 0 < umat.evaluations == counted.dispatched["gradient"] <= counted.calls["gradient"]
+    if tangent == "predict":  # the load steps' last iterations: the stress alone
+        assert umat.tangents_left_out > 0
 
 
 class _Counted:
@@ -333,7 +382,8 @@ def test_host_arrays_decide_whether_a_gpu_chunk_arrives_as_numpy(host_arrays, nu
     (dict(material=object()), "material: expected an object with gradient(x) and hessian(x), or a function"),
     (dict(material=both_at_once), "x: a material given as a function needs x="),
     (dict(material=both_at_once, x=[], tangent="lazy"),
-     "tangent: expected one of 'with-gradient', 'apart', got 'lazy'"),
+     "tangent: expected one of 'with-gradient', 'apart', 'predict', got 'lazy'"),
+    (dict(material=both_at_once, x=[], contraction=1.0), "contraction: expected a number in [0, 1), got 1.0"),
     (dict(material=both_at_once, x=[], axis=None), "axis: expected an integer (the cell axis), got None"),
     (dict(material=both_at_once, x=[], out="r.zarr"), "out: not an option of FEMaterial"),
 ])

@@ -48,6 +48,7 @@ Examples
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import cloudpickle
@@ -58,8 +59,9 @@ from dsched.dispatch.front import dispatch
 
 __all__ = ["FEMaterial"]
 
-#: how ``FEMaterial`` evaluates: gradient and hessian in one call, or each when asked
-TANGENT_MODES = ("with-gradient", "apart")
+#: how ``FEMaterial`` evaluates: gradient and hessian in one call, each when asked, or the tangent left out of an
+#: evaluation that looks like Newton's convergence check
+TANGENT_MODES = ("with-gradient", "apart", "predict")
 _SLAB = 1 << 19  # bytes compared at a time: a changed input is told from its first slab
 
 
@@ -89,6 +91,8 @@ class _Evaluate:
         if callable(getattr(self.material, "gradient", None)):
             gradient = self.material.gradient(x, **kwargs) if self.what != "hessian" else None
             hessian = self.material.hessian(x, **kwargs) if self.what != "gradient" else None
+        elif self.what == "gradient" and _takes_tangent(self.material):  # one function, told to skip the tangent
+            gradient, hessian = self.material(x, tangent=False, **kwargs)
         else:  # one function gives both
             gradient, hessian = self.material(x, **kwargs)
         out = {}
@@ -104,6 +108,15 @@ class _Evaluate:
                     item = np.broadcast_to(item, item.shape[:-1] + (cells,))
                 out[f"{tag}{i}/{len(items)}"] = item
         return out
+
+
+def _takes_tangent(function) -> bool:
+    """Whether a one-call material function has a ``tangent`` parameter (then ``tangent=False`` asks it for the
+    gradient alone)."""
+    try:
+        return "tangent" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return False
 
 
 def _rebuilt(material, what, host_arrays):
@@ -137,6 +150,16 @@ def _equal(a, b) -> bool:
         return False
 
 
+def _change(a, b) -> float:
+    """The largest absolute difference between an input and the last evaluation's (0 for the same object, NaN
+    where they cannot be compared so)."""
+    if a is b:
+        return 0.0
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape or a.dtype.hasobject:
+        return 0.0 if _equal(a, b) else float("nan")
+    return float(np.max(np.abs(a - b), initial=0.0))
+
+
 class FEMaterial:
     """A finite-element material (FElupe's ``gradient``/``hessian`` protocol) evaluated through :func:`dsched.dispatch`.
 
@@ -146,8 +169,11 @@ class FEMaterial:
         An object with ``gradient(x)`` and ``hessian(x)`` (a FElupe material
         such as ``LinearElasticPlasticIsotropicHardening``, or any object of
         that shape), or a function ``evaluate(x) -> (gradient, hessian)`` that
-        gives both lists in one call (then ``x`` must be given). It travels to
-        the workers: it must pickle (a module-level function, not a lambda).
+        gives both lists in one call (then ``x`` must be given); a function with
+        a ``tangent`` parameter is called with ``tangent=False`` where the
+        gradient alone is wanted (its hessian list may then be ``None``). It
+        travels to the workers: it must pickle (a module-level function, not a
+        lambda).
     scheduler : WorkScheduler
         How the cells are split over the devices (the batch is the cells).
     client : distributed.Client, optional
@@ -184,13 +210,15 @@ class FEMaterial:
     """
 
     def __init__(self, material, *, scheduler, client=None, x=None, tangent="with-gradient", host_arrays=True,
-                 axis=-1, **dispatch_options):
+                 axis=-1, contraction=0.01, **dispatch_options):
         has_methods = callable(getattr(material, "gradient", None)) and callable(getattr(material, "hessian", None))
         if not has_methods and not callable(material):
             raise ValueError(f"material: expected an object with gradient(x) and hessian(x), or a function "
                              f"evaluate(x) -> (gradient, hessian), got {material!r}")
         if tangent not in TANGENT_MODES:
             raise ValueError(f"tangent: expected one of {', '.join(map(repr, TANGENT_MODES))}, got {tangent!r}")
+        if isinstance(contraction, bool) or not isinstance(contraction, (int, float)) or not 0 <= contraction < 1:
+            raise ValueError(f"contraction: expected a number in [0, 1), got {contraction!r}")
         if isinstance(axis, bool) or not isinstance(axis, int):
             raise ValueError(f"axis: expected an integer (the cell axis), got {axis!r}")
         x = getattr(material, "x", None) if x is None else x
@@ -202,6 +230,7 @@ class FEMaterial:
             raise ValueError(f"{unknown[0]}: not an option of FEMaterial (dispatch options: mode, timeout, "
                              "trace_file)")
         self.material, self.scheduler, self.client, self.tangent, self.axis = material, scheduler, client, tangent, axis
+        self.contraction = float(contraction)
         if x is not None:
             self.x = x
         self._options = dispatch_options
@@ -211,7 +240,9 @@ class FEMaterial:
         self._handed_out = {}  # id -> weak reference of every read-only output still alive (see _ours)
         self._kwargs = None
         self._gradient = self._hessian = None
+        self._changes = None  # with tangent="predict": each input's change at the last evaluation
         self.evaluations = 0  # dispatches made: a Newton iteration costs one
+        self.tangents_left_out = 0  # gradients evaluated without their tangent (tangent="predict")
 
     @property
     def kwargs(self):
@@ -221,18 +252,44 @@ class FEMaterial:
     def gradient(self, x, **kwargs):
         """The material's ``gradient(x)`` (stress, ..., new state), evaluated over the devices."""
         if self._gradient is None or not self._same(x, kwargs):
-            self._evaluate(x, kwargs, "both" if self.tangent == "with-gradient" else "gradient")
+            what = "gradient" if self.tangent == "apart" else "both"
+            if self.tangent == "predict" and self._converging(x, kwargs):
+                what = "gradient"
+                self.tangents_left_out += 1
+            self._evaluate(x, kwargs, what)
         return list(self._gradient)
 
     def hessian(self, x, **kwargs):
         """The material's ``hessian(x)`` (tangents), evaluated over the devices."""
         if self._hessian is None or not self._same(x, kwargs):
-            self._evaluate(x, kwargs, "both" if self.tangent == "with-gradient" else "hessian")
+            if self._gradient is not None and self._same(x, kwargs):  # the gradient's x: keep it, add the tangent
+                gradient = self._gradient
+                self._evaluate(x, kwargs, "hessian")
+                self._gradient = gradient
+            else:
+                self._changes = None  # a new x from the hessian: no change to compare the next gradient's with
+                self._evaluate(x, kwargs, "hessian" if self.tangent == "apart" else "both")
         return list(self._hessian)
 
     def clear(self):
         """Forget the last evaluation, so that the next call evaluates again (after changing the material)."""
+        self._forget()
+        self._changes = None
+
+    def _forget(self):
         self._inputs, self._kwargs, self._gradient, self._hessian = [], None, None, None
+
+    def _converging(self, x, kwargs) -> bool:
+        """Whether ``x`` looks like Newton's convergence check: every input that changed since the last evaluation
+        changed by at most ``contraction`` times its change then (the keyword arguments the same). Remembers the
+        changes for the next call."""
+        last, self._changes = self._changes, None
+        if len(x) != len(self._inputs) or not _equal(kwargs, self._kwargs):
+            return False
+        self._changes = [_change(a, b) for a, b in zip(x, self._inputs)]
+        if last is None or not any(self._changes):
+            return False
+        return all(now <= self.contraction * before if now else True for now, before in zip(self._changes, last))
 
     def _same(self, x, kwargs) -> bool:
         """Whether ``x`` and ``kwargs`` equal the last evaluation's. An input kept by reference is a read-only
@@ -244,7 +301,7 @@ class FEMaterial:
         """One dispatch; keeps what it gave, and the inputs it gave it for."""
         if not isinstance(x, (list, tuple)):
             raise ValueError(f"x: expected a list of arrays, such as [F, state], got {type(x).__name__}")
-        self.clear()  # a failed evaluation leaves nothing to reuse
+        self._forget()  # a failed evaluation leaves nothing to reuse
         inputs = [self._shared(a, i) for i, a in enumerate(x)]
         result = dispatch(self._calls[what], *inputs, scheduler=self.scheduler, client=self.client, axis=self.axis,
                           **self._options, **kwargs)

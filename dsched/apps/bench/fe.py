@@ -8,7 +8,10 @@ The same solve, in the same run, three ways:
   up to four chunks per device (``scheduler_for`` of the example), each running the material's gradient
   and hessian;
 - ``through dsched, one call``: the same, the material function called once per chunk for the stress,
-  the state and the tangent (``OneCall`` of the example), where FElupe calls it twice.
+  the state and the tangent (``OneCall`` of the example), where FElupe calls it twice;
+- ``one call, tangent predicted``: the same with ``tangent="predict"``: an evaluation whose deformation
+  gradient changed a hundredfold less than at the last one, Newton's convergence check, leaves the
+  tangent out (``no tangent`` counts them).
 
 Two cases: FElupe's J2 plate with a hole (the linear solve dominates), and a cube of hexahedra
 (eight quadrature points per cell) with a material of 64 J2 layers in parallel (1,234 state
@@ -45,7 +48,7 @@ EXAMPLE = pathlib.PurePath("examples", "fe_plasticity.py")
 CASES = {"J2 plate": ("plate", 100, 20, 1), "64 J2 layers": ("hexahedra", 6, 3, 64)}
 #: case name -> the ratio to FElupe alone that the best dsched row should reach
 TARGETS = {"J2 plate": 1.0, "64 J2 layers": 1.5}
-FORMS = ("FElupe alone", "through dsched", "through dsched, one call")
+FORMS = ("FElupe alone", "through dsched", "through dsched, one call", "one call, tangent predicted")
 WORKERS = 2  # the worker processes the material is split over (cpu and the emulated cuda:0)
 #: how the table names an example case's mesh, given its cells
 MESHES = {"plate": "a plate with a hole of {cells:,} quadrilaterals", "hexahedra": "a cube of {cells:,} hexahedra"}
@@ -126,9 +129,10 @@ def measure_case(example, client, case, size, layers, repeats=2, steps=10, progr
             if form == "FElupe alone":
                 umat = _Timed(material)
             else:
-                one_call = form.endswith("one call")
+                one_call, predicted = form != "through dsched", form.endswith("predicted")
                 umat = dsched.FEMaterial(example.OneCall(material) if one_call else material,
-                                         scheduler=example.scheduler_for(cells, points), client=client)
+                                         scheduler=example.scheduler_for(cells, points), client=client,
+                                         tangent="predict" if predicted else "with-gradient")
             say(f"fe: {case} ({size} cells per edge, {layers} layer{'s' * (layers > 1)}), {form}, "
                 f"round {round_ + 1} of {repeats}")
             seconds, u, state = example.solve(case, size, umat, steps)
@@ -144,6 +148,7 @@ def measure_case(example, client, case, size, layers, repeats=2, steps=10, progr
                 same = bool(np.array_equal(u, reference[0]) and np.array_equal(state, reference[1]))
                 row["identical"] = row.get("identical", True) and same
                 row["dispatches"] = umat.evaluations
+                row["without_tangent"] = umat.tangents_left_out
     alone = min(rows["FElupe alone"]["seconds"])
     for form, row in rows.items():
         row["best"] = min(row["seconds"])
@@ -239,9 +244,10 @@ def format_fe_table(results) -> str:
                      f"per point, {case['steps']} load steps, {alone['iterations']} Newton iterations; material "
                      f"{alone['material_share']:.0%} of FElupe's solve: Amdahl's bound on {workers} workers "
                      f"{bounds[name]:.2f} x")
-        lines.append(f"  {'form':<28}{'best s':>9}{'x alone':>9}{'dispatches':>12}  bit-identical")
+        lines.append(f"  {'form':<28}{'best s':>9}{'x alone':>9}{'dispatches':>12}{'no tangent':>12}  bit-identical")
         for form, row in case["rows"].items():
-            extra = "" if form == "FElupe alone" else f"{row['dispatches']:>12}  {'yes' if row['identical'] else 'NO'}"
+            extra = "" if form == "FElupe alone" else (f"{row['dispatches']:>12}{row.get('without_tangent', 0):>12}  "
+                                                       f"{'yes' if row['identical'] else 'NO'}")
             lines.append(f"  {form:<28}{row['best']:>9.2f}{row['ratio']:>8.2f}x{extra}")
     for target, reached in results.get("targets", {}).items():
         value = ""
