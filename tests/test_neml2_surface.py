@@ -224,6 +224,20 @@ def test_a_compiled_model_compiles_once_per_worker_with_a_fixed_batch(process_cl
     assert model.compiled_graphs(process_client) == after_vjp
 
 
+def test_a_compiled_model_with_a_block_compiles_once_whatever_the_chunk_sizes(process_client):
+    """Cuts that move from call to call (a BalancedScheduler's) make chunks of new sizes: with block=8 each chunk
+    runs in pieces of 8 rows, the last one padded, so each worker compiles one graph."""
+    inputs = {"strain": np.random.default_rng(10).uniform(-4e-3, 4e-3, size=(40, 6))}
+    model = NEML2Model(ELASTIC, "model", compile=COMPILE, block=8)
+    expected = _numpy(_load(ELASTIC).call_by_name(_state({"strain": inputs["strain"]}))["stress"])
+    start = model.compiled_graphs(process_client)
+    for cut in ([24, 16], [13, 27], [31, 9], [20, 20]):
+        s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], cut)
+        np.testing.assert_array_equal(model.dispatch(inputs, scheduler=s, client=process_client)["stress"], expected)
+        graphs = model.compiled_graphs(process_client)
+        assert all(graphs[w] - start[w] == 1 for w in graphs if w != "client"), (cut, start, graphs)
+
+
 def test_a_compiled_model_without_autograd_takes_turns_between_values_and_gradients_with_no_recompilation(
         process_client):
     """Values under torch.no_grad and a parameter gradient with autograd are two graphs per worker, each built once."""
