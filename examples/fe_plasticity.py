@@ -90,7 +90,9 @@ class OneCall:
     runs the function once per chunk of cells with the tangent, and its hessian
     takes those results in the same order (FElupe evaluates both over the same
     chunks, one after the other): the stress and the state are the function's
-    own, so the results are FElupe's to the last bit, from one call.
+    own, so the results are FElupe's to the last bit, from one call. Told
+    ``tangent=False`` (``FEMaterial``'s ``"predict"`` and ``"apart"``), it gives
+    FElupe's gradient alone and no hessian.
     """
 
     def __init__(self, umat):

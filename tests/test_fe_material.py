@@ -182,6 +182,69 @@ def test_predict_calls_a_one_call_function_with_tangent_false_when_it_can_take_i
     assert dispatches == ["both", "both", "gradient"] * 2
 
 
+def keyword_tangent(x, *, tangent):
+    """A one-call material whose tangent parameter has no default: told it in every call."""
+    return [2.0 * x[0]], ([np.full_like(x[0], float(tangent))] if tangent else None)
+
+
+@pytest.mark.parametrize("tangent", ["with-gradient", "apart", "predict"])
+def test_a_function_whose_tangent_parameter_has_no_default_is_told_it_in_every_mode(tangent):
+    umat = FEMaterial(keyword_tangent, x=[np.eye(3)], scheduler=SimpleScheduler("cpu", 2), mode="sync",
+                      tangent=tangent)
+    F = np.ones((3, 3, 1, 3))
+    np.testing.assert_array_equal(umat.gradient([F])[0], 2.0 * F)
+    np.testing.assert_array_equal(umat.hessian([F])[0], np.ones_like(F))
+
+
+def test_apart_keeps_the_gradient_when_the_hessian_is_asked_at_its_x():
+    umat = FEMaterial(keyword_tangent, x=[np.eye(3)], scheduler=SimpleScheduler("cpu", 2), mode="sync",
+                      tangent="apart")
+    F = np.ones((3, 3, 1, 3))
+    for _ in range(2):
+        umat.gradient([F])
+        umat.hessian([F])
+    assert umat.evaluations == 2
+
+
+def test_predict_tells_no_change_of_inputs_it_cannot_measure_and_never_counts_a_failed_evaluation():
+    """Booleans, other keyword arguments and NaN give no prediction (every gradient with its tangent); a gradient
+    that fails is not counted as left out."""
+    def material(x, flag=0.0, tangent=True):
+        if flag < 0:
+            raise dsched.RecoverableError("bad flag")
+        return [x[0] + flag, x[1]], ([x[0]] if tangent else None)
+
+    umat = FEMaterial(material, x=[np.eye(3), np.zeros(1)], scheduler=SimpleScheduler("cpu", 2), mode="sync",
+                      tangent="predict")
+    F, mask = np.ones((3, 3, 1, 2)), np.zeros((1, 1, 2), dtype=bool)
+    for step, flip in ((0.0, False), (1e-2, True), (1e-6, False), (1e-8, True)):
+        mask = mask ^ flip
+        umat.gradient([F + step, mask])  # the mask changes where F converges: no size of its change, no prediction
+    assert umat.tangents_left_out == 0 and umat.evaluations == 4
+    for step, flag in ((0.0, 0.0), (1e-2, 1.0), (1e-6, 2.0)):  # other keyword arguments each time
+        umat.gradient([F + step, mask], flag=flag)
+    assert umat.tangents_left_out == 0
+    nan = F.copy()
+    nan[0, 0] = np.nan
+    for step in (0.0, 1e-2, 1e-6):
+        umat.gradient([nan + step, mask])
+    assert umat.tangents_left_out == 0
+    for step in (0.0, 1e-2):
+        umat.gradient([F + step, mask])
+    with pytest.raises(dsched.RecoverableError, match="bad flag"):
+        umat.gradient([F + 1e-2 + 1e-6, mask], flag=-1.0)
+    assert umat.tangents_left_out == 0
+
+
+def test_an_input_that_is_not_a_shared_array_is_kept_as_a_copy_so_a_change_in_place_is_seen():
+    umat = FEMaterial(both_at_once, x=[np.eye(3), np.zeros(1)], scheduler=SimpleScheduler("cpu", 2), mode="sync")
+    F, state, scale = np.ones((3, 3, 1, 2)), np.zeros((1, 1, 2)), np.array(2.0)
+    np.testing.assert_array_equal(umat.gradient([F, state], scale=scale)[0], 2.0 * F)
+    scale[...] = 3.0  # the 0-d keyword argument changed in place: a new evaluation
+    np.testing.assert_array_equal(umat.gradient([F, state], scale=scale)[0], 3.0 * F)
+    assert umat.evaluations == 2
+
+
 @needs_felupe
 def test_one_call_gives_felupes_gradient_and_hessian(process_client, example, hybrid):
     j2 = example.material()

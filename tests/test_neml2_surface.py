@@ -230,12 +230,13 @@ def test_a_compiled_model_with_a_block_compiles_once_whatever_the_chunk_sizes(pr
     inputs = {"strain": np.random.default_rng(10).uniform(-4e-3, 4e-3, size=(40, 6))}
     model = NEML2Model(ELASTIC, "model", compile=COMPILE, block=8)
     expected = _numpy(_load(ELASTIC).call_by_name(_state({"strain": inputs["strain"]}))["stress"])
-    start = model.compiled_graphs(process_client)
+    start, first = model.compiled_graphs(process_client), None
     for cut in ([24, 16], [13, 27], [31, 9], [20, 20]):
         s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], cut)
         np.testing.assert_array_equal(model.dispatch(inputs, scheduler=s, client=process_client)["stress"], expected)
         graphs = model.compiled_graphs(process_client)
-        assert all(graphs[w] - start[w] == 1 for w in graphs if w != "client"), (cut, start, graphs)
+        first = first or graphs  # at most one graph per worker (none where an earlier test's graph of 8 rows fits)
+        assert graphs == first and all(graphs[w] - start[w] <= 1 for w in graphs), (cut, start, graphs)
 
 
 def test_a_compiled_model_without_autograd_takes_turns_between_values_and_gradients_with_no_recompilation(

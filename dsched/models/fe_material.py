@@ -48,7 +48,9 @@ Examples
 
 from __future__ import annotations
 
+import copy
 import inspect
+import numbers
 import weakref
 
 import cloudpickle
@@ -62,6 +64,11 @@ __all__ = ["FEMaterial"]
 #: how ``FEMaterial`` evaluates: gradient and hessian in one call, each when asked, or the tangent left out of an
 #: evaluation that looks like Newton's convergence check
 TANGENT_MODES = ("with-gradient", "apart", "predict")
+#: what each mode dispatches for a ``gradient`` and a ``hessian`` call that finds nothing to reuse ("predict" may
+#: leave the gradient's tangent out, see ``FEMaterial``)
+_WHAT = {"with-gradient": {"gradient": "both", "hessian": "both"},
+         "apart": {"gradient": "gradient", "hessian": "hessian"},
+         "predict": {"gradient": "both", "hessian": "both"}}
 _SLAB = 1 << 19  # bytes compared at a time: a changed input is told from its first slab
 
 
@@ -78,6 +85,8 @@ class _Evaluate:
     def __init__(self, material, what, host_arrays):
         self.material, self.what = material, what
         self.moves_inputs = host_arrays  # dispatch then leaves the chunk in host memory (NumPy) on a GPU worker
+        has_methods = callable(getattr(material, "gradient", None))
+        self.tells_tangent = not has_methods and _takes_tangent(material)  # a function told whether to compute it
 
     def __reduce__(self):
         # The material through cloudpickle, whichever pickler carries this (Dask's tries plain pickle first): a
@@ -91,8 +100,8 @@ class _Evaluate:
         if callable(getattr(self.material, "gradient", None)):
             gradient = self.material.gradient(x, **kwargs) if self.what != "hessian" else None
             hessian = self.material.hessian(x, **kwargs) if self.what != "gradient" else None
-        elif self.what == "gradient" and _takes_tangent(self.material):  # one function, told to skip the tangent
-            gradient, hessian = self.material(x, tangent=False, **kwargs)
+        elif self.tells_tangent:  # one function, told whether the tangent is wanted
+            gradient, hessian = self.material(x, tangent=self.what != "gradient", **kwargs)
         else:  # one function gives both
             gradient, hessian = self.material(x, **kwargs)
         out = {}
@@ -150,14 +159,53 @@ def _equal(a, b) -> bool:
         return False
 
 
+class _Uncomparable:
+    """Kept in place of an input that cannot be copied: equal to nothing, so the next call evaluates again."""
+
+    def __eq__(self, other):
+        return False
+
+    __hash__ = None
+
+
+def _kept(value):
+    """What an evaluation keeps of an input to compare the next call's with: an array the workers read (a
+    shared-memory buffer of ours, or an output of ours) as it is, anything else as a copy, so that a change made
+    to it in place afterwards is seen."""
+    if isinstance(value, np.ndarray) and value.ndim and not value.dtype.hasobject:
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an object that does not copy is never taken as unchanged
+        return _Uncomparable()
+
+
 def _change(a, b) -> float:
-    """The largest absolute difference between an input and the last evaluation's (0 for the same object, NaN
-    where they cannot be compared so)."""
+    """The largest absolute difference between an input and the last evaluation's: 0 for the same object or equal
+    values, NaN where no size of a change can be told (another type or shape, or values that are not numbers)."""
     if a is b:
         return 0.0
-    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape or a.dtype.hasobject:
-        return 0.0 if _equal(a, b) else float("nan")
-    return float(np.max(np.abs(a - b), initial=0.0))
+    numbers_ = "iuf"  # integers and floats: a difference in float64 (no unsigned wrap-around)
+    if (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
+            and a.dtype.kind in numbers_ and b.dtype.kind in numbers_):
+        with np.errstate(invalid="ignore", over="ignore"):
+            difference = np.abs(np.subtract(a, b, dtype=np.float64))
+        difference[a == b] = 0.0  # an unchanged infinity
+        return float(np.max(difference, initial=0.0))
+    return 0.0 if _equal(a, b) else float("nan")
+
+
+def _shrank(changes, before, contraction) -> bool:
+    """Whether every input that changed (``changes``) changed by at most ``contraction`` times its change the time
+    before (``before``), and at least one did: Newton's iterates closing in. A NaN change never shrank."""
+    if before is None or not any(changes):
+        return False
+    return all(now <= contraction * then for now, then in zip(changes, before) if now)
+
+
+def _check_list(x):
+    if not isinstance(x, (list, tuple)):
+        raise ValueError(f"x: expected a list of arrays, such as [F, state], got {type(x).__name__}")
 
 
 class FEMaterial:
@@ -170,10 +218,10 @@ class FEMaterial:
         such as ``LinearElasticPlasticIsotropicHardening``, or any object of
         that shape), or a function ``evaluate(x) -> (gradient, hessian)`` that
         gives both lists in one call (then ``x`` must be given); a function with
-        a ``tangent`` parameter is called with ``tangent=False`` where the
-        gradient alone is wanted (its hessian list may then be ``None``). It
-        travels to the workers: it must pickle (a module-level function, not a
-        lambda).
+        a ``tangent`` parameter is told ``tangent=False`` where the gradient
+        alone is wanted (its hessian list may then be ``None``), and
+        ``tangent=True`` otherwise. It travels to the workers: it must pickle
+        (a module-level function, not a lambda).
     scheduler : WorkScheduler
         How the cells are split over the devices (the batch is the cells).
     client : distributed.Client, optional
@@ -181,12 +229,27 @@ class FEMaterial:
     x : list, optional
         The input template, shapes without the point and cell axes (FElupe:
         ``[np.eye(3), np.zeros(n_state)]``); default: ``material.x``.
-    tangent : {"with-gradient", "apart"}
+    tangent : {"with-gradient", "apart", "predict"}
         ``"with-gradient"`` (default): each evaluation gives the gradient and
         the hessian in one dispatch, and a call at equal inputs returns what the
         last evaluation gave (Newton's iteration: one dispatch). ``"apart"``:
         ``gradient`` dispatches the gradient only, ``hessian`` the hessian only
-        (for a solver that reuses its tangent over many iterations).
+        (for a solver that reuses its tangent over many iterations); a hessian
+        at the gradient's inputs keeps that gradient. ``"predict"``: as
+        ``"with-gradient"``, except for a gradient whose inputs look like
+        Newton's convergence check (``contraction``): it is evaluated without
+        the tangent, and a hessian asked for at its inputs after all is a
+        second dispatch, which keeps the gradient. The modes differ in the
+        work done, not in the results (a function told ``tangent=`` must give
+        the same gradient either way).
+    contraction : float
+        With ``tangent="predict"``: a gradient leaves its tangent out when
+        every input that changed since the last evaluation changed by at most
+        ``contraction`` times its change at that evaluation (the largest
+        absolute difference; keyword arguments equal). Newton's iterates
+        converge quadratically, so a change a hundredfold smaller (the default
+        0.01) is most often the solver's last iteration, whose stress it only
+        compares with its tolerance.
     host_arrays : bool
         Chunks stay NumPy arrays in host memory on every device, as NumPy
         materials need (on a GPU worker the material runs on that worker's CPU
@@ -206,7 +269,8 @@ class FEMaterial:
     have changed. Other inputs are copied into shared memory, where the workers
     read them (no second copy), and kept to compare the next call's inputs
     with by value; :meth:`clear` forgets them (call it after changing the
-    material's parameters).
+    material's parameters). ``evaluations`` counts the dispatches, and
+    ``tangents_left_out`` the gradients evaluated without their tangent.
     """
 
     def __init__(self, material, *, scheduler, client=None, x=None, tangent="with-gradient", host_arrays=True,
@@ -217,7 +281,7 @@ class FEMaterial:
                              f"evaluate(x) -> (gradient, hessian), got {material!r}")
         if tangent not in TANGENT_MODES:
             raise ValueError(f"tangent: expected one of {', '.join(map(repr, TANGENT_MODES))}, got {tangent!r}")
-        if isinstance(contraction, bool) or not isinstance(contraction, (int, float)) or not 0 <= contraction < 1:
+        if isinstance(contraction, bool) or not isinstance(contraction, numbers.Real) or not 0 <= contraction < 1:
             raise ValueError(f"contraction: expected a number in [0, 1), got {contraction!r}")
         if isinstance(axis, bool) or not isinstance(axis, int):
             raise ValueError(f"axis: expected an integer (the cell axis), got {axis!r}")
@@ -242,7 +306,7 @@ class FEMaterial:
         self._gradient = self._hessian = None
         self._changes = None  # with tangent="predict": each input's change at the last evaluation
         self.evaluations = 0  # dispatches made: a Newton iteration costs one
-        self.tangents_left_out = 0  # gradients evaluated without their tangent (tangent="predict")
+        self.tangents_left_out = 0  # gradient evaluations without their tangent (tangent="predict")
 
     @property
     def kwargs(self):
@@ -251,24 +315,32 @@ class FEMaterial:
 
     def gradient(self, x, **kwargs):
         """The material's ``gradient(x)`` (stress, ..., new state), evaluated over the devices."""
-        if self._gradient is None or not self._same(x, kwargs):
-            what = "gradient" if self.tangent == "apart" else "both"
-            if self.tangent == "predict" and self._converging(x, kwargs):
-                what = "gradient"
-                self.tangents_left_out += 1
-            self._evaluate(x, kwargs, what)
+        _check_list(x)
+        if self._gradient is not None and self._same(x, kwargs):
+            return list(self._gradient)
+        left_out = False
+        if self.tangent == "predict":
+            changes, before = self._changes_since_last(x, kwargs), self._changes
+            self._changes = changes
+            left_out = changes is not None and _shrank(changes, before, self.contraction)
+        self._evaluate(x, kwargs, "gradient" if left_out else _WHAT[self.tangent]["gradient"])
+        if left_out:  # Newton's convergence check, most likely: it asks for no tangent
+            self.tangents_left_out += 1
         return list(self._gradient)
 
     def hessian(self, x, **kwargs):
         """The material's ``hessian(x)`` (tangents), evaluated over the devices."""
-        if self._hessian is None or not self._same(x, kwargs):
-            if self._gradient is not None and self._same(x, kwargs):  # the gradient's x: keep it, add the tangent
-                gradient = self._gradient
-                self._evaluate(x, kwargs, "hessian")
-                self._gradient = gradient
-            else:
-                self._changes = None  # a new x from the hessian: no change to compare the next gradient's with
-                self._evaluate(x, kwargs, "hessian" if self.tangent == "apart" else "both")
+        _check_list(x)
+        same = (self._gradient is not None or self._hessian is not None) and self._same(x, kwargs)
+        if same and self._hessian is not None:
+            return list(self._hessian)
+        if same:  # the x of a gradient evaluated without its tangent: add the tangent, keep the gradient
+            gradient = self._gradient
+            self._evaluate(x, kwargs, "hessian")
+            self._gradient = gradient
+        else:
+            self._changes = None  # a new x from the hessian: no change for the next gradient's to compare with
+            self._evaluate(x, kwargs, _WHAT[self.tangent]["hessian"])
         return list(self._hessian)
 
     def clear(self):
@@ -279,17 +351,12 @@ class FEMaterial:
     def _forget(self):
         self._inputs, self._kwargs, self._gradient, self._hessian = [], None, None, None
 
-    def _converging(self, x, kwargs) -> bool:
-        """Whether ``x`` looks like Newton's convergence check: every input that changed since the last evaluation
-        changed by at most ``contraction`` times its change then (the keyword arguments the same). Remembers the
-        changes for the next call."""
-        last, self._changes = self._changes, None
+    def _changes_since_last(self, x, kwargs):
+        """Each input's change since the last evaluation (:func:`_change`), or ``None`` where none can be told
+        (another number of inputs, other keyword arguments)."""
         if len(x) != len(self._inputs) or not _equal(kwargs, self._kwargs):
-            return False
-        self._changes = [_change(a, b) for a, b in zip(x, self._inputs)]
-        if last is None or not any(self._changes):
-            return False
-        return all(now <= self.contraction * before if now else True for now, before in zip(self._changes, last))
+            return None
+        return [_change(a, b) for a, b in zip(x, self._inputs)]
 
     def _same(self, x, kwargs) -> bool:
         """Whether ``x`` and ``kwargs`` equal the last evaluation's. An input kept by reference is a read-only
@@ -299,15 +366,13 @@ class FEMaterial:
 
     def _evaluate(self, x, kwargs, what):
         """One dispatch; keeps what it gave, and the inputs it gave it for."""
-        if not isinstance(x, (list, tuple)):
-            raise ValueError(f"x: expected a list of arrays, such as [F, state], got {type(x).__name__}")
         self._forget()  # a failed evaluation leaves nothing to reuse
         inputs = [self._shared(a, i) for i, a in enumerate(x)]
         result = dispatch(self._calls[what], *inputs, scheduler=self.scheduler, client=self.client, axis=self.axis,
                           **self._options, **kwargs)
         self.evaluations += 1
         gradient, hessian = (self._hand_out(items) for items in _lists(result))
-        self._inputs, self._kwargs = inputs, dict(kwargs)
+        self._inputs, self._kwargs = [_kept(value) for value in inputs], _kept(dict(kwargs))
         self._gradient, self._hessian = gradient, hessian
 
     def _hand_out(self, items):

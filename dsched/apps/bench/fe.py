@@ -11,7 +11,7 @@ The same solve, in the same run, three ways:
   the state and the tangent (``OneCall`` of the example), where FElupe calls it twice;
 - ``one call, tangent predicted``: the same with ``tangent="predict"``: an evaluation whose deformation
   gradient changed a hundredfold less than at the last one, Newton's convergence check, leaves the
-  tangent out (``no tangent`` counts them).
+  tangent out (``no tangent`` counts those evaluations, ``tangents_left_out`` in the JSON).
 
 Two cases: FElupe's J2 plate with a hole (the linear solve dominates), and a cube of hexahedra
 (eight quadrature points per cell) with a material of 64 J2 layers in parallel (1,234 state
@@ -48,7 +48,10 @@ EXAMPLE = pathlib.PurePath("examples", "fe_plasticity.py")
 CASES = {"J2 plate": ("plate", 100, 20, 1), "64 J2 layers": ("hexahedra", 6, 3, 64)}
 #: case name -> the ratio to FElupe alone that the best dsched row should reach
 TARGETS = {"J2 plate": 1.0, "64 J2 layers": 1.5}
-FORMS = ("FElupe alone", "through dsched", "through dsched, one call", "one call, tangent predicted")
+#: each dsched form: (the material's function run once per chunk for stress, state and tangent, FEMaterial's tangent)
+DSCHED_FORMS = {"through dsched": (False, "with-gradient"), "through dsched, one call": (True, "with-gradient"),
+                "one call, tangent predicted": (True, "predict")}
+FORMS = ("FElupe alone", *DSCHED_FORMS)
 WORKERS = 2  # the worker processes the material is split over (cpu and the emulated cuda:0)
 #: how the table names an example case's mesh, given its cells
 MESHES = {"plate": "a plate with a hole of {cells:,} quadrilaterals", "hexahedra": "a cube of {cells:,} hexahedra"}
@@ -129,10 +132,9 @@ def measure_case(example, client, case, size, layers, repeats=2, steps=10, progr
             if form == "FElupe alone":
                 umat = _Timed(material)
             else:
-                one_call, predicted = form != "through dsched", form.endswith("predicted")
+                one_call, tangent = DSCHED_FORMS[form]
                 umat = dsched.FEMaterial(example.OneCall(material) if one_call else material,
-                                         scheduler=example.scheduler_for(cells, points), client=client,
-                                         tangent="predict" if predicted else "with-gradient")
+                                         scheduler=example.scheduler_for(cells, points), client=client, tangent=tangent)
             say(f"fe: {case} ({size} cells per edge, {layers} layer{'s' * (layers > 1)}), {form}, "
                 f"round {round_ + 1} of {repeats}")
             seconds, u, state = example.solve(case, size, umat, steps)
@@ -148,7 +150,7 @@ def measure_case(example, client, case, size, layers, repeats=2, steps=10, progr
                 same = bool(np.array_equal(u, reference[0]) and np.array_equal(state, reference[1]))
                 row["identical"] = row.get("identical", True) and same
                 row["dispatches"] = umat.evaluations
-                row["without_tangent"] = umat.tangents_left_out
+                row["tangents_left_out"] = umat.tangents_left_out
     alone = min(rows["FElupe alone"]["seconds"])
     for form, row in rows.items():
         row["best"] = min(row["seconds"])
@@ -246,7 +248,7 @@ def format_fe_table(results) -> str:
                      f"{bounds[name]:.2f} x")
         lines.append(f"  {'form':<28}{'best s':>9}{'x alone':>9}{'dispatches':>12}{'no tangent':>12}  bit-identical")
         for form, row in case["rows"].items():
-            extra = "" if form == "FElupe alone" else (f"{row['dispatches']:>12}{row.get('without_tangent', 0):>12}  "
+            extra = "" if form == "FElupe alone" else (f"{row['dispatches']:>12}{row.get('tangents_left_out', 0):>12}  "
                                                        f"{'yes' if row['identical'] else 'NO'}")
             lines.append(f"  {form:<28}{row['best']:>9.2f}{row['ratio']:>8.2f}x{extra}")
     for target, reached in results.get("targets", {}).items():
