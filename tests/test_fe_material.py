@@ -210,8 +210,8 @@ def test_predict_tells_no_change_of_inputs_it_cannot_measure_and_never_counts_a_
     """Booleans, other keyword arguments and NaN give no prediction (every gradient with its tangent); a gradient
     that fails is not counted as left out."""
     def material(x, flag=0.0, tangent=True):
-        if flag < 0:
-            raise dsched.RecoverableError("bad flag")
+        if not tangent and x[0].flat[0] > 500:  # fails where it is asked for the stress alone
+            raise dsched.RecoverableError("no stress alone out here")
         return [x[0] + flag, x[1]], ([x[0]] if tangent else None)
 
     umat = FEMaterial(material, x=[np.eye(3), np.zeros(1)], scheduler=SimpleScheduler("cpu", 2), mode="sync",
@@ -229,10 +229,13 @@ def test_predict_tells_no_change_of_inputs_it_cannot_measure_and_never_counts_a_
     for step in (0.0, 1e-2, 1e-6):
         umat.gradient([nan + step, mask])
     assert umat.tangents_left_out == 0
+    far = F + 1000.0
     for step in (0.0, 1e-2):
-        umat.gradient([F + step, mask])
-    with pytest.raises(dsched.RecoverableError, match="bad flag"):
-        umat.gradient([F + 1e-2 + 1e-6, mask], flag=-1.0)
+        umat.gradient([far + step, mask])
+    with pytest.raises(dsched.RecoverableError, match="no stress alone out here"):  # a convergence check, failed
+        umat.gradient([far + 1e-2 + 1e-6, mask])
+    assert umat.tangents_left_out == 0
+    umat.gradient([F, mask])  # the next one is told apart from the failed one's inputs: no prediction
     assert umat.tangents_left_out == 0
 
 

@@ -1,6 +1,6 @@
 """Benchmark of a finite-element solve: FElupe's Newton loop with its material alone, and through dsched.
 
-The same solve, in the same run, three ways:
+The same solve, in the same run, four ways:
 
 - ``FElupe alone``: FElupe's own material, called by FElupe on all points at once (one process, one thread);
 - ``through dsched``: :class:`dsched.FEMaterial` around the same material: each Newton iteration is one
