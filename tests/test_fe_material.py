@@ -196,13 +196,18 @@ def test_a_function_whose_tangent_parameter_has_no_default_is_told_it_in_every_m
     np.testing.assert_array_equal(umat.hessian([F])[0], np.ones_like(F))
 
 
-def test_apart_keeps_the_gradient_when_the_hessian_is_asked_at_its_x():
+@pytest.mark.parametrize("first", ["gradient", "hessian"])
+def test_apart_keeps_what_it_has_when_the_other_is_asked_at_the_same_x(first):
     umat = FEMaterial(keyword_tangent, x=[np.eye(3)], scheduler=SimpleScheduler("cpu", 2), mode="sync",
                       tangent="apart")
     F = np.ones((3, 3, 1, 3))
+    second = "hessian" if first == "gradient" else "gradient"
     for _ in range(2):
-        umat.gradient([F])
-        umat.hessian([F])
+        getattr(umat, first)([F])
+        getattr(umat, second)([F])
+    assert umat.evaluations == 2
+    np.testing.assert_array_equal(umat.gradient([F])[0], 2.0 * F)
+    np.testing.assert_array_equal(umat.hessian([F])[0], np.ones_like(F))
     assert umat.evaluations == 2
 
 

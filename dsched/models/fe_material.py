@@ -234,8 +234,8 @@ class FEMaterial:
         the hessian in one dispatch, and a call at equal inputs returns what the
         last evaluation gave (Newton's iteration: one dispatch). ``"apart"``:
         ``gradient`` dispatches the gradient only, ``hessian`` the hessian only
-        (for a solver that reuses its tangent over many iterations); a hessian
-        at the gradient's inputs keeps that gradient. ``"predict"``: as
+        (for a solver that reuses its tangent over many iterations); at equal
+        inputs, each keeps what the other gave. ``"predict"``: as
         ``"with-gradient"``, except for a gradient whose inputs look like
         Newton's convergence check (``contraction``): it is evaluated without
         the tangent, and a hessian asked for at its inputs after all is a
@@ -316,7 +316,13 @@ class FEMaterial:
     def gradient(self, x, **kwargs):
         """The material's ``gradient(x)`` (stress, ..., new state), evaluated over the devices."""
         _check_list(x)
-        if self._gradient is not None and self._same(x, kwargs):
+        same = (self._gradient is not None or self._hessian is not None) and self._same(x, kwargs)
+        if same and self._gradient is not None:
+            return list(self._gradient)
+        if same:  # the x of a hessian evaluated alone: add the gradient, keep the hessian
+            hessian = self._hessian
+            self._evaluate(x, kwargs, "gradient")
+            self._hessian = hessian
             return list(self._gradient)
         left_out = False
         if self.tangent == "predict":
