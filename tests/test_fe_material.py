@@ -182,6 +182,29 @@ def test_predict_calls_a_one_call_function_with_tangent_false_when_it_can_take_i
     assert dispatches == ["both", "both", "gradient"] * 2
 
 
+def test_predict_stops_guessing_once_more_than_half_of_its_guesses_were_wrong():
+    """A right guess (the next call is at a new x), a wrong one (the tangent asked for at its x: a second dispatch)
+    keeps guessing at one wrong of two; a second wrong one, two of three, stops it for good."""
+    umat = FEMaterial(keyword_tangent, x=[np.eye(3)], scheduler=SimpleScheduler("cpu", 2), mode="sync",
+                      tangent="predict")
+    F = np.ones((3, 3, 1, 2))
+
+    def newton(ask_tangent_at_the_end):
+        for step in (0.0, 1e-2, 1e-2 + 1e-6):  # the last change a ten-thousandth of the one before: a guess
+            umat.gradient([F + step])
+        if ask_tangent_at_the_end:
+            np.testing.assert_array_equal(umat.hessian([F + 1e-2 + 1e-6])[0], np.ones_like(F))
+
+    newton(False)
+    assert (umat.tangents_left_out, umat.tangents_asked_after_all, umat.evaluations) == (1, 0, 3)
+    newton(True)
+    assert (umat.tangents_left_out, umat.tangents_asked_after_all, umat.evaluations) == (2, 1, 7)
+    newton(True)
+    assert (umat.tangents_left_out, umat.tangents_asked_after_all, umat.evaluations) == (3, 2, 11)
+    newton(True)  # no more guesses: the tangent comes with the gradient, and the hessian costs nothing
+    assert (umat.tangents_left_out, umat.tangents_asked_after_all, umat.evaluations) == (3, 2, 14)
+
+
 def keyword_tangent(x, *, tangent):
     """A one-call material whose tangent parameter has no default: told it in every call."""
     return [2.0 * x[0]], ([np.full_like(x[0], float(tangent))] if tangent else None)
@@ -462,6 +485,12 @@ def test_bad_arguments_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError) as err:
         FEMaterial(scheduler=SimpleScheduler("cpu", 2), **kwargs)
     assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize("scheduler", [None, "cpu"])
+def test_a_scheduler_that_is_not_one_is_refused_at_construction(scheduler):
+    with pytest.raises(ValueError, match=rf"^scheduler: {scheduler!r} is not a scheduler \(it lacks schedule_work"):
+        FEMaterial(both_at_once, x=[], scheduler=scheduler)
 
 
 def test_x_must_be_a_list():

@@ -220,12 +220,14 @@ class FEMaterial:
         gives both lists in one call (then ``x`` must be given); a function with
         a ``tangent`` parameter is told ``tangent=False`` where the gradient
         alone is wanted (its hessian list may then be ``None``), and
-        ``tangent=True`` otherwise. It travels to the workers: it must pickle
-        (a module-level function, not a lambda).
+        ``tangent=True`` otherwise. It travels to the workers by cloudpickle
+        (a lambda or a closure too).
     scheduler : WorkScheduler
         How the cells are split over the devices (the batch is the cells).
     client : distributed.Client, optional
-        The cluster (default: the current client).
+        The cluster. Default: the current client; with none, each evaluation
+        runs on a :class:`LocalHybridCluster` of the scheduler's devices that
+        :func:`dsched.dispatch` starts and closes (slow: give a client).
     x : list, optional
         The input template, shapes without the point and cell axes (FElupe:
         ``[np.eye(3), np.zeros(n_state)]``); default: ``material.x``.
@@ -249,7 +251,12 @@ class FEMaterial:
         absolute difference; keyword arguments equal). Newton's iterates
         converge quadratically, so a change a hundredfold smaller (the default
         0.01) is most often the solver's last iteration, whose stress it only
-        compares with its tolerance.
+        compares with its tolerance. A guess is wrong when the tangent is then
+        asked for at its inputs (``tangents_asked_after_all``); guessing stops
+        for good once more than half of the guesses were wrong (a material
+        without state, whose converged ``x`` starts the next load step, asks
+        for every tangent).
+        ``0`` never guesses; it must be in ``[0, 1)``.
     host_arrays : bool
         Chunks stay NumPy arrays in host memory on every device, as NumPy
         materials need (on a GPU worker the material runs on that worker's CPU
@@ -269,8 +276,9 @@ class FEMaterial:
     have changed. Other inputs are copied into shared memory, where the workers
     read them (no second copy), and kept to compare the next call's inputs
     with by value; :meth:`clear` forgets them (call it after changing the
-    material's parameters). ``evaluations`` counts the dispatches, and
-    ``tangents_left_out`` the gradients evaluated without their tangent.
+    material's parameters). ``evaluations`` counts the dispatches,
+    ``tangents_left_out`` the gradients evaluated without their tangent, and
+    ``tangents_asked_after_all`` those of them whose tangent was then asked for.
     """
 
     def __init__(self, material, *, scheduler, client=None, x=None, tangent="with-gradient", host_arrays=True,
@@ -289,6 +297,10 @@ class FEMaterial:
         if not has_methods and x is None:
             raise ValueError("x: a material given as a function needs x=, the input template (e.g. [np.eye(3), "
                              "np.zeros(n_state)])")
+        missing = [m for m in ("schedule_work", "dispatched_work", "completed_work", "devices", "status")
+                   if not hasattr(scheduler, m)]
+        if missing:
+            raise ValueError(f"scheduler: {scheduler!r} is not a scheduler (it lacks {', '.join(missing)})")
         unknown = sorted(set(dispatch_options) - {"mode", "timeout", "trace_file"})
         if unknown:
             raise ValueError(f"{unknown[0]}: not an option of FEMaterial (dispatch options: mode, timeout, "
@@ -307,6 +319,8 @@ class FEMaterial:
         self._changes = None  # with tangent="predict": each input's change at the last evaluation
         self.evaluations = 0  # dispatches made: a Newton iteration costs one
         self.tangents_left_out = 0  # gradient evaluations without their tangent (tangent="predict")
+        self.tangents_asked_after_all = 0  # of those, the ones whose tangent was then asked for: wrong guesses
+        self._guessed = False  # the last evaluation left its tangent out, and nobody has asked for it yet
 
     @property
     def kwargs(self):
@@ -324,14 +338,17 @@ class FEMaterial:
             self._evaluate(x, kwargs, "gradient")
             self._hessian = hessian
             return list(self._gradient)
+        self._guessed = False  # a new x: the last guess, if any, was right
         left_out = False
         if self.tangent == "predict":
             changes, before = self._changes_since_last(x, kwargs), self._changes
             self._changes = changes
-            left_out = changes is not None and _shrank(changes, before, self.contraction)
+            left_out = (changes is not None and _shrank(changes, before, self.contraction)
+                        and self.tangents_asked_after_all * 2 <= self.tangents_left_out)
         self._evaluate(x, kwargs, "gradient" if left_out else _WHAT[self.tangent]["gradient"])
         if left_out:  # Newton's convergence check, most likely: it asks for no tangent
             self.tangents_left_out += 1
+            self._guessed = True
         return list(self._gradient)
 
     def hessian(self, x, **kwargs):
@@ -341,6 +358,9 @@ class FEMaterial:
         if same and self._hessian is not None:
             return list(self._hessian)
         if same:  # the x of a gradient evaluated without its tangent: add the tangent, keep the gradient
+            if self._guessed:  # a wrong guess: counted; past half of the guesses, guessing stops
+                self.tangents_asked_after_all += 1
+                self._guessed = False
             gradient = self._gradient
             self._evaluate(x, kwargs, "hessian")
             self._gradient = gradient
@@ -352,7 +372,7 @@ class FEMaterial:
     def clear(self):
         """Forget the last evaluation, so that the next call evaluates again (after changing the material)."""
         self._forget()
-        self._changes = None
+        self._changes, self._guessed = None, False
 
     def _forget(self):
         self._inputs, self._kwargs, self._gradient, self._hessian = [], None, None, None
