@@ -24,7 +24,10 @@ import reprlib
 import dask.config
 import numpy as np
 
-__all__ = ["check_positive_int", "check_callable", "described", "did_you_mean", "setting"]
+__all__ = ["check_positive_int", "check_callable", "check_scheduler", "described", "did_you_mean", "setting"]
+
+#: what every work scheduler has (``dsched.schedulers.base.WorkScheduler``'s protocol)
+SCHEDULER_METHODS = ("schedule_work", "dispatched_work", "completed_work", "devices", "status")
 
 
 def check_positive_int(value, field: str, *, integers=(int, np.integer), expected="an integer >= 1",
@@ -62,6 +65,14 @@ def check_callable(value, field: str, error=ValueError):
     if not callable(value):
         raise error(f"{field}: expected a callable, got {described(value)}")
     return value
+
+
+def check_scheduler(scheduler):
+    """``scheduler`` if it has every method of a work scheduler, else ``ValueError`` naming those it lacks."""
+    missing = [name for name in SCHEDULER_METHODS if not hasattr(scheduler, name)]
+    if missing:
+        raise ValueError(f"scheduler: {scheduler!r} is not a scheduler (it lacks {', '.join(missing)})")
+    return scheduler
 
 
 def did_you_mean(word: str, candidates, suffix: str = "") -> str:

@@ -19,7 +19,7 @@ import weakref
 
 from distributed import Client, default_client
 
-from dsched.checks import check_callable, setting
+from dsched.checks import check_callable, check_scheduler, setting
 from dsched.cluster.local import LocalHybridCluster
 from dsched.dataplane.loaders import Ranges, uncovered
 from dsched.dataplane.outputs import OutputLayout
@@ -156,10 +156,7 @@ class WorkDispatcher:
                 check_callable(fn, name)
         if do_work is None:
             raise ValueError("do_work: the do-work function is not set")
-        missing = [m for m in ("schedule_work", "dispatched_work", "completed_work", "devices", "status")
-                   if not hasattr(scheduler, m)]
-        if missing:
-            raise ValueError(f"scheduler: {scheduler!r} is not a scheduler (it lacks {', '.join(missing)})")
+        check_scheduler(scheduler)
         self._check_join(join, reduce, axis, out, output_spec)
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):

@@ -56,6 +56,7 @@ import weakref
 import cloudpickle
 import numpy as np
 
+from dsched.checks import check_scheduler
 from dsched.dataplane.store import shared_empty
 from dsched.dispatch.front import dispatch
 
@@ -297,10 +298,7 @@ class FEMaterial:
         if not has_methods and x is None:
             raise ValueError("x: a material given as a function needs x=, the input template (e.g. [np.eye(3), "
                              "np.zeros(n_state)])")
-        missing = [m for m in ("schedule_work", "dispatched_work", "completed_work", "devices", "status")
-                   if not hasattr(scheduler, m)]
-        if missing:
-            raise ValueError(f"scheduler: {scheduler!r} is not a scheduler (it lacks {', '.join(missing)})")
+        check_scheduler(scheduler)
         unknown = sorted(set(dispatch_options) - {"mode", "timeout", "trace_file"})
         if unknown:
             raise ValueError(f"{unknown[0]}: not an option of FEMaterial (dispatch options: mode, timeout, "
