@@ -363,7 +363,7 @@ class FEMaterial:
             self._evaluate(x, kwargs, "hessian")
             self._gradient = gradient
         else:
-            self._changes = None  # a new x from the hessian: no change for the next gradient's to compare with
+            self._changes, self._guessed = None, False  # a new x: nothing to compare the next gradient's with
             self._evaluate(x, kwargs, _WHAT[self.tangent]["hessian"])
         return list(self._hessian)
 
