@@ -86,8 +86,8 @@ class _Evaluate:
     def __init__(self, material, what, host_arrays):
         self.material, self.what = material, what
         self.moves_inputs = host_arrays  # dispatch then leaves the chunk in host memory (NumPy) on a GPU worker
-        has_methods = callable(getattr(material, "gradient", None))
-        self.tells_tangent = not has_methods and _takes_tangent(material)  # a function told whether to compute it
+        self.has_methods = callable(getattr(material, "gradient", None))
+        self.tells_tangent = not self.has_methods and _takes_tangent(material)  # a function told whether to compute it
 
     def __reduce__(self):
         # The material through cloudpickle, whichever pickler carries this (Dask's tries plain pickle first): a
@@ -98,7 +98,7 @@ class _Evaluate:
     def __call__(self, *x, **kwargs):
         x = list(x)
         cells = max((a.shape[-1] for a in x if isinstance(a, np.ndarray) and a.ndim), default=1)
-        if callable(getattr(self.material, "gradient", None)):
+        if self.has_methods:
             gradient = self.material.gradient(x, **kwargs) if self.what != "hessian" else None
             hessian = self.material.hessian(x, **kwargs) if self.what != "gradient" else None
         elif self.tells_tangent:  # one function, told whether the tangent is wanted
@@ -328,13 +328,11 @@ class FEMaterial:
     def gradient(self, x, **kwargs):
         """The material's ``gradient(x)`` (stress, ..., new state), evaluated over the devices."""
         _check_list(x)
-        same = (self._gradient is not None or self._hessian is not None) and self._same(x, kwargs)
+        same = self._holds(x, kwargs)
         if same and self._gradient is not None:
             return list(self._gradient)
-        if same:  # the x of a hessian evaluated alone: add the gradient, keep the hessian
-            hessian = self._hessian
-            self._evaluate(x, kwargs, "gradient")
-            self._hessian = hessian
+        if same:  # the x of a hessian evaluated alone
+            self._add(x, kwargs, "gradient")
             return list(self._gradient)
         self._guessed = False  # a new x: the last guess, if any, was right
         left_out = False
@@ -352,16 +350,14 @@ class FEMaterial:
     def hessian(self, x, **kwargs):
         """The material's ``hessian(x)`` (tangents), evaluated over the devices."""
         _check_list(x)
-        same = (self._gradient is not None or self._hessian is not None) and self._same(x, kwargs)
+        same = self._holds(x, kwargs)
         if same and self._hessian is not None:
             return list(self._hessian)
-        if same:  # the x of a gradient evaluated without its tangent: add the tangent, keep the gradient
+        if same:  # the x of a gradient evaluated without its tangent
             if self._guessed:  # a wrong guess: counted; past half of the guesses, guessing stops
                 self.tangents_asked_after_all += 1
                 self._guessed = False
-            gradient = self._gradient
-            self._evaluate(x, kwargs, "hessian")
-            self._gradient = gradient
+            self._add(x, kwargs, "hessian")
         else:
             self._changes, self._guessed = None, False  # a new x: nothing to compare the next gradient's with
             self._evaluate(x, kwargs, _WHAT[self.tangent]["hessian"])
@@ -381,6 +377,20 @@ class FEMaterial:
         if len(x) != len(self._inputs) or not _equal(kwargs, self._kwargs):
             return None
         return [_change(a, b) for a, b in zip(x, self._inputs)]
+
+    def _holds(self, x, kwargs) -> bool:
+        """Whether a gradient or a hessian is held, evaluated at ``x`` and ``kwargs``."""
+        return (self._gradient is not None or self._hessian is not None) and self._same(x, kwargs)
+
+    def _add(self, x, kwargs, what):
+        """The ``what`` (``"gradient"`` or ``"hessian"``) of the held evaluation's ``x``: evaluated, and the other
+        list kept, so that neither costs a second dispatch."""
+        held = self._gradient, self._hessian
+        self._evaluate(x, kwargs, what)
+        if what == "gradient":
+            self._hessian = held[1]
+        else:
+            self._gradient = held[0]
 
     def _same(self, x, kwargs) -> bool:
         """Whether ``x`` and ``kwargs`` equal the last evaluation's. An input kept by reference is a read-only
