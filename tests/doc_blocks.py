@@ -17,13 +17,16 @@ An HTML comment on the line before a block's fence marks it:
 - ``<!-- needs: MODULE -->``: run only where ``MODULE`` imports (``neml2``).
 
 ``python tests/doc_blocks.py ROOT RESULTS.json`` runs every block and writes
-``{block id: {"status", "error", "seconds"}}``; ``tests/test_docs.py`` reads it.
+``{block id: {"status", "error", "seconds"}}``; ``tests/test_docs.py`` reads it. Each block's id goes
+to standard error as it starts, and a block still running after ``BLOCK_LIMIT`` seconds ends the
+process with every thread's stack there (``faulthandler``): a hang names its block.
 """
 
 from __future__ import annotations
 
 import contextlib
 import doctest
+import faulthandler
 import importlib.util
 import io
 import json
@@ -37,6 +40,7 @@ from pathlib import Path
 
 FENCE = re.compile(r"^(?P<indent> *)```python\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.S | re.M)
 MARKER = re.compile(r"<!--\s*(?P<kind>skip|needs):\s*(?P<value>.*?)\s*-->")
+BLOCK_LIMIT = 60.0  # seconds; the slowest block takes a few
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,17 @@ def _run_session(block: Block, namespace: dict) -> None:
         raise AssertionError(report.getvalue())
 
 
+@contextlib.contextmanager
+def _watched(what: str):
+    """``what`` named on standard error; past ``BLOCK_LIMIT`` seconds, every thread's stack there and the end."""
+    print(what, file=sys.stderr, flush=True)
+    faulthandler.dump_traceback_later(BLOCK_LIMIT, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def _run(block: Block, namespace: dict) -> dict:
     if block.skip is not None:
         return {"status": "skipped", "error": f"marked skip: {block.skip}", "seconds": 0.0}
@@ -92,7 +107,7 @@ def _run(block: Block, namespace: dict) -> dict:
     started = time.perf_counter()
     output = io.StringIO()
     try:
-        with contextlib.redirect_stdout(output):
+        with _watched(f"block {block.id}"), contextlib.redirect_stdout(output):
             if block.is_session:
                 _run_session(block, namespace)
             else:  # padded so that a traceback's line numbers are the page's
@@ -117,12 +132,14 @@ def run_all(root: Path) -> dict:
         try:
             for block in blocks(root):
                 if namespaces and block.page not in namespaces:  # the previous page's script has ended
-                    _end(namespaces[next(reversed(namespaces))])
+                    with _watched(f"end of {next(reversed(namespaces))}"):
+                        _end(namespaces[next(reversed(namespaces))])
                 namespace = namespaces.setdefault(block.page, {"__name__": "__main__", "__builtins__": __builtins__})
                 with client.as_current():  # again the default, whatever clients earlier blocks made and closed
                     results[block.id] = _run(block, namespace)
-            for namespace in namespaces.values():
-                _end(namespace)
+            for page, namespace in namespaces.items():
+                with _watched(f"end of {page}"):
+                    _end(namespace)
         finally:
             client.close()
     return results
