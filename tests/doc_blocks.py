@@ -41,6 +41,7 @@ from pathlib import Path
 FENCE = re.compile(r"^(?P<indent> *)```python\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.S | re.M)
 MARKER = re.compile(r"<!--\s*(?P<kind>skip|needs):\s*(?P<value>.*?)\s*-->")
 BLOCK_LIMIT = 60.0  # seconds; the slowest block takes a few
+_START = time.perf_counter()
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def _run_session(block: Block, namespace: dict) -> None:
 @contextlib.contextmanager
 def _watched(what: str):
     """``what`` named on standard error; past ``BLOCK_LIMIT`` seconds, every thread's stack there and the end."""
-    print(what, file=sys.stderr, flush=True)
+    print(f"{time.perf_counter() - _START:6.1f} s  {what}", file=sys.stderr, flush=True)
     faulthandler.dump_traceback_later(BLOCK_LIMIT, exit=True)
     try:
         yield
@@ -138,8 +139,9 @@ def run_all(root: Path) -> dict:
                 with client.as_current():  # again the default, whatever clients earlier blocks made and closed
                     results[block.id] = _run(block, namespace)
             for page, namespace in namespaces.items():
-                with _watched(f"end of {page}"):
-                    _end(namespace)
+                if namespace:  # the last page's; the others have ended
+                    with _watched(f"end of {page}"):
+                        _end(namespace)
         finally:
             client.close()
     return results
