@@ -267,6 +267,25 @@ def test_predict_tells_no_change_of_inputs_it_cannot_measure_and_never_counts_a_
     assert umat.tangents_left_out == 0
 
 
+def test_the_size_of_a_change_is_the_largest_difference_over_every_slab_of_a_large_input():
+    """The change is measured slab by slab: the largest difference wherever it lies, equal infinities unchanged,
+    a NaN in a later slab no size at all, integers without wrap-around, any layout."""
+    items = fe_material._SLAB // 8
+    before = np.zeros(3 * items + 5)
+    after = before.copy()
+    after[2 * items + 3] = -0.25  # in the third slab
+    after[7] = 0.125
+    assert fe_material._change(after, before) == 0.25
+    before[[10, items + 1]] = after[[10, items + 1]] = [np.inf, -np.inf]  # unchanged infinities, two slabs
+    assert fe_material._change(after, before) == 0.25
+    after[3 * items + 4] = np.nan  # the last, short slab
+    assert np.isnan(fe_material._change(after, before))
+    assert fe_material._change(np.array([3, 1], np.uint8), np.array([1, 3], np.uint8)) == 2.0
+    columns = np.arange(6.0).reshape(2, 3).T  # not contiguous
+    assert fe_material._change(columns + 0.5, columns) == 0.5
+    assert fe_material._change(np.zeros(0), np.zeros(0)) == 0.0
+
+
 def test_an_input_that_is_not_a_shared_array_is_kept_as_a_copy_so_a_change_in_place_is_seen():
     umat = FEMaterial(both_at_once, x=[np.eye(3), np.zeros(1)], scheduler=SimpleScheduler("cpu", 2), mode="sync")
     F, state, scale = np.ones((3, 3, 1, 2)), np.zeros((1, 1, 2)), np.array(2.0)
