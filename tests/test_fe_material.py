@@ -382,6 +382,9 @@ def test_the_fe_bench_times_every_form_and_checks_the_bits(process_client):
     share = alone["material_share"]
     assert 0 < share < 1 and case["workers"] == 2 and case["amdahl_bound"] == 1 / ((1 - share) + share / 2)
     assert amdahl_bound(0.74) == pytest.approx(1.5873, abs=1e-4) and amdahl_bound(1.0, workers=4) == 4.0
+    assert amdahl_bound(0.5, part=0.75) == pytest.approx(1 / 0.875)
+    half = alone["half_cost"]  # four cells of eight: never free, never dearer than all of them by much
+    assert 0.3 < half < 1.5 and case["halves_bound"] == amdahl_bound(share, part=half)
     for form in FORMS[1:]:
         row = case["rows"][form]
         assert row["identical"] is True and 0 < row["dispatches"] <= alone["iterations"] + 2 * case["steps"]
@@ -393,7 +396,10 @@ def test_the_fe_bench_times_every_form_and_checks_the_bits(process_client):
     assert ("64 J2 layers: a cube of 8 hexahedra, 64 points, 1,234 state variables per point, 2 load steps, "
             f"{alone['iterations']} Newton iterations; material {share:.0%} of FElupe's solve: Amdahl's bound on 2 "
             f"workers {case['amdahl_bound']:.2f} x") in table
-    assert f"({value:.2f} x; Amdahl's bound {case['amdahl_bound']:.2f} x)" in table
+    assert (f"  half of the cells costs {half:.0%} of the material's time on all of them: bound with that split "
+            f"{case['halves_bound']:.2f} x") in table
+    assert (f"({value:.2f} x; Amdahl's bound {case['amdahl_bound']:.2f} x, {case['halves_bound']:.2f} x with the "
+            "halves' cost)") in table
     assert "through dsched, one call" in table and "cuda:0 is emulated" in table
     assert blocks({"fe": results})["fe"].endswith(table + "\n```")
 
