@@ -1,16 +1,17 @@
 """The README's headline figures: dsched against each peer (NumPy, Dask, Ray, NEML2), from one bench JSON file.
 
 One row per comparison a user would make first, each taken from a suite of
-the file: the speed ratio "dsched / peer" (higher favours dsched). A peer the
-run did not measure (Ray where it is not installed) gets a row saying so; a
-suite missing from the file gives no row. :mod:`dsched.apps.bench.figures`
+the file: the speed-up, how many times faster dsched is than the peer (a rate
+over the peer's, or the peer's time over dsched's; higher favours dsched). A
+peer the run did not measure (Ray where it is not installed) gets a row saying
+so; a suite missing from the file gives no row. :mod:`dsched.apps.bench.figures`
 writes the table into the ``<!-- bench:headline -->`` block.
 
 Examples
 --------
 >>> results = {"data": {"points": 1000, "items_per_s": {"dispatch, plain": 3e6, "numpy": 2e6}}}
 >>> print(headline(results))
-| against | what is compared | dsched | peer | dsched / peer |
+| against | what is compared | dsched | peer | speed-up |
 |---|---|---|---|---|
 | NumPy | J2 with its tangent on 1,000 points: `dispatch` on 2 worker processes against one NumPy call | 3.00 M points/s | 2.00 M points/s | 1.50 x |
 | Ray | the same J2 points: `dispatch` against `ray.put` and a Ray task per chunk | - | - | not measured: Ray was not installed |
@@ -71,6 +72,6 @@ def headline(results: dict) -> str:
     rows = _rows(results)
     if not rows:
         return ""
-    lines = ["| against | what is compared | dsched | peer | dsched / peer |", "|---|---|---|---|---|"]
+    lines = ["| against | what is compared | dsched | peer | speed-up |", "|---|---|---|---|---|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
