@@ -197,6 +197,7 @@ def test_a_suite_missing_its_optional_dependency_is_skipped_in_one_line_and_the_
     assert err.splitlines() == ["neml2: skipped: torch is not installed (pip install 'dsched[neml2]')"]
     results = json.loads((tmp_path / "r.json").read_text())
     assert results["neml2"] == {"skipped": "torch is not installed (pip install 'dsched[neml2]')"}
+    assert results["percall"]["bench_command"] == "dsched bench --only percall"  # what reruns that suite alone
     from dsched.apps.bench.figures import blocks
 
     assert "neml2" not in blocks({"neml2": results["neml2"]})  # a skipped suite leaves its figures in the docs as they were

@@ -419,6 +419,12 @@ def test_the_fe_table_of_a_run_without_amdahl_s_bound_computes_it_from_the_share
                                      "of FElupe's solve: Amdahl's bound on 2 workers 1.60 x")
     assert ("target 16 J2 layers >= 1.5 x FElupe alone: not reached on this run (1.20 x; Amdahl's bound 1.60 x)"
             in table)
+    from dsched.apps.bench.figures import blocks  # the docs' block: the suite's own command, else the file's
+
+    merged = {"command": "dsched bench --only SUITE, for each of fe, ...", "fe": results}
+    assert blocks(merged)["fe"].startswith("```text\n$ dsched bench --only SUITE, for each of fe, ...\n16 J2 layers")
+    merged["fe"] = {**results, "bench_command": "dsched bench --only fe --processes"}
+    assert blocks(merged)["fe"].startswith("```text\n$ dsched bench --only fe --processes\n16 J2 layers")
     results["targets"]["16 J2 layers >= 1.5 x FElupe alone"] = [1.4963, 1.5, False]  # a miss that rounds up to 1.50
     assert "not reached on this run (1.496 x; Amdahl's bound 1.60 x)" in format_fe_table(results)
     results["targets"]["16 J2 layers >= 1.5 x FElupe alone"] = [1.4949, 1.5, False]

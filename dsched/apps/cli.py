@@ -391,6 +391,8 @@ def _bench(args) -> int:
     for suite in SUITES:
         if args.only in (None, suite):
             results[suite], table = _bench_suite(suite, args, say)
+            if not {"skipped", "failed"} & set(results[suite]):  # measured: the command that reruns it alone
+                results[suite]["bench_command"] = _bench_command(args, only=suite)
             tables.append(f"$ {command}  [{suite}]\n{table}")
             if "failed" in results[suite]:
                 failed.append(suite)
@@ -411,12 +413,15 @@ def _bench(args) -> int:
     return 1 if failed else 0
 
 
-def _bench_command(args) -> str:
-    """The ``dsched bench`` command line that ``args`` stand for (recorded with the results)."""
+def _bench_command(args, only=None) -> str:
+    """The ``dsched bench`` command line that ``args`` stand for (recorded with the results); with ``only``, the
+    one that runs that suite alone."""
+    only = only or args.only
     return " ".join(["dsched bench", *(["--quick"] if args.quick else []),
-                     *([f"--only {args.only}"] if args.only else []), *(["--processes"] if args.processes else []),
+                     *([f"--only {only}"] if only else []), *(["--processes"] if args.processes else []),
                      *(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                       if k.startswith("neml2_") and v is not None and not (k == "neml2_steps" and v == 10))])
+                       if k.startswith("neml2_") and v is not None and not (k == "neml2_steps" and v == 10)
+                       and only in (None, "neml2"))])
 
 
 #: the extra that brings a module a suite may need (zarr is a core dependency)

@@ -64,7 +64,9 @@ def blocks(results: dict) -> dict:
         out["break-even"] = break_even(results["percall"])
     for suite, formatter in FORMATTERS.items():
         if isinstance(results.get(suite), dict) and not {"skipped", "failed"} & set(results[suite]):  # kept
-            out[suite] = f"```text\n$ {results.get('command', 'dsched bench')}\n{formatter(results[suite])}\n```"
+            # The suite's own command where the file has it (a file merged from runs has a composite one)
+            command = results[suite].get("bench_command") or results.get("command", "dsched bench")
+            out[suite] = f"```text\n$ {command}\n{formatter(results[suite])}\n```"
     if "gpu" in out:
         out["gpu-targets"] = format_gpu_targets(results["gpu"])
     return out
