@@ -23,8 +23,8 @@ less material work than FElupe, such as one call, may pass it). A split is rarel
 material's gradient and hessian on each half of the cells, timed in this process at the last Newton
 iteration's inputs, cost on average more than half of their time on all of them where each call has
 a cost of its own, and the bound with that measured cost (``halves_bound``) is what the same work
-split over two workers can reach. Before any solve is timed, one call on both workers opens the cluster's feeds
-and has the workers import FElupe.
+split over two workers can reach. Before any solve is timed, one call on both workers opens the
+cluster's feeds and has the workers import FElupe.
 
 The FE code is FElupe (GPL-3.0), which the dsched package does not import: the solves are those of
 ``examples/fe_plasticity.py``, loaded from the checkout this package runs from (or, installed, from the
