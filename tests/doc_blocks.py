@@ -133,8 +133,9 @@ def run_all(root: Path) -> dict:
         try:
             for block in blocks(root):
                 if namespaces and block.page not in namespaces:  # the previous page's script has ended
-                    with _watched(f"end of {next(reversed(namespaces))}"):
-                        _end(namespaces[next(reversed(namespaces))])
+                    previous = next(reversed(namespaces))
+                    with _watched(f"end of {previous}"):
+                        _end(namespaces[previous])
                 namespace = namespaces.setdefault(block.page, {"__name__": "__main__", "__builtins__": __builtins__})
                 with client.as_current():  # again the default, whatever clients earlier blocks made and closed
                     results[block.id] = _run(block, namespace)

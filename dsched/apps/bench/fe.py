@@ -129,6 +129,7 @@ class _Timed:
 
     def __init__(self, material):
         self.material, self.x, self.seconds, self.iterations = material, material.x, 0.0, 0
+        self.last_x = None  # the last Newton iteration's inputs (hessian's), where the halves' cost is measured
 
     def gradient(self, x):
         start = time.perf_counter()
@@ -140,7 +141,7 @@ class _Timed:
     def hessian(self, x):
         start = time.perf_counter()
         self.iterations += 1  # FElupe asks for one tangent per Newton iteration
-        self.last_x = x  # the last iteration's inputs: where the halves' cost is measured
+        self.last_x = x
         try:
             return self.material.hessian(x)
         finally:
