@@ -363,6 +363,33 @@ def test_a_failed_task_logs_no_compute_failed_unless_verbose(capfd, caplog, proc
     dsched.logs.apply_log_level("warning")
 
 
+def unread_exception(error):
+    """An asyncio future holding ``error``, collected unread: asyncio logs "Future exception was never retrieved"."""
+    import asyncio
+    import gc
+
+    loop = asyncio.new_event_loop()
+    future = loop.create_future()
+    future.set_exception(error)
+    loop.close()  # as a cluster's event loop stops before a send reads its deadline's timeout
+    del future
+    gc.collect()
+
+
+def test_an_unread_send_timeout_is_not_logged_unless_verbose(caplog):
+    # The Ctrl-C test's one-line ending once failed on this report, from Dask's teardown, after dsched's last line.
+    for level, expected in (("warning", 0), ("info", 1)):
+        dsched.logs.apply_log_level(level)
+        caplog.clear()
+        unread_exception(TimeoutError("Timeout"))  # tornado's with_timeout, which Dask's batched sends wait in
+        assert caplog.text.count("Future exception was never retrieved") == expected, level
+    dsched.logs.apply_log_level("warning")
+    caplog.clear()
+    unread_exception(TimeoutError("a timeout of the user's own"))  # any other report stays
+    unread_exception(ValueError("Timeout"))
+    assert caplog.text.count("Future exception was never retrieved") == 2
+
+
 # --- dsched tune: the same checks --------------------------------------------------------
 
 @pytest.mark.skipif(bool(visible_gpus()), reason="this machine has a GPU")

@@ -5,7 +5,9 @@ It applies to Dask's ``distributed`` loggers in this process and, through
 this module as a worker preload, in every worker process. Above INFO a failed
 chunk's "Compute Failed" log is dropped as well (the dispatcher raises that
 chunk's error itself, once), and so are the "ended with CancelledError" lines
-of chunks cancelled by Ctrl-C.
+of chunks cancelled by Ctrl-C, and asyncio's report of a Dask send deadline's
+timeout that a cluster's event loop stopped before reading (a race of Dask's
+teardown, seen after a Ctrl-C).
 """
 
 from __future__ import annotations
@@ -27,7 +29,22 @@ class _DropComputeFailed(logging.Filter):
                     (message.startswith("Async instruction for") and "CancelledError" in record.getMessage()))
 
 
+class _DropTeardownTimeout(logging.Filter):
+    """Drops asyncio's "Future exception was never retrieved" of a tornado timeout (``TimeoutError('Timeout')``).
+
+    Dask's batched sends wait for their next deadline through tornado's ``with_timeout``; when a cluster's event
+    loop stops (closing, after a Ctrl-C) between that timeout and the send reading it, the future is collected
+    unread and asyncio reports it, a traceback's last line after the run's own last line.
+    """
+
+    def filter(self, record):
+        error = record.exc_info[1] if record.exc_info else None
+        return not (str(record.msg).startswith("Future exception was never retrieved")
+                    and isinstance(error, TimeoutError) and str(error) == "Timeout")
+
+
 _COMPUTE_FAILED_FILTER = _DropComputeFailed()
+_TEARDOWN_TIMEOUT_FILTER = _DropTeardownTimeout()
 # Filters apply to the logger a record is logged on, not its children: each logger that says these.
 _FILTERED_LOGGERS = ("distributed.worker", "distributed.worker.state_machine")
 
@@ -48,14 +65,16 @@ def check_level(level, field="log_level") -> int:
 
 
 def apply_log_level(level) -> None:
-    """Dask's ``distributed`` logs at ``level`` in this process; above INFO without "Compute Failed"."""
+    """Dask's ``distributed`` logs at ``level`` in this process; above INFO without "Compute Failed" (and the
+    teardown's unread timeouts)."""
     value = check_level(level)
     logging.getLogger("distributed").setLevel(value)
-    for name in _FILTERED_LOGGERS:
+    filters = [(name, _COMPUTE_FAILED_FILTER) for name in _FILTERED_LOGGERS] + [("asyncio", _TEARDOWN_TIMEOUT_FILTER)]
+    for name, drop in filters:
         if value > logging.INFO:
-            logging.getLogger(name).addFilter(_COMPUTE_FAILED_FILTER)
+            logging.getLogger(name).addFilter(drop)
         else:
-            logging.getLogger(name).removeFilter(_COMPUTE_FAILED_FILTER)
+            logging.getLogger(name).removeFilter(drop)
 
 
 def worker_preload(options: dict, level) -> dict:
