@@ -178,10 +178,13 @@ def test_bad_arguments_name_the_field_before_any_work():
         NEML2Model(ELASTIC, "model", compile={"dynamic": True})
 
 
-def test_a_compiled_model_calls_neml2_once_per_chunk_unless_given_a_block():
+def test_blocks_by_default_only_for_an_eager_model_that_solves():
     from dsched.models.row_blocks import BLOCK
 
-    assert NEML2Model(ELASTIC, "model").block == BLOCK
+    assert NEML2Model(VISCOPLASTIC, "model").block == BLOCK  # an implicit update: a Newton solve per call
+    assert NEML2Model(ELASTIC, "model").block is None  # no solve: one call per chunk
+    assert NEML2Model(ELASTIC, "model", block=9).block == 9
+    assert NEML2Model(VISCOPLASTIC, "model", compile=True).block is None
     assert NEML2Model(ELASTIC, "model", compile=True).block is None
     assert NEML2Model(ELASTIC, "model", compile=True, block=7).block == 7
     with pytest.raises(ValueError, match=r"block: expected an integer >= 1, None or 'auto', got 'big'"):

@@ -53,7 +53,7 @@ from dsched.dispatch.front import dispatch
 from dsched.errors import NEML2ConvergenceError, as_recoverable  # noqa: F401  (as_recoverable: its old home)
 from dsched.models.j2 import loading_strain
 from dsched.models.neml2_artifacts import Artifacts
-from dsched.models.neml2_engines import ArtifactEngine, NativeEngine, compiled_graphs
+from dsched.models.neml2_engines import ArtifactEngine, NativeEngine, compile_options, compiled_graphs
 from dsched.models.neml2_evaluate import as_neml2_value, evaluate, kind_of, numpy_storage
 from dsched.models.neml2_parameters import ParameterValues
 from dsched.models.neml2_surface import (
@@ -85,18 +85,11 @@ def _load(path, name, overrides):
     return neml2.load_input(str(path), additional_args=list(overrides)).get_model(name)
 
 
-def _compile_options(compile):
-    """``neml2.compile``'s keywords for ``compile`` (``None``: not compiled); a ValueError naming the field."""
-    if compile is False or compile is None:
-        return None
-    if compile is True:
-        return {}
-    if isinstance(compile, str):
-        return {"mode": compile}
-    if isinstance(compile, dict) and all(isinstance(k, str) for k in compile) and "dynamic" not in compile:
-        return dict(compile)
-    raise ValueError(f"compile: expected True, False, a torch.compile mode or a dict of torch.compile options "
-                     f"(but dynamic, which neml2.compile fixes), got {compile!r}")
+def _solves(model) -> bool:
+    """Whether a loaded NEML2 model has an implicit update (a Newton solve) anywhere in it."""
+    from neml2.models.common.ImplicitUpdate import ImplicitUpdate
+
+    return any(isinstance(part, ImplicitUpdate) for part in model.modules())
 
 
 class NEML2Model:
@@ -122,12 +115,16 @@ class NEML2Model:
         one); by default it is dropped, so the outputs can cross processes.
     block : int, None or "auto"
         Points per NEML2 call on a CPU: a larger chunk is evaluated block by
-        block, each block's temporaries in the caches
+        block, each block's temporaries in the caches and each block's
+        Newton solve stopping when its own points have converged
         (:mod:`dsched.models.row_blocks`). ``None`` calls NEML2 once per
         chunk. GPU chunks are never cut. ``"auto"`` (the default):
-        :data:`~dsched.models.row_blocks.BLOCK` (25,000) for an eager model,
-        ``None`` for a compiled one, whose fused kernels keep no large
-        temporaries and whose cost per call is NEML2's Python around them.
+        :data:`~dsched.models.row_blocks.BLOCK` (25,000) for an eager model
+        with an implicit update (a Newton solve), ``None`` for one without
+        (elasticity: a few passes over the points, which blocks only cut
+        into more calls and join again) and for a compiled one, whose fused
+        kernels keep no large temporaries and whose cost per call is NEML2's
+        Python around them.
     compile : bool, str or dict
         Compile each worker thread's copy once with ``neml2.compile``
         (``torch.compile`` with static shapes): ``True``, a ``torch.compile``
@@ -155,7 +152,7 @@ class NEML2Model:
 
     def __init__(self, input, model, *, outputs=None, derivatives=False, overrides=(), keep_grad=False,
                  block="auto", compile=False, autograd=True):
-        self.compile = _compile_options(compile)
+        self.compile = compile_options(compile)
         self._options(block, derivatives, keep_grad, compiled=self.compile is not None, autograd=autograd)
         self.input = Path(input).resolve()
         if not self.input.is_file():
@@ -165,6 +162,8 @@ class NEML2Model:
             probe = _load(self.input, self.model, self.overrides)
         except (KeyError, ValueError, RuntimeError) as err:
             raise ValueError(f"model: cannot load {self.model!r} from {self.input}: {err}") from None
+        if self.block == "auto":
+            self.block = BLOCK if _solves(probe) else None
         self._describe(probe.input_spec, probe.output_spec, dict(probe.named_parameters()), outputs)
 
     @classmethod
@@ -186,6 +185,8 @@ class NEML2Model:
         self = cls.__new__(cls)
         self.compile = None
         self._options(block, derivatives, keep_grad, compiled=False, autograd=autograd)
+        if self.block == "auto":  # the artifacts do not say whether their model solves: blocks, as for one that does
+            self.block = BLOCK
         self.input, self.model, self.overrides, self.artifacts = artifacts.root, artifacts.root.name, (), artifacts
         types = _import_neml2().types
         try:
@@ -200,11 +201,13 @@ class NEML2Model:
 
     def _options(self, block, derivatives, keep_grad, compiled, autograd):
         if isinstance(block, str) and block == "auto":
-            block = None if compiled else BLOCK
-        if block is not None:
-            check_positive_int(block, "block", integers=(int, np.integer),
-                               expected="an integer >= 1, None or 'auto'", below=None)
-        self.block = None if block is None else int(block)
+            # An eager model's blocks depend on what it computes, known once it is loaded (see __init__).
+            self.block = None if compiled else "auto"
+        else:
+            if block is not None:
+                check_positive_int(block, "block", integers=(int, np.integer),
+                                   expected="an integer >= 1, None or 'auto'", below=None)
+            self.block = None if block is None else int(block)
         self.derivatives, self.keep_grad = bool(derivatives), bool(keep_grad)
         if not isinstance(autograd, bool):
             raise ValueError(f"autograd: expected True or False, got {autograd!r}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["OPERATIONS", "NativeEngine", "ArtifactEngine", "compiled_graphs"]
+__all__ = ["OPERATIONS", "NativeEngine", "ArtifactEngine", "compile_options", "compiled_graphs"]
 
 #: NEML2's sensitivity surface, as its multi-device ``DispatchedModel`` chunks it.
 OPERATIONS = ("values", "jacobian", "jvp", "param_jacobian", "param_vjp")
@@ -41,6 +41,20 @@ def _blocks(jacobian, batch_ndim):
     from neml2.types import Tensor
 
     return {out: {x: Tensor(block, batch_ndim) for x, block in row.items()} for out, row in jacobian.items()}
+
+
+def compile_options(compile):
+    """``neml2.compile``'s keywords for ``compile`` (``None``: not compiled); a ValueError naming the field."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return {}
+    if isinstance(compile, str):
+        return {"mode": compile}
+    if isinstance(compile, dict) and all(isinstance(k, str) for k in compile) and "dynamic" not in compile:
+        return dict(compile)
+    raise ValueError(f"compile: expected True, False, a torch.compile mode or a dict of torch.compile options "
+                     f"(but dynamic, which neml2.compile fixes), got {compile!r}")
 
 
 class NativeEngine:

@@ -9,12 +9,16 @@ some 25,000 points keeps a block's temporaries nearer the core, and lets a
 block stop iterating when its own points have converged. With two worker
 processes on a 2-core machine, each given half the points, blocks took
 about a third off a dispatch per step of NEML2's radret scenario at
-100,000 points, 5 to 15 % off isoharden's, and made no difference beyond
-the machine's noise to elasticity at 500,000 (``dsched bench --only neml2
---neml2-points 100000 --neml2-block none``, against the default
-``25000``). Blocks much smaller pay NEML2's own cost per call too often.
-This is NEML2's own ``batch_size``: its schedulers hand a device
-sub-batches.
+100,000 points and 5 to 15 % off isoharden's (``dsched bench --only neml2
+--neml2-points 100000 --neml2-block none``, against ``25000``). A model
+without an implicit update (elasticity) has no Newton solve to stop early
+and only a few passes over the points: there blocks made each form slower,
+by some 15 % on average at 500,000 points (10 of 12 rows, ``dsched bench
+--only neml2 --neml2-scenarios elasticity --neml2-block none`` against
+``25000``), so :class:`~dsched.models.neml2.NEML2Model` cuts only the
+chunks of models that solve. Blocks much smaller pay NEML2's own cost per
+call too often. This is NEML2's own ``batch_size``: its schedulers hand a
+device sub-batches.
 
 GPUs want the whole chunk in one call, so blocks apply on CPU devices only.
 Since a call's Newton solve converges over its own points, a blocked chunk

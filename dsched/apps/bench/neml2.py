@@ -22,8 +22,9 @@ warm-up round; the rows of a round run one after another):
   after the other; two such halves side by side are what two single-thread
   workers can reach: ``points x steps / slower half``. NEML2 is called on
   each whole half, as a user calling it directly would; dsched calls it on
-  blocks of a half (:mod:`dsched.models.row_blocks`; elasticity's 250,000
-  points in ten), which can be faster per point: a form may pass the limit.
+  blocks of a half where the model solves (:mod:`dsched.models.row_blocks`;
+  radret's 5,000 points in one, a larger batch in blocks of 25,000), which
+  can be faster per point: a form may pass the limit.
 - **lockstep**: the limit when every step waits for its slower half, as a
   form that returns to the client after each step must: the halves' step
   times (measured in the limit's run) differ from step to step as their
@@ -47,10 +48,10 @@ emulated ``cuda:0`` (a second CPU worker: placement only, not a GPU), each
 given one half of the points (a ``StaticHybridScheduler`` of two halves).
 Every dsched result is compared with NEML2's driver run on the same chunks
 (the two halves, each in :class:`NEML2Model`'s blocks of at most 25,000
-points on a CPU, :mod:`dsched.models.row_blocks`: equal, bit for bit where
-the arithmetic is the same) and with the whole batch (radret's Newton
-tolerance is tightened on both sides: at NEML2's default, its convergence
-test over the whole batch makes the two differ).
+points on a CPU where the model solves, :mod:`dsched.models.row_blocks`:
+equal, bit for bit where the arithmetic is the same) and with the whole
+batch (radret's Newton tolerance is tightened on both sides: at NEML2's
+default, its convergence test over the whole batch makes the two differ).
 
 Targets (ratios within the run): every scenario and form >= 0.8 x the limit;
 the median of all forms and scenarios >= 1.0 x NEML2 on 2 threads; the typed
@@ -202,7 +203,7 @@ def run_neml2_benchmarks(*, quick=False, steps=10, repeats=None, scenarios=None,
     torch.set_num_threads(threads)
     return {"scenarios": measured, "steps": steps, "repeats": repeats, "quick": quick,
             "benchmarks": str(benchmarks) if benchmarks else None, "forms": list(forms),
-            "block": BLOCK if block == "auto" else block,
+            "block": block,
             "compile": compile, "aoti": str(aoti) if aoti else None,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "load": {"before": load, "after": os.getloadavg() if load is not None else None},
@@ -234,6 +235,25 @@ def verdicts(measured, forms=FORMS) -> dict:
     return out
 
 
+def blocks_said(scenarios) -> str:
+    """How the dsched forms called NEML2 on each scenario's chunks (each scenario's ``block``), for the table's head.
+
+    Examples
+    --------
+    >>> blocks_said([{"scenario": "a", "block": 7}, {"scenario": "b", "block": 7}])
+    '; dsched calls NEML2 on blocks of at most 7 points'
+    >>> blocks_said([{"scenario": "a", "block": 7}, {"scenario": "b", "block": None}])
+    '; dsched calls NEML2 on blocks of at most 7 points (a), once per chunk (b)'
+    """
+    said = {}
+    for s in scenarios:
+        block = s.get("block")
+        said.setdefault(f"on blocks of at most {block:,} points" if block else "once per chunk", []).append(s["scenario"])
+    if len(said) == 1:
+        return f"; dsched calls NEML2 {next(iter(said))}"
+    return "; dsched calls NEML2 " + ", ".join(f"{how} ({', '.join(names)})" for how, names in said.items())
+
+
 def _rate(value) -> str:
     return f"{value / 1e6:.2f} M" if value >= 1e6 else f"{value / 1e3:.1f} k"
 
@@ -247,9 +267,7 @@ def format_neml2_table(results) -> str:
             if load and load["before"] else f"NEML2 scenarios, {results['steps']} steps")
     if results.get("benchmarks"):
         head += f"; NEML2's files from {results['benchmarks']}"
-    if "block" in results:
-        head += (f"; dsched calls NEML2 on blocks of at most {results['block']:,} points" if results["block"]
-                 else "; dsched calls NEML2 once per chunk")
+    head += blocks_said(results["scenarios"])
     stepped = [f for f in forms if f in ("numpy", "typed")]  # the forms that wait for every step's slower half
     columns = ["NEML2 1 thr", "NEML2 2 thr", "limit", "lockstep", "side by side"] + [FORM_TITLES[f] for f in forms]
     lines = [head, f"{'scenario (points)':<22}" + "".join(f"{c:>16}" for c in columns)
@@ -294,8 +312,9 @@ def add_arguments(parser):
     parser.add_argument("--neml2-points", type=int, metavar="N",
                         help="neml2 suite: points of every scenario (default: each scenario's own)")
     parser.add_argument("--neml2-block", metavar="POINTS",
-                        help=f"neml2 suite: points per NEML2 call on a CPU in the dsched forms (default {BLOCK}, "
-                             "compiled rows one call per chunk; 'none': one call per chunk)")
+                        help=f"neml2 suite: points per NEML2 call on a CPU in the dsched forms (default NEML2Model's: {BLOCK} "
+                             "for a model with a Newton solve, else and in compiled rows one call per chunk; "
+                             "'none': one call per chunk)")
     parser.add_argument("--neml2-compile", metavar="MODE", nargs="?", const="default",
                         help="neml2 suite: add compiled rows (neml2.compile with torch.compile's MODE, 'default' "
                              "when none is given, or backend=NAME): NEML2 compiled against dsched's forms with "
@@ -327,7 +346,7 @@ def options(args) -> dict:
 
 def _block(text):
     if text is None:
-        return "auto"  # NEML2Model's own: BLOCK for the eager forms, one call per chunk for compiled ones
+        return "auto"  # NEML2Model's own: BLOCK for eager models that solve, one call per chunk for the others
     if str(text).lower() == "none":
         return None
     try:
