@@ -179,8 +179,9 @@ def _neml2_call(scenario, model, inputs, device):
     loaded = _load(scenario.input, scenario.model, scenario.overrides).to(device=device)
     spec = loaded.input_spec
 
-    def to_device():
-        return {name: as_neml2_value(value, spec[name], device, torch) for name, value in inputs.items()}
+    def to_device(values=None):  # ``values``: some of the points' inputs (default all of them)
+        return {name: as_neml2_value(value, spec[name], device, torch)
+                for name, value in (inputs if values is None else values).items()}
 
     def run(state):
         out = loaded.call_by_name(state)
@@ -193,6 +194,14 @@ def _neml2_call(scenario, model, inputs, device):
 
 #: The row of a section run on the CPU and the GPU together (radret's), against the section's dsched row on cuda:0.
 HYBRID_ROW = "NEML2Model.dispatch on cpu + cuda:0"
+#: NEML2 called by hand on dsched's chunks, one after another: what the chunking itself costs on the GPU.
+SAME_CHUNKS_ROW = "torch (NEML2), dsched's chunks, host -> GPU -> host"
+
+
+def _pieces(inputs, points, chunk) -> list:
+    """``inputs`` cut into chunks of ``chunk`` points (arrays of one value per point; the rest whole)."""
+    return [{k: v[start:start + chunk] if np.ndim(v) and len(v) == points else v for k, v in inputs.items()}
+            for start in range(0, points, chunk)]
 
 
 def measure_radret(client, quick, repeats) -> dict:
@@ -206,14 +215,16 @@ def measure_radret(client, quick, repeats) -> dict:
     hybrid = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [cpu_chunk, chunk],
                                           capacities=[2 * cpu_chunk, 2 * chunk], priorities=[1, 2])
 
-    def with_copies():
-        out = gpu_run(gpu_state())
+    def with_copies(values=None):
+        out = gpu_run(gpu_state(values))
         return {k: out[k].data.detach().cpu().numpy() for k in names}
 
+    pieces = _pieces(inputs, n, chunk)
     rows = {
         "torch (NEML2), one call, tensors on the GPU": lambda: gpu_run(state),
         "torch (NEML2), one call, host -> GPU -> host": with_copies,
         "NEML2Model.dispatch on cuda:0": lambda: model.dispatch(inputs, scheduler=scheduler, client=client),
+        SAME_CHUNKS_ROW: lambda: [with_copies(piece) for piece in pieces],
         HYBRID_ROW: lambda: model.dispatch(inputs, scheduler=hybrid, client=client),
     }
     seconds, results = {}, {}
@@ -457,6 +468,9 @@ def figures(results) -> dict:
             out[f"{section}: dsched / one call with copies"] = round(seconds[copied] / seconds[dsched_row], 3)
             out[f"{section}: dsched / one call on the GPU"] = round(seconds[raw] / seconds[dsched_row], 3)
             out[f"{section}: largest relative difference from the CPU"] = max(part["error"].values())
+            if SAME_CHUNKS_ROW in seconds:
+                out[f"{section}: dsched / its chunks called by hand with copies"] = round(
+                    seconds[SAME_CHUNKS_ROW] / seconds[dsched_row], 3)
             if HYBRID_ROW in seconds:
                 out[f"{section}: {HYBRID_ROW} / {dsched_row}"] = round(seconds[dsched_row] / seconds[HYBRID_ROW], 3)
     if "transfer" in results:
