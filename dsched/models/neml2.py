@@ -87,8 +87,10 @@ def _load(path, name, overrides):
 
 def _solves(model) -> bool:
     """Whether a loaded NEML2 model has an implicit update (a Newton solve) anywhere in it."""
-    from neml2.models.common.ImplicitUpdate import ImplicitUpdate
-
+    try:
+        from neml2.models.common.ImplicitUpdate import ImplicitUpdate
+    except ImportError:
+        return any(type(part).__name__ == "ImplicitUpdate" for part in model.modules())
     return any(isinstance(part, ImplicitUpdate) for part in model.modules())
 
 
