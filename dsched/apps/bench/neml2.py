@@ -248,7 +248,8 @@ def blocks_said(scenarios) -> str:
     said = {}
     for s in scenarios:
         block = s.get("block")
-        said.setdefault(f"on blocks of at most {block:,} points" if block else "once per chunk", []).append(s["scenario"])
+        how = f"on blocks of at most {block:,} points" if block else "once per chunk"
+        said.setdefault(how, []).append(s["scenario"])
     if len(said) == 1:
         return f"; dsched calls NEML2 {next(iter(said))}"
     return "; dsched calls NEML2 " + ", ".join(f"{how} ({', '.join(names)})" for how, names in said.items())
@@ -312,9 +313,9 @@ def add_arguments(parser):
     parser.add_argument("--neml2-points", type=int, metavar="N",
                         help="neml2 suite: points of every scenario (default: each scenario's own)")
     parser.add_argument("--neml2-block", metavar="POINTS",
-                        help=f"neml2 suite: points per NEML2 call on a CPU in the dsched forms (default NEML2Model's: {BLOCK} "
-                             "for a model with a Newton solve, else and in compiled rows one call per chunk; "
-                             "'none': one call per chunk)")
+                        help=f"neml2 suite: points per NEML2 call on a CPU in the dsched forms (default NEML2Model's: "
+                             f"{BLOCK} for a model with a Newton solve, else and in compiled rows one call per "
+                             "chunk; 'none': one call per chunk)")
     parser.add_argument("--neml2-compile", metavar="MODE", nargs="?", const="default",
                         help="neml2 suite: add compiled rows (neml2.compile with torch.compile's MODE, 'default' "
                              "when none is given, or backend=NAME): NEML2 compiled against dsched's forms with "
