@@ -297,9 +297,9 @@ def format_fe_table(results) -> str:
     for target, reached in results.get("targets", {}).items():
         value = ""
         if isinstance(reached, (list, tuple)):
-            bound = next((b for name, b in bounds.items() if target.startswith(f"{name} >=")), None)
-            halves = next((c.get("halves_bound") for name, c in results["cases"].items()
-                           if target.startswith(f"{name} >=")), None)
+            name = next((name for name in bounds if target.startswith(f"{name} >=")), None)
+            bound = bounds.get(name)
+            halves = None if name is None else results["cases"][name].get("halves_bound")
             value = (f" ({_ratio(reached[0], reached[1])} x"
                      + ("" if bound is None else f"; Amdahl's bound {bound:.2f} x")
                      + ("" if halves is None else f", {halves:.2f} x with the halves' cost") + ")")

@@ -41,6 +41,7 @@ from dsched.apps.bench.percall import median_us
 from dsched.dataplane.loaders import MappingLoader
 from dsched.devices import backends
 from dsched.models.j2 import j2_update, loading_strain
+from dsched.models.row_blocks import pieces
 
 __all__ = ["gpu_missing", "run_gpu_benchmarks", "format_gpu_table", "format_gpu_targets"]
 
@@ -200,8 +201,8 @@ SAME_CHUNKS_ROW = "torch (NEML2), dsched's chunks, host -> GPU -> host"
 
 def _pieces(inputs, points, chunk) -> list:
     """``inputs`` cut into chunks of ``chunk`` points (arrays of one value per point; the rest whole)."""
-    return [{k: v[start:start + chunk] if np.ndim(v) and len(v) == points else v for k, v in inputs.items()}
-            for start in range(0, points, chunk)]
+    return [{k: v[start:stop] if np.ndim(v) and len(v) == points else v for k, v in inputs.items()}
+            for start, stop in pieces(points, chunk)]
 
 
 def measure_radret(client, quick, repeats) -> dict:
@@ -222,12 +223,12 @@ def measure_radret(client, quick, repeats) -> dict:
         out = gpu_run(gpu_state(values))
         return {k: out[k].data.detach().cpu().numpy() for k in names}
 
-    pieces = _pieces(inputs, n, chunk)
+    chunks = _pieces(inputs, n, chunk)
     rows = {
         "torch (NEML2), one call, tensors on the GPU": lambda: gpu_run(state),
         "torch (NEML2), one call, host -> GPU -> host": with_copies,
         "NEML2Model.dispatch on cuda:0": lambda: model.dispatch(inputs, scheduler=scheduler, client=client),
-        SAME_CHUNKS_ROW: lambda: [with_copies(piece) for piece in pieces],
+        SAME_CHUNKS_ROW: lambda: [with_copies(piece) for piece in chunks],
         HYBRID_ROW: lambda: model.dispatch(inputs, scheduler=hybrid, client=client),
     }
     seconds, results = {}, {}
