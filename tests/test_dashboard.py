@@ -313,6 +313,22 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def test_a_scheduler_on_the_port_of_a_closed_one_with_the_page_is_known_to_have_none():
+    """What a process learnt of a scheduler (its dashboard: runs skip their replays) is not the next one's that
+    listens on the same address, as often happens in a test suite that starts dozens of clusters."""
+    from dsched.devices.ownership import has_dashboard
+
+    port = _free_port()
+    with LocalCluster(n_workers=0, processes=False, scheduler_port=port, dashboard_address="127.0.0.1:0") as cluster, \
+            Client(cluster) as client:
+        register(client)
+        assert has_dashboard(client)
+    with LocalCluster(n_workers=0, processes=False, scheduler_port=port, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        assert client.scheduler.address == f"tcp://127.0.0.1:{port}"
+        assert not has_dashboard(client)
+
+
 @pytest.mark.parametrize("preload", ["dsched.dashboard", str(ROOT / "plugins" / "dsched_scheduler.py")])
 def test_command_line_cluster_with_the_preload_module(tmp_path, preload):
     """``dask scheduler --preload ...`` (the module, or the bundled preload file) and two ``dask worker`` processes."""

@@ -21,16 +21,28 @@ _UNWATCHED = 10.0  # seconds without a look after which a device's absence is co
 
 
 class _Sightings:
-    """What this process saw of each cluster (by scheduler address): the devices a worker owned, and since when
-    a device has been without one. One instance, :data:`_sightings`."""
+    """What this process saw of each cluster (by :func:`scheduler_key`): the devices a worker owned, and since
+    when a device has been without one. One instance, :data:`_sightings`."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.owned = {}  # scheduler address -> {Device} some worker owned when this process looked
-        self.absent = {}  # (scheduler address, Device) -> [first seen without a worker, last seen so]
+        self.owned = {}  # scheduler_key -> {Device} some worker owned when this process looked
+        self.absent = {}  # (scheduler_key, Device) -> [first seen without a worker, last seen so]
 
 
 _sightings = _Sightings()
+
+
+def scheduler_key(client) -> tuple:
+    """``(address, id)`` of ``client``'s scheduler: what this process keeps of a cluster is kept under it.
+
+    The address alone is not enough: a scheduler that closed leaves its port to
+    the next one (a test suite starts dozens), which must not inherit what was
+    seen of the first (its dashboard: runs would never replay). The id is the
+    one the scheduler gave the client as it connected, read without a question.
+    """
+    identity = getattr(client, "_scheduler_identity", None) or {}
+    return client.scheduler.address, identity.get("id")
 
 
 def cluster_info(client) -> dict:
@@ -48,9 +60,9 @@ def cluster_info(client) -> dict:
     info["dsched-dashboard"] = has_dashboard(client)
     owned = {device_of_resources(w.get("resources")) for w in info.get("workers", {}).values()} - {None}
     with _sightings.lock:  # a device seen owned is no longer away; it may be waited for if it goes
-        _sightings.owned.setdefault(client.scheduler.address, set()).update(owned)
+        _sightings.owned.setdefault(scheduler_key(client), set()).update(owned)
         for device in owned:
-            _sightings.absent.pop((client.scheduler.address, device), None)
+            _sightings.absent.pop((scheduler_key(client), device), None)
     if client.__dict__.get(_GENERATION) is generation:  # not forgotten meanwhile (a worker left as it answered)
         client.__dict__[_KEPT] = (info, asked)
     return info
@@ -101,30 +113,30 @@ def forget_cluster_info(client) -> None:
 
 
 DASHBOARD_RECHECK = 5.0  # seconds: how long "no dashboard" is believed before the scheduler is asked again
-_dashboards = {}  # scheduler address -> (has dsched's dashboard, time.monotonic() of the answer)
+_dashboards = {}  # scheduler_key -> (has dsched's dashboard, time.monotonic() of the answer)
 
 
 def has_dashboard(client) -> bool:
     """Whether ``client``'s scheduler has dsched's dashboard plugin; runs tell it of their chunks if so.
 
-    Asked once per scheduler address (a run's one question to the scheduler is
+    Asked once per scheduler (a run's one question to the scheduler is
     the cheap ``identity``; a remote function call costs twice that): a plugin
     added later by :func:`dsched.observe.dashboard.plugin.register` is known at
     once (:func:`dashboard_registered`), one added another way within
     :data:`DASHBOARD_RECHECK` seconds.
     """
-    address = client.scheduler.address
-    known = _dashboards.get(address)
+    key = scheduler_key(client)
+    known = _dashboards.get(key)
     if known is not None and (known[0] or time.monotonic() - known[1] < DASHBOARD_RECHECK):
         return known[0]
     present = bool(client.run_on_scheduler(_has_dashboard))
-    _dashboards[address] = (present, time.monotonic())
+    _dashboards[key] = (present, time.monotonic())
     return present
 
 
 def dashboard_registered(client) -> None:
     """The dashboard was just added to ``client``'s scheduler."""
-    _dashboards[client.scheduler.address] = (True, time.monotonic())
+    _dashboards[scheduler_key(client)] = (True, time.monotonic())
 
 
 def _has_dashboard(dask_scheduler=None) -> bool:
@@ -213,7 +225,7 @@ def absent_since(client, devices) -> dict:
     since = {}
     with _sightings.lock:
         for device in devices:
-            seen = _sightings.absent.setdefault((client.scheduler.address, placement_device(device)), [now, now])
+            seen = _sightings.absent.setdefault((scheduler_key(client), placement_device(device)), [now, now])
             if now - seen[1] > _UNWATCHED:  # it may have come back and gone again meanwhile
                 seen[0] = now
             seen[1] = now
@@ -225,7 +237,7 @@ def _awaited(client, devices) -> list:
     """Those of ``devices`` whose worker may be restarting: a worker owned it when this process looked earlier,
     or the client's own cluster runs it (a LocalHybridCluster's nanny brings a killed worker back)."""
     with _sightings.lock:
-        seen = set(_sightings.owned.get(client.scheduler.address, ()))
+        seen = set(_sightings.owned.get(scheduler_key(client), ()))
     seen |= {placement_device(d) for d in getattr(getattr(client, "cluster", None), "devices", None) or ()}
     return [d for d in devices if placement_device(d) in seen]
 
