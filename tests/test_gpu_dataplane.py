@@ -50,3 +50,23 @@ def test_dispatch_j2_on_the_gpu_equals_numpy():
     expected = j2_update(strain, zeros6, zeros)
     for name, values in expected.items():
         np.testing.assert_allclose(out[name], values, rtol=1e-12, atol=1e-12)
+
+
+def test_dispatch_leaves_a_cupy_result_on_the_gpu_only_for_a_slot_that_copies_it():
+    """A chunk whose slot copies its result into page-locked rows gets dispatch's CuPy result as it is: brought
+    to host memory first, it would land in fresh pageable memory (a pageable copy's speed) and be copied again."""
+    import cupy
+
+    from dsched.dataplane.pinned import slot_copies_from_gpu
+    from dsched.dispatch.arguments import ArgsLayout
+    from dsched.dispatch.front import _chunk_call
+
+    x = np.arange(12.0).reshape(6, 2)
+    layout = ArgsLayout((x,))
+    call, chunk = _chunk_call(lambda a: 2 * a, layout, {}), {"args[0]": x}
+    with slot_copies_from_gpu(True):
+        kept = call(chunk, "cuda:0")
+    brought = call(chunk, "cuda:0")
+    assert isinstance(kept, cupy.ndarray) and isinstance(brought, np.ndarray)
+    np.testing.assert_array_equal(kept.get(), 2 * x)
+    np.testing.assert_array_equal(brought, 2 * x)

@@ -16,6 +16,7 @@ see docs/dataplane.md for what has been measured on a real GPU.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib.util
 
@@ -25,7 +26,8 @@ from dsched.devices.context import is_emulated_here
 from dsched.devices.cuda import cuda_local_ordinal
 from dsched.devices.device import Device
 
-__all__ = ["is_real_gpu", "chunk_stream", "copy_to_host", "same_memory"]
+__all__ = ["is_real_gpu", "chunk_stream", "slot_copies_from_gpu", "results_may_stay_on_gpu", "copy_to_host",
+           "same_memory"]
 
 
 def is_real_gpu(device) -> bool:
@@ -54,6 +56,29 @@ def chunk_stream(device):
         with stream:
             yield stream
         stream.synchronize()
+
+
+# Set while a real GPU's chunk runs whose outputs its slot writes (dsched.worker.chunk): the slot copies a CuPy result
+# from the GPU straight into the output's page-locked rows, by DMA. A model wrapper that would bring its result to
+# host memory first (dispatch's) leaves it on the GPU then: that copy would land in fresh pageable memory, a
+# pageable copy's speed (a tenth of a page-locked one's on an H200), and then be copied again into the rows.
+_slot_copies = contextvars.ContextVar("dsched_slot_copies_from_gpu", default=False)
+
+
+@contextlib.contextmanager
+def slot_copies_from_gpu(yes: bool):
+    """Inside the block (when ``yes``), :func:`results_may_stay_on_gpu` is true."""
+    token = _slot_copies.set(bool(yes))
+    try:
+        yield
+    finally:
+        _slot_copies.reset(token)
+
+
+def results_may_stay_on_gpu() -> bool:
+    """Whether the running chunk's CuPy results may be returned on the GPU: its output slot copies them into
+    page-locked rows (:func:`copy_to_host`)."""
+    return _slot_copies.get()
 
 
 def copy_to_host(values, target):

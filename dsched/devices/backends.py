@@ -497,8 +497,13 @@ def to_device(x, device=None, keep_grad: bool = False):
     return map_arrays(lambda b, a: b.to_device(a, device, keep_grad), x)
 
 
-def to_host(x, keep_grad: bool = False):
-    """``x`` (an array, or a container of them) in host memory, as the same type (CuPy gives NumPy)."""
+def to_host(x, keep_grad: bool = False, keep_cupy: bool = False):
+    """``x`` (an array, or a container of them) in host memory, as the same type (CuPy gives NumPy).
+
+    ``keep_cupy``: CuPy arrays stay on their GPU (for a caller that copies them into host memory itself).
+    """
+    if keep_cupy:
+        return map_arrays(lambda b, a: a if b is CUPY else b.to_host(a, keep_grad), x)
     return map_arrays(lambda b, a: b.to_host(a, keep_grad), x)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from dsched.checks import check_callable, setting
 from dsched.dataplane.loaders import MappingLoader, resolve_axis
 from dsched.dataplane.outputs import OutputLayout
+from dsched.dataplane.pinned import results_may_stay_on_gpu
 from dsched.dataplane.rundata import check_out
 from dsched.dataplane.store import resolve_work
 from dsched.devices import backends
@@ -73,7 +74,8 @@ class _CallOnChunk:
         # Left on the host: a NumPy model on a GPU worker (host_arrays), or NEML2Model, which moves its inputs itself.
         if not (self.host_arrays or getattr(self.fn, "moves_inputs", False)):
             chunk = backends.to_device(chunk, device, keep_grad=self.keep_grad)
-        return backends.to_host(self._fn(chunk, out), keep_grad=self.keep_grad)
+        # CuPy results whose chunk's slot copies them into page-locked rows stay on the GPU (dataplane.pinned).
+        return backends.to_host(self._fn(chunk, out), keep_grad=self.keep_grad, keep_cupy=results_may_stay_on_gpu())
 
     def _on_host(self, chunk, out):
         limit_this_thread()

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from dsched.dataplane.pinned import chunk_stream, is_real_gpu
+from dsched.dataplane.pinned import chunk_stream, is_real_gpu, slot_copies_from_gpu
 from dsched.dataplane.segments import forget_vanished_segments
 from dsched.dataplane.store import resolve_work
 from dsched.devices.context import running_on, selected
@@ -128,7 +128,7 @@ def _compute(program, device, work, slot):
     # On a real GPU: page-locked inputs and a stream of the chunk's own (dsched.transfer); no-ops elsewhere.
     gpu = is_real_gpu(device)
     forget_vanished_segments()  # unmap what ended runs left mapped in this process
-    with chunk_stream(device):
+    with chunk_stream(device), slot_copies_from_gpu(gpu and slot is not None):
         rows = slot.rows() if slot is not None and not gpu else None  # mapped once, for out= and the write
         out = slot.views(rows) if rows is not None and program.takes_out else None
         work = resolve_work(work, pinned=gpu)
