@@ -27,7 +27,15 @@ WAIT_LIMIT = 60
 
 @pytest.fixture
 def client(process_client):
-    """The module's worker processes (conftest's ``process_client``)."""
+    """The module's worker processes (conftest's ``process_client``), checked for what would keep every run from
+    replaying, so that a test that fails for it says which (a state left by an earlier module, not the test)."""
+    from dsched.checks import setting
+    from dsched.devices.ownership import has_dashboard
+    from dsched.observe.collect import open_collectors
+
+    assert not has_dashboard(process_client), f"{process_client.scheduler.address} is taken for a dashboard's"
+    assert not open_collectors(), f"run_reports blocks left open: {open_collectors()}"
+    assert setting("replay", True), dask.config.get("dsched", {})
     return process_client
 
 
