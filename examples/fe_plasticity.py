@@ -165,8 +165,12 @@ def scheduler_for(cells, points_per_cell=4, devices=("cpu", "cuda:0")):
     return dsched.StaticHybridScheduler(list(devices), batch_sizes=size, capacities=in_flight * size)
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and each option's default."""
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     parser.add_argument("--case", choices=("plate", "hexahedra"), default="plate",
                         help="a quarter plate with a hole (quadrilaterals, plane strain) or a cube of hexahedra")
     parser.add_argument("--size", type=int, default=12,
@@ -176,8 +180,8 @@ def main(argv=None):
     parser.add_argument("--one-call", action="store_true",
                         help="call the material function once per chunk for stress, state and tangent (OneCall)")
     parser.add_argument("--tangent", choices=("with-gradient", "apart", "predict"), default="with-gradient",
-                        help="FEMaterial's tangent: with each stress evaluation (one dispatch per Newton iteration, "
-                             "the default), apart (when FElupe asks for it), or predict (with each stress but "
+                        help="FEMaterial's tangent: with each stress evaluation (one dispatch per Newton iteration), "
+                             "apart (when FElupe asks for it), or predict (with each stress but "
                              "Newton's convergence checks)")
     parser.add_argument("--scheduler-file", help="a running Dask cluster's scheduler file (else a local one)")
     args = parser.parse_args(argv)

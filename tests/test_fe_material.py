@@ -534,6 +534,20 @@ def test_x_must_be_a_list():
         umat.gradient(np.zeros((3, 3, 1, 2)))
 
 
+@pytest.mark.parametrize("x, message", [
+    ([np.zeros((3, 3, 4, 100)), np.zeros((5, 4, 90))],
+     "x[1]: 90 cells along axis -1 (shape (5, 4, 90)), but x[0] has 100; every input has the same cells, or one"),
+    ([np.zeros((3, 3, 4, 1)), np.zeros((5, 4, 90)), np.zeros((2, 7))],
+     "x[2]: 7 cells along axis -1 (shape (2, 7)), but x[1] has 90; every input has the same cells, or one"),
+])
+def test_inputs_of_other_cell_counts_are_refused_naming_the_input(x, message):
+    """Named by its place in x, before any work: dispatch, which the user never called, would name args[1]."""
+    umat = FEMaterial(both_at_once, x=[], scheduler=SimpleScheduler("cpu", 2), mode="sync")
+    with pytest.raises(ValueError) as err:
+        umat.gradient(x)
+    assert str(err.value) == message and umat.evaluations == 0
+
+
 def test_a_failed_evaluation_leaves_nothing_to_reuse():
     calls = []
 

@@ -225,6 +225,26 @@ def _check_list(x):
         raise ValueError(f"x: expected a list of arrays, such as [F, state], got {type(x).__name__}")
 
 
+def _check_cells(x, axis: int) -> None:
+    """Every array of ``x`` has the same number of cells along ``axis`` (or one, broadcast to all), named by its
+    place in ``x`` (dispatch would name its own argument, which the user never wrote)."""
+    first = None  # (index, cells) of the first array with more than one cell
+    for i, value in enumerate(x):
+        shape = getattr(value, "shape", None)
+        if shape is None or not len(shape):
+            continue  # a number: the same for every cell
+        if not -len(shape) <= axis < len(shape):
+            raise ValueError(f"x[{i}]: shape {tuple(shape)} has no cell axis {axis}")
+        cells = shape[axis]
+        if cells == 1:
+            continue
+        if first is None:
+            first = (i, cells)
+        elif cells != first[1]:
+            raise ValueError(f"x[{i}]: {cells} cells along axis {axis} (shape {tuple(shape)}), but x[{first[0]}] "
+                             f"has {first[1]}; every input has the same cells, or one")
+
+
 class FEMaterial:
     """A finite-element material (FElupe's ``gradient``/``hessian`` protocol) evaluated through :func:`dsched.dispatch`.
 
@@ -417,6 +437,7 @@ class FEMaterial:
     def _evaluate(self, x, kwargs, what):
         """One dispatch; keeps what it gave, and the inputs it gave it for."""
         self._forget()  # a failed evaluation leaves nothing to reuse
+        _check_cells(x, self.axis)
         inputs = [self._shared(a, i) for i, a in enumerate(x)]
         result = dispatch(self._calls[what], *inputs, scheduler=self.scheduler, client=self.client, axis=self.axis,
                           **self._options, **kwargs)
