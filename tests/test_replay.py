@@ -248,6 +248,36 @@ def test_a_feed_that_let_go_of_the_plan_is_sent_its_chunks_again_on_the_same_lan
     assert [s.load for s in d.scheduler.status()] == [0, 0]
 
 
+def test_steps_of_a_history_in_shared_memory_replay_one_placement_read_further_along(client, runs):
+    """A solver's step ``k`` and step ``k - 1`` of a history it keeps in shared memory, both views of one segment:
+    every call replays the placement the first replay kept, its inputs read that many bytes further (no new
+    placement, no chunks sent again), and the results are those of NumPy at every step."""
+    history = dsched.shared_empty((12, 400, 2))
+    history[...] = np.arange(12 * 800.0).reshape(12, 400, 2) ** 1.5
+    s = one_wave()
+    for k in range(1, 12):
+        out = dsched.dispatch(np.subtract, history[k], history[k - 1], scheduler=s, client=client)
+        np.testing.assert_array_equal(out, history[k] - history[k - 1])
+    assert (len(runs["steady"]), len(runs["replay"])) == (1, 9)
+    plan = runs["replay"][0].plan
+    assert all(r.plan is plan for r in runs["replay"]) and len(plan.inputs_kept) == 1
+    step = 400 * 2 * 8  # bytes between two steps of the history
+    assert plan.shifts == {"args[0]": 8 * step, "args[1]": 8 * step}  # the last call against the first replay's
+
+
+def test_a_feed_that_forgot_the_plan_is_sent_it_with_this_call_s_shifts(client, runs):
+    """A feed that let go of the plan is sent its kept chunks in full, with where this call's inputs lie."""
+    history = dsched.shared_empty((6, 400))
+    history[...] = np.arange(6 * 400.0).reshape(6, 400)
+    d = dsched.WorkDispatcher(one_wave(), triple, join="concat", client=client)
+    for k in range(3):
+        d.run(dsched.ArrayLoader(history[k]))
+    assert all(client.run(_forget_kept_plans).values())
+    for k in range(3, 6):
+        np.testing.assert_array_equal(d.run(dsched.ArrayLoader(history[k])), 3 * history[k])
+    assert len(runs["replay"]) == 4 and len(d._steady.replay.inputs_kept) == 1
+
+
 def test_two_threads_running_one_dispatcher_each_get_their_own_results(client, runs):
     """One thread replays; another calls meanwhile, finds the plan in use and runs the full way, leaving the
     replay's inputs alone."""

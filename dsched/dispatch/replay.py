@@ -90,8 +90,9 @@ class ReplayPlan:
         self.total = generator.total
         self.kind = _inputs_of(generator)[0]
         self.shapes = _shapes(generator)
-        self.inputs_kept = collections.OrderedDict()  # where the shared inputs lie -> _Inputs (recent last)
+        self.inputs_kept = collections.OrderedDict()  # the segments the shared inputs lie in -> _Inputs (recent last)
         self.current = None  # this run's _Inputs
+        self.shifts = None  # this run's inputs' moves within their segments since self.current was placed
         self.waiting = None  # (lanes' descriptors, bell, poll) of its runs (ReplayRun._waiting)
         self.lock = threading.Lock()  # held by the run that replays it (one at a time: one input segment)
         self.closing = False  # dropped while a run replayed it: closed as that run ends
@@ -128,21 +129,24 @@ class ReplayPlan:
     def inputs(self, generator):
         """Place this run's inputs: copied into a segment of the plan's, or referenced where they lie in shared
         memory, as the chunks the feeds keep read them. Each placement of the inputs has chunks of its own (under
-        an id of its own): a solver that swaps two states from step to step has two."""
-        arrays = _inputs_of(generator)[2]
+        an id of its own): a solver that swaps two states from step to step has two. An input referenced at
+        another place in the same segment (step ``k`` of a history in shared memory) keeps the placement: the
+        feeds read it that many bytes further (:attr:`shifts`)."""
+        _, keys, arrays, _ = _inputs_of(generator)
         where = tuple(map(shared_location, arrays))
-        kept = self.inputs_kept.get(where)
+        segments = tuple(w and w[0] for w in where)
+        kept = self.inputs_kept.get(segments)
         if kept is not None and not kept.same_whole(generator):  # a value passed whole changed (a parameter)
-            self.inputs_kept.pop(where).close()
+            self.inputs_kept.pop(segments).close()
             kept = None
         if kept is None:
-            kept = self.inputs_kept[where] = _Inputs(generator, [items for *_, items in self.chunks])
+            kept = self.inputs_kept[segments] = _Inputs(generator, [items for *_, items in self.chunks], where)
             while len(self.inputs_kept) > INPUTS_KEPT:
                 self.inputs_kept.popitem(last=False)[1].close()
         else:
-            self.inputs_kept.move_to_end(where)
+            self.inputs_kept.move_to_end(segments)
             kept.copy(arrays)
-        self.current = kept
+        self.current, self.shifts = kept, kept.shifts_to(where, keys)
 
     def release_kept(self):
         """:func:`dsched.release_pool`: the input segments go back (the next replay places the inputs anew), unless
@@ -158,13 +162,16 @@ class ReplayPlan:
         rearm = None
         if feed.rearm:  # its first message of the run takes it on, with the program if it holds another
             rearm, feed.rearm = (program_to_send(feed, program), feed.epoch), False
-        kept = self.current
+        kept, moved = self.current, (self.shifts,) if self.shifts else ()  # the shifts travel only if any
         if feed.id in kept.kept_by:
             blob = self.targets_blob(data.targets)
-            return (wire.AGAIN, rearm, kept.id, blob) if rearm is not None else self._again(kept.id, blob)
+            if rearm is not None or moved:
+                return (wire.AGAIN, rearm, kept.id, blob, *moved)
+            return self._again(kept.id, blob)
         kept.kept_by.add(feed.id)
         return (wire.KEEP, rearm, kept.id,
-                [(r.index, kept.works[i], data.slot(r.device, r.offset, r.offset + r.size, r.index)) for i, r in chunks])
+                [(r.index, kept.works[i], data.slot(r.device, r.offset, r.offset + r.size, r.index)) for i, r in chunks],
+                *moved)
 
     def forget_feed(self, feed):
         """``feed`` no longer keeps this run's chunks (its lane ended, or it refused them)."""
@@ -219,7 +226,8 @@ class _Inputs:
     """One placement of a plan's inputs: a segment for those copied, the chunks' work that reads them (the feeds
     keep it under :attr:`id`), and which feeds keep it."""
 
-    def __init__(self, generator, sizes):
+    def __init__(self, generator, sizes, where):
+        self.where = where  # each input's (segment, offset) where it was referenced, else None (copied)
         self.store = RunStore(shared=True)
         loader = share_generator(generator, self.store)
         self.works = [loader.next(items)[1] for items in sizes]  # copies each chunk's rows
@@ -249,6 +257,14 @@ class _Inputs:
         for view, array in zip(self.views, arrays):
             if view is not None:
                 np.copyto(view, array)
+
+    def shifts_to(self, where, keys):
+        """``{key: bytes}`` by which each referenced input (``keys``: the mapping's, ``None`` for an array loader)
+        lies further into its segment than where this placement referenced it; ``None`` where none moved."""
+        keys = [None] if keys is None else keys
+        shifts = {key: now[1] - then[1] for key, now, then, view in zip(keys, where, self.where, self.views)
+                  if view is None and now is not None and then is not None and now[1] != then[1]}
+        return shifts or None
 
     def close(self):
         self._closer()

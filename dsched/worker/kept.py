@@ -34,22 +34,30 @@ PLACE_FROM = 1 << 18  # bytes of a chunk's outputs from which its results are al
 class _KeptChunk:
     """One chunk of a plan: its index, its work (resolved once where that is safe) and its output slot."""
 
-    __slots__ = ("index", "work", "resolved", "slot")
+    __slots__ = ("index", "work", "resolved", "slot", "views_only")
 
     def __init__(self, index, work, slot):
         self.index, self.work, self.slot = index, work, slot
         self.resolved = None
+        self.views_only = _views_only(work)  # its inputs are NumPy views of placed arrays, and plain values
 
-    def inputs(self):
+    def inputs(self, shifts=None):
         """The chunk's inputs as its model sees them. Read-only NumPy views of the plan's input segment stay valid
         from call to call (the dispatcher rewrites the segment); torch inputs are private copy-on-write mappings
-        a model may write into, so they are made again for each call."""
+        a model may write into, so they are made again for each call. ``shifts``: this call's inputs lie further
+        into their segments (:meth:`~dsched.dataplane.store.SharedWork.shifted`); resolved for this call only."""
+        if shifts:
+            return resolve_work(self.at(shifts))
         if self.resolved is not None:
             return self.resolved
         work = resolve_work(self.work)
-        if _views_only(self.work):
+        if self.views_only:
             self.resolved = work
         return work
+
+    def at(self, shifts):
+        """The chunk's work for a call whose inputs lie ``shifts`` bytes further into their segments."""
+        return self.work.shifted(shifts) if shifts and isinstance(self.work, SharedWork) else self.work
 
 
 class _KeptPlan:
@@ -142,11 +150,12 @@ class KeptPrograms:
             self._programs.popitem(last=False)
 
 
-def run_kept(program, device, chunk, slot, rows, plan):
-    """Run one kept chunk of ``plan``: its result written in place; what :meth:`OutputSlot.write` returns."""
+def run_kept(program, device, chunk, slot, rows, plan, shifts=None):
+    """Run one kept chunk of ``plan``: its result written in place; what :meth:`OutputSlot.write` returns.
+    ``shifts``: where this call's inputs lie, relative to the kept ones (``AGAIN``'s last field)."""
     if slot is None or plan.real_gpu:  # the full path: page-locked inputs, a stream of its own
-        return _compute(program, device, chunk.work, slot)
-    work = chunk.inputs()
+        return _compute(program, device, chunk.at(shifts), slot)
+    work = chunk.inputs(shifts)
     # rows (_with_rows): None, [] where no output lies in memory, else _Rows, with their views and size
     if rows and program.takes_out:
         out = rows.views if rows.views is not None else slot.views(rows)
@@ -157,7 +166,7 @@ def run_kept(program, device, chunk, slot, rows, plan):
     on_host = getattr(program.do_work, "on_host", None) if plan.on_host else None  # dispatch's: nothing to move
     token = enter_device(device)  # running_on(device); no GPU to select
     try:
-        if on_host is not None and chunk.resolved is not None and program.preprocess is program.postprocess is None:
+        if on_host is not None and chunk.views_only and program.preprocess is program.postprocess is None:
             result = on_host(work) if out is None else on_host(work, out=out)
         else:
             result = program.call(device, work, out)

@@ -46,7 +46,9 @@ from dsched.dataplane.segments import _unlinked
 __all__ = ["Bell", "LaneServer", "lane_server", "lane_directory", "dumps", "loads", "look", "sweep_stale_lanes"]
 
 CHUNKS, STOP, DONE, ENDED = "chunks", "stop", "done", "ended"
-KEEP, AGAIN = "keep", "again"  # a replayed plan's chunks, kept and run; a kept plan run again (dsched.worker.kept)
+# A replayed plan's chunks, kept and run; a kept plan run again (dsched.worker.kept). Either may end with the byte
+# shifts of inputs that moved within their segments since the plan was kept (SharedWork.shifted).
+KEEP, AGAIN = "keep", "again"
 FORGOTTEN = "forgotten"  # the answer to an "again" of a plan the feed no longer keeps
 _RETRY_SECONDS = 0.05  # the accept thread's pause after a failed accept (not a handshake refused)
 _SOCKET_PREFIX = "lane-"

@@ -13,6 +13,9 @@ dashboard but for the row that says so) (``cpu`` and an **emulated**
 - ``dsched.dispatch, no lane spin``: the same with ``dsched.lane-spin`` at 0, the run
   sleeping in ``poll`` at once while it waits for the replies (what the look before
   sleeping saves: :mod:`dsched.dispatch.steady`);
+- ``dsched.dispatch, steps of a shared history``: the one-call form over step ``k``
+  of a history the caller keeps in shared memory, ``k`` one further at every call
+  (a solver's loading history): the replay reads each step where it lies;
 - ``WorkDispatcher.run``: the same through one dispatcher kept across calls (its
   runs, like the one-call form's, are replays: :mod:`dsched.dispatch.replay`), with
   the timeline of such a call from its report (:func:`_phases`), and of a
@@ -50,6 +53,7 @@ the next). Nothing here measures a GPU.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from multiprocessing import get_context
@@ -66,6 +70,7 @@ __all__ = ["run_percall_benchmarks", "format_percall", "TARGETS"]
 #: the issue's targets, as multiples of the pipe round trip
 TARGETS = {"dsched.dispatch": 5.0, "Batch update + get": 5.0}
 ROWS = 100  # rows per chunk
+HISTORY_STEPS = 1000  # steps of the shared history the history row walks through
 ROUNDS = 5  # rounds of the pipe and the rows with a target, timed in turn
 
 
@@ -164,6 +169,10 @@ def time_dsched(client, calls, warmup, pipe) -> dict:
     with dask.config.set({"dsched.lane-spin": 0}):  # the run sleeps in poll at once: what the look saves
         out["dsched.dispatch, no lane spin"] = median_us(
             lambda: dsched.dispatch(_echo, x, scheduler=scheduler, client=client), calls, warmup)
+    history, steps = dsched.shared_empty((HISTORY_STEPS, 2 * ROWS, 3)), itertools.count()
+    out["dsched.dispatch, steps of a shared history"] = median_us(
+        lambda: dsched.dispatch(_echo, history[next(steps) % HISTORY_STEPS], scheduler=scheduler, client=client),
+        calls, warmup)
     from dsched.dataplane.loaders import MappingLoader
 
     dispatcher = dsched.WorkDispatcher(scheduler, lambda work, device: {"x": work["x"]}, join="concat",
@@ -201,7 +210,8 @@ def time_dsched(client, calls, warmup, pipe) -> dict:
              "Batch update + get": step}, pipe, calls, warmup)
     finally:
         batch.close()
-    order = ("pipe round trip", "dsched.dispatch", "dsched.dispatch, no lane spin", "WorkDispatcher.run",
+    order = ("pipe round trip", "dsched.dispatch", "dsched.dispatch, no lane spin",
+             "dsched.dispatch, steps of a shared history", "WorkDispatcher.run",
              "dsched.submit + result", "TrialState trial + commit", "Batch update + get")
     rows = {**medians, **out}
     return {**{name: rows.pop(name) for name in order}, **rows, "ratios": ratios}
