@@ -76,6 +76,8 @@ def test_dispatch_in_a_solver_loop_replays_with_its_outputs_fed_back(client, run
     np.testing.assert_array_equal(state, expected)
     np.testing.assert_array_equal(weight, w)
     assert len(runs["replay"]) == 6
+    # The state each call returned lies in another output segment: read there, with the first replay's chunks.
+    assert len(runs["replay"][-1].plan.inputs_kept) == 1
 
 
 def test_inputs_of_alternating_layouts_each_keep_their_path_and_replay(client, runs):
@@ -261,11 +263,12 @@ def test_steps_of_a_history_in_shared_memory_replay_one_placement_read_further_a
     assert (len(runs["steady"]), len(runs["replay"])) == (1, 9)
     plan = runs["replay"][0].plan
     assert all(r.plan is plan for r in runs["replay"]) and len(plan.inputs_kept) == 1
+    token, start = plan.current.where[0]
     step = 400 * 2 * 8  # bytes between two steps of the history
-    assert plan.shifts == {"args[0]": 8 * step, "args[1]": 8 * step}  # the last call against the first replay's
+    assert plan.moves == {"args[0]": (token, start + 8 * step), "args[1]": (token, start + 7 * step)}
 
 
-def test_a_feed_that_forgot_the_plan_is_sent_it_with_this_call_s_shifts(client, runs):
+def test_a_feed_that_forgot_the_plan_is_sent_it_with_where_this_call_s_inputs_lie(client, runs):
     """A feed that let go of the plan is sent its kept chunks in full, with where this call's inputs lie."""
     history = dsched.shared_empty((6, 400))
     history[...] = np.arange(6 * 400.0).reshape(6, 400)

@@ -453,19 +453,21 @@ class SharedWork:
             return self.payload.resolve(pinned)
         return {k: (v.resolve(pinned) if isinstance(v, SliceRef) else v) for k, v in self.payload.items()}
 
-    def shifted(self, shifts: dict) -> SharedWork:
-        """This work with the arrays of ``shifts`` (``{key: bytes}``; key ``None`` for an array loader's one array)
-        read that many bytes further into their segments: the same rows of a view of the same shape elsewhere in
-        it (a solver's step ``k`` of a history in shared memory, where a replay kept step ``j``'s)."""
+    def moved(self, moves: dict) -> SharedWork:
+        """This work with the arrays of ``moves`` (``{key: (segment token, offset)}``; key ``None`` for an array
+        loader's one array) read where they lie now: the same rows of an array of the same shape elsewhere in
+        shared memory (a solver's step ``k`` of a history, or the state its last call returned, where a replay
+        kept the chunks of another)."""
         if isinstance(self.payload, SliceRef):
-            return SharedWork(_shift(self.payload, shifts[None])) if None in shifts else self
-        return SharedWork({k: _shift(v, shifts[k]) if k in shifts else v for k, v in self.payload.items()})
+            return SharedWork(_moved(self.payload, moves[None])) if None in moves else self
+        return SharedWork({k: _moved(v, moves[k]) if k in moves else v for k, v in self.payload.items()})
 
 
-def _shift(piece: SliceRef, nbytes: int) -> SliceRef:
+def _moved(piece: SliceRef, where) -> SliceRef:
     ref = piece.ref
-    moved = ArrayRef(ref.token, ref.shape, ref.dtype, ref.pid, ref.shared, ref.offset + nbytes)
-    return SliceRef(moved, piece.axis, piece.start, piece.stop, piece.template)
+    token, offset = where
+    return SliceRef(ArrayRef(token, ref.shape, ref.dtype, ref.pid, True, offset), piece.axis, piece.start, piece.stop,
+                    piece.template)
 
 
 class SealedWork:

@@ -90,9 +90,9 @@ class ReplayPlan:
         self.total = generator.total
         self.kind = _inputs_of(generator)[0]
         self.shapes = _shapes(generator)
-        self.inputs_kept = collections.OrderedDict()  # the segments the shared inputs lie in -> _Inputs (recent last)
+        self.inputs_kept = collections.OrderedDict()  # where the shared inputs lay when placed -> _Inputs (recent last)
         self.current = None  # this run's _Inputs
-        self.shifts = None  # this run's inputs' moves within their segments since self.current was placed
+        self.moves = None  # where this run's referenced inputs lie, for those self.current's chunks read elsewhere
         self.waiting = None  # (lanes' descriptors, bell, poll) of its runs (ReplayRun._waiting)
         self.lock = threading.Lock()  # held by the run that replays it (one at a time: one input segment)
         self.closing = False  # dropped while a run replayed it: closed as that run ends
@@ -128,25 +128,28 @@ class ReplayPlan:
 
     def inputs(self, generator):
         """Place this run's inputs: copied into a segment of the plan's, or referenced where they lie in shared
-        memory, as the chunks the feeds keep read them. Each placement of the inputs has chunks of its own (under
-        an id of its own): a solver that swaps two states from step to step has two. An input referenced at
-        another place in the same segment (step ``k`` of a history in shared memory) keeps the placement: the
-        feeds read it that many bytes further (:attr:`shifts`)."""
+        memory, as the chunks the feeds keep read them. A placement's chunks are kept under an id of their own:
+        a solver that swaps two states from step to step has two. Inputs referenced elsewhere than any kept
+        placement's (a solver's step ``k`` of a history in shared memory, or the state its last call returned)
+        take the latest placement that references the same inputs: the feeds read them where they lie now
+        (:attr:`moves`), and nothing is placed or sent again."""
         _, keys, arrays, _ = _inputs_of(generator)
         where = tuple(map(shared_location, arrays))
-        segments = tuple(w and w[0] for w in where)
-        kept = self.inputs_kept.get(segments)
+        kept = self.inputs_kept.get(where)
+        if kept is None:
+            referenced = tuple(w is not None for w in where)
+            kept = next((k for k in reversed(self.inputs_kept.values()) if k.referenced == referenced), None)
         if kept is not None and not kept.same_whole(generator):  # a value passed whole changed (a parameter)
-            self.inputs_kept.pop(segments).close()
+            self.inputs_kept.pop(kept.where).close()
             kept = None
         if kept is None:
-            kept = self.inputs_kept[segments] = _Inputs(generator, [items for *_, items in self.chunks], where)
+            kept = self.inputs_kept[where] = _Inputs(generator, [items for *_, items in self.chunks], where)
             while len(self.inputs_kept) > INPUTS_KEPT:
                 self.inputs_kept.popitem(last=False)[1].close()
         else:
-            self.inputs_kept.move_to_end(segments)
+            self.inputs_kept.move_to_end(kept.where)
             kept.copy(arrays)
-        self.current, self.shifts = kept, kept.shifts_to(where, keys)
+        self.current, self.moves = kept, kept.moves_to(where, keys)
 
     def release_kept(self):
         """:func:`dsched.release_pool`: the input segments go back (the next replay places the inputs anew), unless
@@ -162,7 +165,7 @@ class ReplayPlan:
         rearm = None
         if feed.rearm:  # its first message of the run takes it on, with the program if it holds another
             rearm, feed.rearm = (program_to_send(feed, program), feed.epoch), False
-        kept, moved = self.current, (self.shifts,) if self.shifts else ()  # the shifts travel only if any
+        kept, moved = self.current, (self.moves,) if self.moves else ()  # where inputs moved to, if any did
         if feed.id in kept.kept_by:
             blob = self.targets_blob(data.targets)
             if rearm is not None or moved:
@@ -227,7 +230,8 @@ class _Inputs:
     keep it under :attr:`id`), and which feeds keep it."""
 
     def __init__(self, generator, sizes, where):
-        self.where = where  # each input's (segment, offset) where it was referenced, else None (copied)
+        self.where = where  # each input's (segment, offset) in shared memory as it was placed, else None
+        self.referenced = tuple(w is not None for w in where)
         self.store = RunStore(shared=True)
         loader = share_generator(generator, self.store)
         self.works = [loader.next(items)[1] for items in sizes]  # copies each chunk's rows
@@ -258,13 +262,13 @@ class _Inputs:
             if view is not None:
                 np.copyto(view, array)
 
-    def shifts_to(self, where, keys):
-        """``{key: bytes}`` by which each referenced input (``keys``: the mapping's, ``None`` for an array loader)
-        lies further into its segment than where this placement referenced it; ``None`` where none moved."""
+    def moves_to(self, where, keys):
+        """``{key: (segment, offset)}`` of each input this placement referenced (``keys``: the mapping's, ``None``
+        for an array loader) that lies elsewhere now; ``None`` where none does."""
         keys = [None] if keys is None else keys
-        shifts = {key: now[1] - then[1] for key, now, then, view in zip(keys, where, self.where, self.views)
-                  if view is None and now is not None and then is not None and now[1] != then[1]}
-        return shifts or None
+        moves = {key: now for key, now, then, view in zip(keys, where, self.where, self.views)
+                 if view is None and now is not None and now != then}
+        return moves or None
 
     def close(self):
         self._closer()

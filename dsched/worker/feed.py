@@ -540,8 +540,8 @@ class _Runner:
         if kind == lanes.CHUNKS:
             self._run_all([(index, None, work, slot) for index, work, slot in message[2]])
             return
-        _, _, plan_id, payload, *rest = message  # rest: where the inputs moved since the plan was kept, if they did
-        shifts = rest[0] if rest else None
+        _, _, plan_id, payload, *rest = message  # rest: where inputs lie that the kept chunks read elsewhere
+        moves = rest[0] if rest else None
         plan = inbox.kept.keep(plan_id, payload, self.device) if kind == lanes.KEEP else inbox.kept.get(plan_id)
         if plan is None:  # a plan this feed let go of (it keeps kept.PLANS_KEPT): the client sends it again
             inbox.reply((lanes.FORGOTTEN, plan_id))
@@ -549,13 +549,13 @@ class _Runner:
         program, device = inbox.program, self.device
         jobs = plan.jobs(None if kind == lanes.KEEP else payload)
         if program is not self.program:  # the first chunks since the run's program came: initialise it first
-            self._run_all([(index, lambda c=chunk, s=slot, r=rows: run_kept(program, device, c, s, r, plan, shifts),
+            self._run_all([(index, lambda c=chunk, s=slot, r=rows: run_kept(program, device, c, s, r, plan, moves),
                             None, None) for index, chunk, slot, rows in jobs])
             return
         for index, chunk, slot, rows in jobs:  # a replay's usual case, kept short: its chunks, each answered
             start = time.time()
             try:
-                value, ok = run_kept(program, device, chunk, slot, rows, plan, shifts), True
+                value, ok = run_kept(program, device, chunk, slot, rows, plan, moves), True
             except Exception as err:  # the chunk's failure, not the feed's
                 value, ok = err, False
             self.ran += 1

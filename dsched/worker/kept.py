@@ -41,13 +41,14 @@ class _KeptChunk:
         self.resolved = None
         self.views_only = _views_only(work)  # its inputs are NumPy views of placed arrays, and plain values
 
-    def inputs(self, shifts=None):
+    def inputs(self, moves=None):
         """The chunk's inputs as its model sees them. Read-only NumPy views of the plan's input segment stay valid
         from call to call (the dispatcher rewrites the segment); torch inputs are private copy-on-write mappings
-        a model may write into, so they are made again for each call. ``shifts``: this call's inputs lie further
-        into their segments (:meth:`~dsched.dataplane.store.SharedWork.shifted`); resolved for this call only."""
-        if shifts:
-            return resolve_work(self.at(shifts))
+        a model may write into, so they are made again for each call. ``moves``: where this call's inputs lie,
+        for those not where the kept chunks read them (:meth:`~dsched.dataplane.store.SharedWork.moved`); resolved
+        for this call only."""
+        if moves:
+            return resolve_work(self.at(moves))
         if self.resolved is not None:
             return self.resolved
         work = resolve_work(self.work)
@@ -55,9 +56,9 @@ class _KeptChunk:
             self.resolved = work
         return work
 
-    def at(self, shifts):
-        """The chunk's work for a call whose inputs lie ``shifts`` bytes further into their segments."""
-        return self.work.shifted(shifts) if shifts and isinstance(self.work, SharedWork) else self.work
+    def at(self, moves):
+        """The chunk's work for a call whose inputs of ``moves`` lie elsewhere in shared memory."""
+        return self.work.moved(moves) if moves and isinstance(self.work, SharedWork) else self.work
 
 
 class _KeptPlan:
@@ -150,12 +151,13 @@ class KeptPrograms:
             self._programs.popitem(last=False)
 
 
-def run_kept(program, device, chunk, slot, rows, plan, shifts=None):
+def run_kept(program, device, chunk, slot, rows, plan, moves=None):
     """Run one kept chunk of ``plan``: its result written in place; what :meth:`OutputSlot.write` returns.
-    ``shifts``: where this call's inputs lie, relative to the kept ones (``AGAIN``'s last field)."""
+    ``moves``: where this call's inputs lie, for those not where the kept chunks read them (the message's last
+    field)."""
     if slot is None or plan.real_gpu:  # the full path: page-locked inputs, a stream of its own
-        return _compute(program, device, chunk.at(shifts), slot)
-    work = chunk.inputs(shifts)
+        return _compute(program, device, chunk.at(moves), slot)
+    work = chunk.inputs(moves)
     # rows (_with_rows): None, [] where no output lies in memory, else _Rows, with their views and size
     if rows and program.takes_out:
         out = rows.views if rows.views is not None else slot.views(rows)
