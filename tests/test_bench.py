@@ -139,7 +139,7 @@ def test_percall_benchmarks_time_every_form_against_the_pipe_round_trip():
     out = run_percall_benchmarks(calls=20, sets=20, say=lambda line: None)
     ray = {"ray tasks + get"} & set(out["rows"])  # an optional peer, where Ray is installed
     assert set(out["rows"]) - ray == {"pipe round trip", "dsched.dispatch", "dsched.dispatch, no lane spin",
-                                      "WorkDispatcher.run",
+                                      "dsched.dispatch, steps of a shared history", "WorkDispatcher.run",
                                       "dsched.dispatch, dashboard on", "Batch update + get", "dask submit + gather",
                                       "dsched.submit + result", "TrialState trial + commit"}
     assert all(us > 0 for us in out["rows"].values()) and out["ratios"]["pipe round trip"] == 1.0

@@ -33,7 +33,7 @@ def client(process_client):
     from dsched.devices.ownership import has_dashboard
     from dsched.observe.collect import open_collectors
 
-    assert not has_dashboard(process_client), f"{process_client.scheduler.address} is taken for a dashboard's"
+    assert not has_dashboard(process_client), f"{process_client.scheduler.address}: believed to have the dashboard"
     assert not open_collectors(), f"run_reports blocks left open: {open_collectors()}"
     assert setting("replay", True), dask.config.get("dsched", {})
     return process_client
@@ -252,7 +252,7 @@ def test_a_feed_that_let_go_of_the_plan_is_sent_its_chunks_again_on_the_same_lan
 
 def test_steps_of_a_history_in_shared_memory_replay_one_placement_read_further_along(client, runs):
     """A solver's step ``k`` and step ``k - 1`` of a history it keeps in shared memory, both views of one segment:
-    every call replays the placement the first replay kept, its inputs read that many bytes further (no new
+    every call replays the placement the first replay kept, its inputs read where they lie now (no new
     placement, no chunks sent again), and the results are those of NumPy at every step."""
     history = dsched.shared_empty((12, 400, 2))
     history[...] = np.arange(12 * 800.0).reshape(12, 400, 2) ** 1.5

@@ -453,22 +453,6 @@ class SharedWork:
             return self.payload.resolve(pinned)
         return {k: (v.resolve(pinned) if isinstance(v, SliceRef) else v) for k, v in self.payload.items()}
 
-    def moved(self, moves: dict) -> SharedWork:
-        """This work with the arrays of ``moves`` (``{key: (segment token, offset)}``; key ``None`` for an array
-        loader's one array) read where they lie now: the same rows of an array of the same shape elsewhere in
-        shared memory (a solver's step ``k`` of a history, or the state its last call returned, where a replay
-        kept the chunks of another)."""
-        if isinstance(self.payload, SliceRef):
-            return SharedWork(_moved(self.payload, moves[None])) if None in moves else self
-        return SharedWork({k: _moved(v, moves[k]) if k in moves else v for k, v in self.payload.items()})
-
-
-def _moved(piece: SliceRef, where) -> SliceRef:
-    ref = piece.ref
-    token, offset = where
-    return SliceRef(ArrayRef(token, ref.shape, ref.dtype, ref.pid, True, offset), piece.axis, piece.start, piece.stop,
-                    piece.template)
-
 
 class SealedWork:
     """A chunk's work pickled by the client and opened by the chunk itself, on its worker.

@@ -18,7 +18,7 @@ import pickle
 import numpy as np
 
 from dsched.dataplane.pinned import is_real_gpu
-from dsched.dataplane.store import SharedWork, SliceRef, resolve_work
+from dsched.dataplane.store import ArrayRef, SharedWork, SliceRef, resolve_work
 from dsched.devices.context import enter_device, is_emulated_here, leave_device
 from dsched.devices.device import Device
 from dsched.worker.chunk import PROGRAMS_KEPT, ProgramRef, _compute
@@ -45,7 +45,7 @@ class _KeptChunk:
         """The chunk's inputs as its model sees them. Read-only NumPy views of the plan's input segment stay valid
         from call to call (the dispatcher rewrites the segment); torch inputs are private copy-on-write mappings
         a model may write into, so they are made again for each call. ``moves``: where this call's inputs lie,
-        for those not where the kept chunks read them (:meth:`~dsched.dataplane.store.SharedWork.moved`); resolved
+        for those not where the kept chunks read them (:func:`_moved_work`); resolved
         for this call only."""
         if moves:
             return resolve_work(self.at(moves))
@@ -58,7 +58,7 @@ class _KeptChunk:
 
     def at(self, moves):
         """The chunk's work for a call whose inputs of ``moves`` lie elsewhere in shared memory."""
-        return self.work.moved(moves) if moves and isinstance(self.work, SharedWork) else self.work
+        return _moved_work(self.work, moves) if moves and isinstance(self.work, SharedWork) else self.work
 
 
 class _KeptPlan:
@@ -175,6 +175,21 @@ def run_kept(program, device, chunk, slot, rows, plan, moves=None):
     finally:
         leave_device(token)
     return slot.write(result, device, rows=rows)
+
+
+def _moved_work(work: SharedWork, moves: dict) -> SharedWork:
+    """``work`` with the arrays of ``moves`` (``{key: (segment token, offset)}``; key ``None`` for an array
+    loader's one array) read where they lie now: the same rows of an array of the same shape elsewhere in shared
+    memory (a solver's step ``k`` of a history, or the state its last call returned)."""
+    if isinstance(work.payload, SliceRef):
+        return SharedWork(_moved(work.payload, moves[None])) if None in moves else work
+    return SharedWork({k: _moved(v, moves[k]) if k in moves else v for k, v in work.payload.items()})
+
+
+def _moved(piece: SliceRef, where) -> SliceRef:
+    ref, (token, offset) = piece.ref, where
+    return SliceRef(ArrayRef(token, ref.shape, ref.dtype, ref.pid, True, offset), piece.axis, piece.start, piece.stop,
+                    piece.template)
 
 
 def _nbytes(rows) -> int:

@@ -47,7 +47,7 @@ __all__ = ["Bell", "LaneServer", "lane_server", "lane_directory", "dumps", "load
 
 CHUNKS, STOP, DONE, ENDED = "chunks", "stop", "done", "ended"
 # A replayed plan's chunks, kept and run; a kept plan run again (dsched.worker.kept). Either may end with where
-# inputs lie that the kept chunks read elsewhere (SharedWork.moved).
+# inputs lie that the kept chunks read elsewhere (dsched.worker.kept).
 KEEP, AGAIN = "keep", "again"
 FORGOTTEN = "forgotten"  # the answer to an "again" of a plan the feed no longer keeps
 _RETRY_SECONDS = 0.05  # the accept thread's pause after a failed accept (not a handshake refused)
