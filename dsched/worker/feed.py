@@ -540,7 +540,7 @@ class _Runner:
         if kind == lanes.CHUNKS:
             self._run_all([(index, None, work, slot) for index, work, slot in message[2]])
             return
-        plan_id, payload, moves = message[2], message[3], (message[4] if len(message) > 4 else None)  # run_kept's
+        plan_id, payload, moves = message[2], message[3], (message[4] if len(message) > 4 else None)  # moved inputs
         plan = inbox.kept.keep(plan_id, payload, self.device) if kind == lanes.KEEP else inbox.kept.get(plan_id)
         if plan is None:  # a plan this feed let go of (it keeps kept.PLANS_KEPT): the client sends it again
             inbox.reply((lanes.FORGOTTEN, plan_id))

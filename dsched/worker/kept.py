@@ -13,12 +13,13 @@ write of its result, and one small message each way.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import pickle
 
 import numpy as np
 
 from dsched.dataplane.pinned import is_real_gpu
-from dsched.dataplane.store import ArrayRef, SharedWork, SliceRef, resolve_work
+from dsched.dataplane.store import SharedWork, SliceRef, resolve_work
 from dsched.devices.context import enter_device, is_emulated_here, leave_device
 from dsched.devices.device import Device
 from dsched.worker.chunk import PROGRAMS_KEPT, ProgramRef, _compute
@@ -45,8 +46,7 @@ class _KeptChunk:
         """The chunk's inputs as its model sees them. Read-only NumPy views of the plan's input segment stay valid
         from call to call (the dispatcher rewrites the segment); torch inputs are private copy-on-write mappings
         a model may write into, so they are made again for each call. ``moves``: where this call's inputs lie,
-        for those not where the kept chunks read them (:func:`_moved_work`); resolved
-        for this call only."""
+        for those not where the kept chunks read them (:func:`_moved_work`); resolved for this call only."""
         if moves:
             return resolve_work(self.at(moves))
         if self.resolved is not None:
@@ -187,9 +187,8 @@ def _moved_work(work: SharedWork, moves: dict) -> SharedWork:
 
 
 def _moved(piece: SliceRef, where) -> SliceRef:
-    ref, (token, offset) = piece.ref, where
-    return SliceRef(ArrayRef(token, ref.shape, ref.dtype, ref.pid, True, offset), piece.axis, piece.start, piece.stop,
-                    piece.template)
+    token, offset = where
+    return dataclasses.replace(piece, ref=dataclasses.replace(piece.ref, token=token, shared=True, offset=offset))
 
 
 def _nbytes(rows) -> int:
