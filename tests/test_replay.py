@@ -76,8 +76,8 @@ def test_dispatch_in_a_solver_loop_replays_with_its_outputs_fed_back(client, run
     np.testing.assert_array_equal(state, expected)
     np.testing.assert_array_equal(weight, w)
     assert len(runs["replay"]) == 6
-    # The state each call returned lies in another output segment: read there, with the first replay's chunks.
-    assert len(runs["replay"][-1].plan.inputs_kept) == 1
+    # The state each call returned lies in another output segment: read there, with a kept placement's chunks.
+    assert len(runs["replay"][-1].plan.inputs_kept) == replay.INPUTS_KEPT
 
 
 def test_inputs_of_alternating_layouts_each_keep_their_path_and_replay(client, runs):
@@ -252,8 +252,8 @@ def test_a_feed_that_let_go_of_the_plan_is_sent_its_chunks_again_on_the_same_lan
 
 def test_steps_of_a_history_in_shared_memory_replay_one_placement_read_further_along(client, runs):
     """A solver's step ``k`` and step ``k - 1`` of a history it keeps in shared memory, both views of one segment:
-    every call replays the placement the first replay kept, its inputs read where they lie now (no new
-    placement, no chunks sent again), and the results are those of NumPy at every step."""
+    once the plan keeps its few placements, every call replays the latest, its inputs read where they lie now
+    (no new placement, no chunks sent again), and the results are those of NumPy at every step."""
     history = dsched.shared_empty((12, 400, 2))
     history[...] = np.arange(12 * 800.0).reshape(12, 400, 2) ** 1.5
     s = one_wave()
@@ -262,10 +262,11 @@ def test_steps_of_a_history_in_shared_memory_replay_one_placement_read_further_a
         np.testing.assert_array_equal(out, history[k] - history[k - 1])
     assert (len(runs["steady"]), len(runs["replay"])) == (1, 9)
     plan = runs["replay"][0].plan
-    assert all(r.plan is plan for r in runs["replay"]) and len(plan.inputs_kept) == 1
+    assert all(r.plan is plan for r in runs["replay"]) and len(plan.inputs_kept) == replay.INPUTS_KEPT
     token, start = plan.current.where[0]
     step = 400 * 2 * 8  # bytes between two steps of the history
-    assert plan.moves == {"args[0]": (token, start + 8 * step), "args[1]": (token, start + 7 * step)}
+    # The placements of steps 3, 4 and 5 (the first replays'); the last call, step 11, read in the latest.
+    assert plan.moves == {"args[0]": (token, start + 6 * step), "args[1]": (token, start + 5 * step)}
 
 
 def test_a_feed_that_forgot_the_plan_is_sent_it_with_where_this_call_s_inputs_lie(client, runs):
@@ -278,7 +279,8 @@ def test_a_feed_that_forgot_the_plan_is_sent_it_with_where_this_call_s_inputs_li
     assert all(client.run(_forget_kept_plans).values())
     for k in range(3, 6):
         np.testing.assert_array_equal(d.run(dsched.ArrayLoader(history[k])), 3 * history[k])
-    assert len(runs["replay"]) == 4 and len(d._steady.replay.inputs_kept) == 1
+    assert len(runs["replay"]) == 4 and len(d._steady.replay.inputs_kept) == replay.INPUTS_KEPT
+    assert d._steady.replay.moves is not None  # the last call read its input where it lies, in a kept placement
 
 
 def test_two_threads_running_one_dispatcher_each_get_their_own_results(client, runs):

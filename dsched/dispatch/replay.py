@@ -129,14 +129,15 @@ class ReplayPlan:
     def inputs(self, generator):
         """Place this run's inputs: copied into a segment of the plan's, or referenced where they lie in shared
         memory, as the chunks the feeds keep read them. A placement's chunks are kept under an id of their own:
-        a solver that swaps two states from step to step has two. Inputs referenced elsewhere than any kept
-        placement's (a solver's step ``k`` of a history in shared memory, or the state its last call returned)
-        take the latest placement that references the same inputs: the feeds read them where they lie now
-        (:attr:`moves`), and nothing is placed or sent again."""
+        a solver that swaps two states from step to step has two, each replayed exactly. Once
+        :data:`INPUTS_KEPT` are kept, inputs referenced elsewhere than any of them (a solver's step ``k`` of a
+        history in shared memory, or the state its last call returned) take the latest placement that references
+        the same inputs: the feeds read them where they lie now (:attr:`moves`), and nothing is placed or sent
+        again."""
         _, keys, arrays, _ = _inputs_of(generator)
         where = tuple(map(shared_location, arrays))
         kept = self.inputs_kept.get(where)
-        if kept is None:
+        if kept is None and len(self.inputs_kept) >= INPUTS_KEPT:
             referenced = tuple(w is not None for w in where)
             kept = next((k for k in reversed(self.inputs_kept.values()) if k.referenced == referenced), None)
         if kept is not None and not kept.same_whole(generator):  # a value passed whole changed (a parameter)
