@@ -152,23 +152,38 @@ def test_unknown_speeds_first_and_second_run(tmp_path):
     assert 4_000_000 / wall / ideal(HYBRID, SECONDS) >= 0.97
 
 
-def test_samples_are_the_smaller_of_worker_seconds_and_completion_intervals():
+def test_samples_are_the_worker_seconds_even_when_two_ends_are_heard_at_once():
     clock = Clock()
     s = PerformanceModelScheduler(["cuda:0"], costs={"cuda:0": SaturationFit(0.01, 10000.0, 0, True)}, clock=clock)
     s.begin_run(100_000)
+    device, n = s.schedule_work()
+    s.dispatched_work(device, n)
+    clock.now += 0.020
+    s.completed_work("cuda:0", n)
+    s.observe("cuda:0", n, 0.020)  # a first sample: discarded (it pays for imports and caches)
     for _ in range(2):
         device, n = s.schedule_work()
         s.dispatched_work(device, n)
-    clock.now += 0.020
-    s.completed_work("cuda:0", 20000)
-    s.observe("cuda:0", 20000, 0.020)
-    clock.now += 0.020  # the second chunk waited 20 ms on its worker behind the first: its worker says 40 ms
-    s.completed_work("cuda:0", 20000)
-    s.observe("cuda:0", 20000, 0.040)
+    clock.now += 0.040  # the client was busy: it reads both replies at once, 0.1 ms apart
+    for _ in range(2):
+        s.completed_work("cuda:0", 20000)
+        s.observe("cuda:0", 20000, 0.020)  # each took 20 ms on the device (the dispatcher's service_seconds)
+        clock.now += 0.0001
     calibration = s.calibration("cuda:0")
-    assert calibration.seen == 2 and calibration.samples == 1
-    assert calibration.fit.seconds(20000) == pytest.approx(0.020)  # the prior still rules: not calibrated
-    assert list(calibration._by_size[20000.0]) == [pytest.approx(0.020)]  # 40 ms at the worker, 20 ms between ends
+    assert calibration.seen == 3 and calibration.samples == 2  # the first is discarded
+    assert list(calibration._by_size[20000.0]) == [pytest.approx(0.020)] * 2  # not the 0.1 ms between the ends
+
+
+def test_without_the_hook_the_intervals_between_completions_are_the_samples():
+    clock = Clock()
+    s = PerformanceModelScheduler(["cuda:0"], costs={"cuda:0": SaturationFit(0.01, 10000.0, 0, True)}, clock=clock)
+    s.begin_run(100_000)
+    for _ in range(3):
+        device, n = s.schedule_work()
+        s.dispatched_work(device, n)
+        clock.now += 0.020
+        s.completed_work("cuda:0", n)
+    assert list(s.calibration("cuda:0")._by_size[20000.0]) == [pytest.approx(0.020)]  # first discarded, last pending
 
 
 def test_plan_is_the_policy_in_predicted_time():

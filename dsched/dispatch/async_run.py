@@ -23,7 +23,7 @@ from dsched.dispatch.completion import DeviceWatch, Mailbox, current_cancellatio
 from dsched.dispatch.feeds import FeedOutcome, Feeds, FeedTicket, LaneLost
 from dsched.errors import ChunkTimeoutError
 from dsched.names import ITEMS_ANNOTATION, is_feed_key
-from dsched.observe.report import ChunkRecord
+from dsched.observe.report import ChunkRecord, service_seconds
 from dsched.worker.chunk import InFlight, PackError, run_chunk, run_pack
 
 __all__ = ["AsyncRun", "TICK_SECONDS", "TaskSender", "distinct", "record_dispatch"]
@@ -81,6 +81,7 @@ class AsyncRun:
         self.failed = False
         self.watch = DeviceWatch(client, workers=cluster["workers"])
         self.observe = getattr(self.scheduler, "observe", None)  # a policy that learns from chunk timings
+        self.last_stops = {}  # (worker, device) -> its latest chunk's end: what service_seconds reads
         self.tasks = TaskSender(client, program, run_id, self.watch, self.done.put, learns=self.observe is not None)
         self.threads = device_threads(client, cluster["workers"])  # chunks of a device that can run at once
         self.feeds = self._feeds(cluster)
@@ -255,7 +256,7 @@ class AsyncRun:
             record.error = error
             self.data.failed(record)
         elif self.observe is not None and record.stop > record.start:
-            self.observe(record.device, record.size, record.stop - record.start)
+            self.observe(record.device, record.size, service_seconds(record, self.last_stops))
         self.observers.chunk_completed(record)
         return error is not None
 

@@ -46,6 +46,7 @@ from dsched.dispatch.lanes import WINDOW, program_to_send
 from dsched.dispatch.parking import _park, _running, _state, _take_parked, tell_parked_later
 from dsched.names import is_feed_key
 from dsched.observe.dashboard.client import tell_page
+from dsched.observe.report import service_seconds
 from dsched.worker import lane as wire
 from dsched.worker.lane import Bell, look
 
@@ -146,6 +147,7 @@ class SteadyRun:
         self.events = [] if run_id is not None and has_dashboard(client) else None
         self.scheduler, self.program, self.next_chunk, self.observers = scheduler, program, next_chunk, observers
         self.observe = getattr(scheduler, "observe", None)  # a policy that learns from chunk timings
+        self.last_stops = {}  # (worker, device) -> its latest chunk's end: what service_seconds reads
         self.in_flight = {}  # record index -> (record, feed), sent and not yet answered
         self.undone = []  # records of chunks not run here: the full run takes their rows
         self.failed = False
@@ -298,7 +300,7 @@ class SteadyRun:
             record.error, self.failed = value, True
             self.data.failed(record)
         elif self.observe is not None and record.stop > record.start:
-            self.observe(record.device, record.size, record.stop - record.start)
+            self.observe(record.device, record.size, service_seconds(record, self.last_stops))
 
     def _event(self, phase, record, feed) -> tuple:
         """A chunk event for the page (:data:`~dsched.names.CHUNK_EVENT_TOPIC`'s fields)."""

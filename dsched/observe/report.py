@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import socket
 import statistics
 from dataclasses import dataclass, field
@@ -9,7 +10,7 @@ from typing import NamedTuple
 
 from dsched.devices.device import Device
 
-__all__ = ["ChunkRecord", "RunReport", "DeviceOnHost", "worker_host", "relative_error", "median_relative_error"]
+__all__ = ["ChunkRecord", "service_seconds", "RunReport", "DeviceOnHost", "worker_host", "relative_error", "median_relative_error"]
 
 
 @dataclass
@@ -42,6 +43,31 @@ class ChunkRecord:
         if self.predicted is None or self.error is not None or self.stop <= self.start:
             return None
         return relative_error(self.predicted, self.duration)
+
+
+def service_seconds(record: ChunkRecord, last_stops: dict) -> float:
+    """The seconds ``record``'s device spent on it, on its worker's clock: from its start, or from the end of the
+    chunk before it on the same worker and device if it waited behind that one (two in flight on one device).
+
+    ``last_stops`` is the run's ``{(worker, device): latest end}``, updated here. The worker's own clock, not
+    when the client heard of each end: a client that reads two replies at once (busy, on a shared core) would see
+    a device finish a chunk in no time, and a policy learning from that would size its next chunk a hundred
+    times too large.
+
+    Examples
+    --------
+    >>> last = {}
+    >>> first = ChunkRecord(0, Device("cpu"), 10, "w", start=0.0, stop=2.0)
+    >>> queued = ChunkRecord(1, Device("cpu"), 10, "w", start=0.5, stop=4.0)  # waited behind the first
+    >>> service_seconds(first, last), service_seconds(queued, last)
+    (2.0, 2.0)
+    """
+    key = (record.worker, record.device)
+    before = last_stops.get(key, -math.inf)
+    last_stops[key] = max(before, record.stop)
+    if before > record.stop:  # heard after a chunk that ended later: its own start is all it tells
+        return record.stop - record.start
+    return record.stop - max(record.start, before)
 
 
 @dataclass

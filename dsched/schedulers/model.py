@@ -25,12 +25,13 @@ kept per host, model and hardware between runs. From the models:
 A device with no model yet is explored: chunks of ``start_batch`` items,
 doubling with every sample until a chunk takes half of ``chunk_seconds``.
 
-Samples: ``observe(device, n, seconds)`` (called by the dispatcher with the
-seconds a chunk ran on its worker) and the interval between the device's
-completions seen here. The smaller of the two is the sample: a chunk that
-queued on its worker behind another (two in flight on one device) reports
-its wait too, while the interval between completions of a busy device is
-its service time.
+Samples: ``observe(device, n, seconds)``, called by the dispatcher with the
+seconds the device spent on a chunk, on its worker's clock (from the end of
+the chunk before it, if it waited behind that one: two in flight on one
+device; :func:`~dsched.observe.report.service_seconds`). A dispatcher
+without the hook leaves the interval between the device's completions seen
+here, which a client that reads two replies at once shortens to nothing:
+the worker's clock is the one to trust.
 """
 
 from __future__ import annotations
@@ -279,16 +280,16 @@ class PerformanceModelScheduler(WorkScheduler):
             self._maybe_save()
 
     def observe(self, device, n, seconds) -> None:
-        """A chunk of ``n`` items ran ``seconds`` on ``device``'s worker (called after ``completed_work``)."""
+        """``device`` spent ``seconds`` on a chunk of ``n`` items, on its worker's clock (called after
+        ``completed_work``): the sample, in place of the interval between completions seen here."""
         with self._lock:
             self._hooked = True
             lane = self._lanes.get(Device(device))
             if lane is None:
                 return
-            for i, (size, interval) in enumerate(lane.pending):
+            for i, (size, _interval) in enumerate(lane.pending):
                 if size == n:
                     del lane.pending[i]
-                    seconds = min(seconds, interval) if interval > 0 else seconds
                     break
             self._sample(lane, int(n), float(seconds))
             self._maybe_save()
