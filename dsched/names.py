@@ -12,7 +12,7 @@ from __future__ import annotations
 __all__ = [
     "RESOURCE_PREFIX", "EMULATED_RESOURCE",
     "DASHBOARD_PLUGIN", "PLACEMENT_PLUGIN", "DEVICE_WORKER_PLUGIN", "FEED_WORKER_PLUGIN", "WORKER_METRICS_PLUGIN",
-    "CHUNK_EVENT_TOPIC", "PLACEMENT_EVENT_TOPIC", "PREDICTION_EVENT_TOPIC", "RUN_EVENT_TOPIC",
+    "CHUNK_EVENT_TOPIC", "PLACEMENT_EVENT_TOPIC", "PREDICTIONS", "RUN_EVENT_TOPIC",
     "ITEMS_ANNOTATION", "DEVICE_ANNOTATION", "RELAXED_ANNOTATION",
     "FEED_KEY_MARK", "is_feed_key", "SEGMENT_PREFIX", "CHUNK_BATCH_TOPIC", "RUN_TOTAL",
 ]
@@ -43,8 +43,9 @@ RUN_TOTAL = "run-total"
 PLACEMENT_EVENT_TOPIC = "dsched-placement"
 #: (client id, total items[, run id]) of a run about to start, sent by the client: the page's progress and ETA
 RUN_EVENT_TOPIC = "dsched-runs"
-#: (device, worker, predicted, measured) chunk times of a performance-model run, sent by the client
-PREDICTION_EVENT_TOPIC = "dsched-predictions"
+#: the first field of ``(PREDICTIONS, run id, client id, [(device, worker, predicted s, measured s), ...])``
+#: among a batch's events: a performance-model run's chunk times, as its client paired them
+PREDICTIONS = "predictions"
 
 # --- task annotations ----------------------------------------------------------
 #: a chunk task's item count, where it differs from its resource request

@@ -123,11 +123,12 @@ class AsyncRun:
                     break
                 record, work = self._dispatched(*chunk)
                 device = self.watch.where(record.device)
-                if self.feeds is not None and self.feeds.serves(device) and self.feeds.on_lane(device):
+                if self.feeds is not None and self.feeds.started(device) and self.feeds.serves(device) \
+                        and self.feeds.on_lane(device):
                     self._feed(device, [(record, work)])  # at once: its worker starts while the next is scheduled
                 else:
                     groups[device].append((record, work))
-            if self.feeds is not None:  # every device's feeds at once: one round trip for the parked ones
+            if self.feeds is not None:  # every new device's feeds at once: their tasks and lanes start together
                 self.feeds.start(list(groups))
             for device, chunks in groups.items():
                 self._submit(device, chunks)

@@ -152,6 +152,7 @@ class _Feed:
     owner: object = None  # the run's Feeds it serves; None while parked or after its run
     chunk_seconds: float = float("inf")  # how long its recent chunks ran (unknown: as if long)
     lane: object = None  # its fast lane (dsched.dispatch.lanes), where its worker shares this file system
+    lane_due: bool = False  # started with a lane to open: opened just before its device's first chunks go
     # The dispatchers whose programs its worker keeps, the one it runs now last (dsched.dispatch.lanes.hold_program).
     programs: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
 
@@ -208,6 +209,10 @@ class Feeds(FastLanes):
         with _state.parked_lock:
             _running(client).add(self)  # told when a worker leaves (_worker_left)
 
+    def started(self, device) -> bool:
+        """Whether ``device``'s feeds were started (or taken from the parked ones) by this run."""
+        return device in self._feeds
+
     def serves(self, device) -> bool:
         """Whether ``device``'s chunks go to feeds: its workers share this host, and one of its feeds (started on
         its first chunk) still has its worker."""
@@ -227,6 +232,10 @@ class Feeds(FastLanes):
         feeds = self._feeds.get(device)
         if feeds is None:
             feeds = self._start(device)
+        for feed in feeds:
+            if feed.lane_due:  # the handshake waits for its worker: each device's, just before its chunks go
+                feed.lane_due = False
+                feed.lane = open_lane(self.client, feed.address, feed.id)
         # A feed lost since serves() was asked answers at once that it is: its chunks run again as tasks.
         feeds = [f for f in feeds if not f.lost] or feeds
         calls, by_lane, tickets = [], {}, []
@@ -421,21 +430,21 @@ class Feeds(FastLanes):
         Each feed holds its share of the worker's device resource, so that feeds
         keep the bound a worker's capacity sets on the items it runs at once.
         """
-        started = False
+        started = []
         for device, addresses in wanted.items():
             opened = self._lanes(device, addresses)
             self._feeds[device].extend(opened)  # known before anything can fail: an interrupted run cancels them
             for feed in opened:
                 if feed.future is None:
                     self._submit(feed, feed.id)
-                    started = True
-                    if self._fast_lane:  # opened after the task is on its way: its start and this overlap
-                        feed.lane = open_lane(self.client, feed.address, feed.id)
+                    started.append(feed)
                 else:  # parked: the run's program goes with its first chunks; no round trip before them
                     # Its task's notices come to this run from now on: one that retires gets its successor.
                     self._by_key[feed.future.key], feed.owner, feed.rearm = feed, self, True
         if started:  # new tasks: not held for the client's batch window (nor behind the subscriptions below)
             send_now(self.client)
+            for feed in started:  # every device's tasks on their way before any handshake: those overlap them
+                feed.lane_due = self._fast_lane
         for address in {a for addresses in wanted.values() for a in addresses}:
             watch_worker(self.client, address, _worker_left)
 

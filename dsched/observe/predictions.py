@@ -21,12 +21,16 @@ the policy's protocol, the transports or the tasks:
    ``(device, worker, predicted, measured)`` is queued for the scheduler;
    records that get their times only from the run's final gather are queued
    at ``run_finished``.
-3. The queue goes to the scheduler as a Dask event (``Client.log_event`` under
-   :data:`PREDICTION_EVENT_TOPIC`), at most every :data:`FLUSH_SECONDS` while the
-   run goes on and once at its end, before ``dispatch()`` returns. The dsched
-   dashboard plugin hears it in its ``log_event`` hook, as it hears the feeds'
-   chunk events, and keeps it per device and host (the ``/metrics``
-   families) and per run (the page's "predicted against measured" plot).
+3. The queue joins the run's page events (:func:`~dsched.observe.dashboard.client.tell_page`,
+   as ``(PREDICTIONS, run id, client id, pairs)``), at most every
+   :data:`FLUSH_SECONDS` while the run goes on and once at its end: a timer on
+   the client's event loop sends them to the scheduler, so the dispatching
+   thread never waits for it (a message answered through the event loop costs
+   a millisecond or more, in which no chunk is sent). The dsched dashboard
+   plugin hears them in its ``log_event`` hook, as it hears the feeds' chunk
+   events, and keeps them per device and host (the ``/metrics`` families) and
+   per run (the page's "predicted against measured" plot);
+   :func:`~dsched.observe.dashboard.client.flush_page` returns once it has.
 
 Not chosen: a task annotation (a feed's chunks are no tasks, and the scheduler
 would still miss the measured time), and the policy sending the pairs itself
@@ -42,18 +46,15 @@ predicts (:meth:`PredictionObserver.applies_to`).
 
 from __future__ import annotations
 
-import logging
 import time
 
 from dsched.devices.device import Device
-from dsched.names import PREDICTION_EVENT_TOPIC
+from dsched.names import PREDICTIONS
+from dsched.observe.dashboard.client import tell_page
 from dsched.observe.hooks import RunObserver
 
-__all__ = ["PredictionObserver", "PREDICTION_EVENT_TOPIC", "FLUSH_SECONDS"]
+__all__ = ["PredictionObserver", "PREDICTIONS", "FLUSH_SECONDS"]
 
-logger = logging.getLogger(__name__)
-
-#: the event topic of ``(run id, client id, [(device, worker address, predicted s, measured s), ...])``
 #: the least seconds between two events of one run
 FLUSH_SECONDS = 0.5
 
@@ -134,7 +135,4 @@ class PredictionObserver(RunObserver):
             return
         pairs, self._queue = self._queue, []
         client = self.run.client
-        try:
-            client.log_event(PREDICTION_EVENT_TOPIC, (self.run.run_id, client.id, pairs))
-        except Exception:  # a closing client: the scheduler's metrics miss these chunks, the run goes on
-            logger.debug("dsched: could not send %d predicted chunk times to the scheduler", len(pairs), exc_info=True)
+        tell_page(client, [(PREDICTIONS, self.run.run_id, client.id, pairs)])

@@ -10,7 +10,8 @@ from typing import NamedTuple
 
 from dsched.devices.device import Device
 
-__all__ = ["ChunkRecord", "service_seconds", "RunReport", "DeviceOnHost", "worker_host", "relative_error", "median_relative_error"]
+__all__ = ["ChunkRecord", "service_seconds", "RunReport", "DeviceOnHost", "worker_host", "relative_error",
+           "median_relative_error"]
 
 
 @dataclass

@@ -48,6 +48,7 @@ from dsched.names import (
     DASHBOARD_PLUGIN,
     EMULATED_RESOURCE,
     ITEMS_ANNOTATION,
+    PREDICTIONS,
     RESOURCE_PREFIX,
     RUN_EVENT_TOPIC,
     RUN_TOTAL,
@@ -56,7 +57,6 @@ from dsched.names import (
 from dsched.observe.dashboard.gpu import WORKER_METRICS_PLUGIN, add_to_workers
 from dsched.observe.dashboard.metrics import DURATION_BUCKETS, Histogram, PredictionStats, export, withdraw
 from dsched.observe.dashboard.routes import add_routes
-from dsched.observe.predictions import PREDICTION_EVENT_TOPIC
 from dsched.observe.report import median_relative_error, relative_error, worker_host
 
 __all__ = ["DashboardPlugin", "install", "register", "dask_setup", "PLUGIN_NAME"]
@@ -276,16 +276,15 @@ class DashboardPlugin(SchedulerPlugin):
 
     def log_event(self, topic, msg):
         """A chunk that a device feed (:mod:`dsched.feed`) started or finished, or the client's predictions."""
-        if topic == PREDICTION_EVENT_TOPIC:
-            self.predictions_heard(*msg)
-            return
         if topic == RUN_EVENT_TOPIC:  # a run's total, from its dispatcher: unless track_run announced it already
             self._run_total(*msg)
             return
-        if topic == CHUNK_BATCH_TOPIC:  # a client's page events (chunks on fast lanes, totals), off the hot path
+        if topic == CHUNK_BATCH_TOPIC:  # a client's page events (fast-lane chunks, totals, predictions): off the path
             for event in msg:
                 if event[0] == RUN_TOTAL:
                     self._run_total(*event[1:])
+                elif event[0] == PREDICTIONS:
+                    self.predictions_heard(*event[1:])
                 else:
                     self.log_event(CHUNK_EVENT_TOPIC, event)
             return
