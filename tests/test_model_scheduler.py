@@ -307,6 +307,10 @@ def test_bind_reads_the_models_of_the_workers_hosts(hybrid_client, tmp_path):
     assert s.identities[Device("cuda:0")] == DeviceIdentity(here, "cuda:0", True)
     assert s.estimates()[Device("cuda:0")] == SaturationFit(0.003, 3000.0, 0.0, True)
     assert s.estimates()[Device("cpu")] is None
+    # Every run binds its policy: on the cluster it is bound to, it asks the workers nothing and reads no file again.
+    save_costs("bound", DeviceIdentity(here, "cuda:0", True), "cuda:0", {"t0": 0.005, "n_star": 3000.0}, tmp_path)
+    s.bind(hybrid_client)
+    assert s.estimates()[Device("cuda:0")] == SaturationFit(0.003, 3000.0, 0.0, True)
 
 
 def test_runs_without_begin_run_and_one_after_another(hybrid_client):

@@ -40,6 +40,7 @@ import collections
 import math
 import threading
 import time
+import weakref
 
 from dsched.devices.device import Device, parse_device
 from dsched.schedulers.base import DeviceStatus, WorkScheduler, broadcast, build_status, check_positive_int
@@ -192,7 +193,7 @@ class PerformanceModelScheduler(WorkScheduler):
         given = _given_costs(costs, devices)
         self.model, self.profile_dir, self.save = model, profile_dir, bool(save)
         self._clock = clock
-        self.identities = _identities(devices, client) if model is not None else {}
+        self.identities, self._bound = _identities(devices, client) if model is not None else ({}, None)
         priors = dict(self._saved_priors(devices, self.identities)) if model is not None else {}
         priors.update(given)
         self._given = set(given)
@@ -222,9 +223,9 @@ class PerformanceModelScheduler(WorkScheduler):
         before ``dsched run`` connects): a device's saved model is its worker's,
         not this host's. Devices already calibrated keep their calibration.
         """
-        if self.model is None:
+        if self.model is None or _bound_to(self._bound, client):  # identified on that cluster already
             return
-        identities = _identities(list(self._lanes), client)
+        identities, self._bound = _identities(list(self._lanes), client)
         priors = dict(self._saved_priors(list(self._lanes), identities))
         with self._lock:
             self.identities = identities
@@ -500,7 +501,9 @@ def _given_costs(costs, devices) -> dict:
     return out
 
 
-def _identities(devices, client):
+def _identities(devices, client) -> tuple:
+    """``({Device: DeviceIdentity}, the cluster they were read on)``: on ``client``'s workers (``None``: the
+    default client's, if any; ``False``: here)."""
     if client is False:  # identify here, whatever client is current
         client = None
     elif client is None:
@@ -510,7 +513,22 @@ def _identities(devices, client):
             client = default_client()
         except (ImportError, ValueError):
             client = None
-    return device_identities(devices, client)
+    return device_identities(devices, client), _cluster_of(client)
+
+
+def _cluster_of(client):
+    """What :meth:`PerformanceModelScheduler.bind` remembers of the cluster it identified the devices on: the
+    client (weakly) and its scheduler's address; ``None`` without a client."""
+    if client is None:
+        return None
+    return weakref.ref(client), getattr(getattr(client, "scheduler", None), "address", None)
+
+
+def _bound_to(bound, client) -> bool:
+    """Whether ``bound`` (:func:`_cluster_of`) is ``client``'s cluster. Every run binds its policy: asking every
+    worker again would cost each run a round trip before its first chunk."""
+    return bound is not None and client is not None and bound[0]() is client and \
+        bound[1] == getattr(getattr(client, "scheduler", None), "address", None)
 
 
 def _tuned_fit(model, host, device, directory):
