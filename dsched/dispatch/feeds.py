@@ -1,32 +1,23 @@
 """Device feeds, the client's side: a run's chunks reach their worker straight from the client, one small message each.
 
-A chunk sent as its own Dask task costs a scheduler round trip: the graph
-update, the transitions, the worker's task state machine and the completion
-notice. On two cores that is about 5 ms of client CPU and 2 ms of worker CPU
-per chunk (``docs/benchmarks.md``), more than the J2 update of 32,768 points
-costs, and the client's CPU is taken from the workers.
+A chunk sent as its own Dask task costs a scheduler round trip: the graph update, the transitions, the worker's
+task state machine and the completion notice (``docs/benchmarks.md``). A *feed* pays that once per run and device
+thread: one Dask task (:func:`run_feed`) pinned to a device worker like a chunk, holding a share of the device's
+resource, that runs the chunks arriving in an inbox of its worker. The client sends each chunk's descriptor
+(references into the run's store and its output slot, a few hundred bytes) over the feed's fast lane
+(:mod:`dsched.dispatch.lanes`), else with a direct RPC over Dask's comms (TLS included); the reply is the chunk's
+outcome and timings. Nothing goes through the scheduler per chunk. A run's new feeds of every device start
+together, each device's lanes opened just before its first chunks go (a handshake waits for its worker).
 
-A *feed* pays that once per run and device thread. It is one Dask task
-(:func:`run_feed`) pinned to a device worker like a chunk, holding a share of
-the device's resource, that waits for chunks in an inbox of its worker. The
-client sends each chunk's descriptor (references into the run's store and
-its output slot, a few hundred bytes) with a direct RPC to that worker, over
-Dask's own comms (TLS included); the feed runs it, and the RPC's reply is
-the chunk's outcome and timings. Nothing goes through the scheduler per
-chunk. About 0.35 ms of client CPU and 0.2 ms of worker CPU per chunk.
+The scheduler still sees each feed as a task (dashboard task stream, worker restrictions, resources), and with
+the dashboard the per-device rows come from chunk events (``dsched-chunks``).
 
-The scheduler still sees each feed as a task (dashboard task stream, worker
-restrictions, resources), and with the dashboard the per-device rows come
-from chunk events (``dsched-chunks``).
-
-A worker that dies costs no more than the chunks it held. Its feeds are
-forgotten as soon as the client hears of it (a failed RPC, the scheduler's
-``remove-worker`` event on the worker's topic, or a run's look at the cluster
-each tick): their chunks run again as tasks (:mod:`dsched.dispatch`), a run's
-end never waits for them, and their tasks are released. Every message to a
-worker is bounded (Dask retries a refused connection for 30 s; a feed's worker
-that refuses is gone). As soon as a worker on this host owns the device again
-(a nanny's restart), the run starts feeds on it, so it takes its full share.
+A worker that dies costs no more than the chunks it held. Its feeds are forgotten as soon as the client hears of it
+(a failed RPC or lane, the scheduler's ``remove-worker`` event on the worker's topic, or a run's look at the cluster
+each tick): their chunks run again as tasks (:mod:`dsched.dispatch`), a run's end never waits for them, and their
+tasks are released. Every message to a worker is bounded (Dask retries a refused connection for 30 s; a feed's
+worker that refuses is gone). As soon as a worker on this host owns the device again (a nanny's restart), the run
+starts feeds on it, so it takes its full share.
 
 Devices are shared: several clients may run on the same workers at once.
 So a feed does not hold its thread for a whole run when others wait for the
