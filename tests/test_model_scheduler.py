@@ -311,6 +311,12 @@ def test_bind_reads_the_models_of_the_workers_hosts(hybrid_client, tmp_path):
     save_costs("bound", DeviceIdentity(here, "cuda:0", True), "cuda:0", {"t0": 0.005, "n_star": 3000.0}, tmp_path)
     s.bind(hybrid_client)
     assert s.estimates()[Device("cuda:0")] == SaturationFit(0.003, 3000.0, 0.0, True)
+    # A device no worker owns yet (cuda:1 here) is identified here, and every bind asks again (it may join).
+    wider = PerformanceModelScheduler(["cpu", "cuda:0", "cuda:1"], model="bound", profile_dir=tmp_path, client=False)
+    wider.bind(hybrid_client)
+    save_costs("bound", DeviceIdentity(here, "cuda:0", True), "cuda:0", {"t0": 0.007, "n_star": 3000.0}, tmp_path)
+    wider.bind(hybrid_client)
+    assert wider.estimates()[Device("cuda:0")] == SaturationFit(0.007, 3000.0, 0.0, True)
 
 
 def test_runs_without_begin_run_and_one_after_another(hybrid_client):

@@ -350,12 +350,13 @@ def _worker_identity(dask_worker=None):
     return str(device), dataclasses.asdict(identity)
 
 
-def device_identities(devices, client=None) -> dict:
+def device_identities(devices, client=None, unowned=None) -> dict:
     """``{Device: DeviceIdentity}``: read on the worker that owns each device, else here.
 
     With a ``client``, every worker reports its host and hardware; a device
     owned by several workers takes the first listed. Devices no worker owns
-    (or every device, without a client) are identified in this process.
+    (or every device, without a client) are identified in this process, and
+    added to the list ``unowned`` if one is given.
     """
     devices = [Device(d) for d in devices]
     found = {}
@@ -364,6 +365,8 @@ def device_identities(devices, client=None) -> dict:
         for _address, report in sorted(reports.items()):
             if report is not None:
                 found.setdefault(Device(report[0]), DeviceIdentity(**report[1]))
+    if unowned is not None:
+        unowned.extend(d for d in devices if placement_device(d) not in found)
     return {d: found.get(placement_device(d)) or device_identity(d) for d in devices}
 
 

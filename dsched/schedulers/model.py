@@ -502,8 +502,8 @@ def _given_costs(costs, devices) -> dict:
 
 
 def _identities(devices, client) -> tuple:
-    """``({Device: DeviceIdentity}, the cluster they were read on)``: on ``client``'s workers (``None``: the
-    default client's, if any; ``False``: here)."""
+    """``({Device: DeviceIdentity}, the cluster they were all read on, or None)``: on ``client``'s workers
+    (``None``: the default client's, if any; ``False``: here)."""
     if client is False:  # identify here, whatever client is current
         client = None
     elif client is None:
@@ -513,7 +513,10 @@ def _identities(devices, client) -> tuple:
             client = default_client()
         except (ImportError, ValueError):
             client = None
-    return device_identities(devices, client), _cluster_of(client)
+    unowned = []
+    identities = device_identities(devices, client, unowned)
+    # A device no worker owned yet was identified here: the next run asks again (its worker may have joined).
+    return identities, None if unowned else _cluster_of(client)
 
 
 def _cluster_of(client):
