@@ -52,8 +52,7 @@ def service_seconds(record: ChunkRecord, last_stops: dict) -> float:
 
     ``last_stops`` is the run's ``{(worker, device): latest end}``, updated here. The worker's own clock, not
     when the client heard of each end: a client that reads two replies at once (busy, on a shared core) would see
-    a device finish a chunk in no time, and a policy learning from that would size its next chunk a hundred
-    times too large.
+    a device finish a chunk in no time, and a policy learning from that would size its next chunk far too large.
 
     Examples
     --------
