@@ -223,7 +223,7 @@ class PerformanceModelScheduler(WorkScheduler):
         before ``dsched run`` connects): a device's saved model is its worker's,
         not this host's. Devices already calibrated keep their calibration.
         """
-        if self.model is None or _bound_to(self._bound, client):  # identified on that cluster already
+        if self.model is None or (self._bound is not None and self._bound == _cluster_of(client)):  # done there
             return
         identities, self._bound = _identities(list(self._lanes), client)
         priors = dict(self._saved_priors(list(self._lanes), identities))
@@ -521,17 +521,11 @@ def _identities(devices, client) -> tuple:
 
 def _cluster_of(client):
     """What :meth:`PerformanceModelScheduler.bind` remembers of the cluster it identified the devices on: the
-    client (weakly) and its scheduler's address; ``None`` without a client."""
+    client (weakly: equal while it lives) and its scheduler's address; ``None`` without a client. Every run binds
+    its policy: asking every worker again would cost each run a round trip before its first chunk."""
     if client is None:
         return None
     return weakref.ref(client), getattr(getattr(client, "scheduler", None), "address", None)
-
-
-def _bound_to(bound, client) -> bool:
-    """Whether ``bound`` (:func:`_cluster_of`) is ``client``'s cluster. Every run binds its policy: asking every
-    worker again would cost each run a round trip before its first chunk."""
-    return bound is not None and client is not None and bound[0]() is client and \
-        bound[1] == getattr(getattr(client, "scheduler", None), "address", None)
 
 
 def _tuned_fit(model, host, device, directory):
