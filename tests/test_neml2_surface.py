@@ -387,6 +387,52 @@ def test_the_calibration_example_fits_as_one_neml2_process_does(process_client):
     assert abs(across[-1] - calibrate.TRUE_YIELD) < 1e-6  # the truth, recovered
 
 
+def test_a_compiled_model_without_autograd_computes_its_values_in_the_rows_it_is_given():
+    """The chunk's output rows given (dispatch's ``out=``): the compiled graph writes the values there and they
+    come back as those very arrays; rows that do not fit, or values recorded for autograd, get arrays of their own."""
+    strain = np.random.default_rng(11).uniform(-4e-3, 4e-3, size=(30, 6))
+    with torch.no_grad():
+        expected = _numpy(_load(ELASTIC).call_by_name(_state({"strain": strain}))["stress"])
+    model = NEML2Model(ELASTIC, "model", compile=COMPILE, autograd=False)
+    values = model._operation("values")
+    rows = {"stress": np.full((30, 6), np.nan)}
+    assert values({"strain": strain}, out=rows)["stress"] is rows["stress"]
+    np.testing.assert_array_equal(rows["stress"], expected)
+    for name, unfit in [("short", {"stress": np.full((29, 6), np.nan)}),
+                        ("float32", {"stress": np.full((30, 6), np.nan, np.float32)}),
+                        ("read-only", {"stress": np.full((30, 6), np.nan)}),
+                        ("strided", {"stress": np.full((60, 6), np.nan)[::2]}),
+                        ("another name", {"strain": np.full((30, 6), np.nan)})]:
+        if name == "read-only":
+            unfit["stress"].flags.writeable = False
+        result = values({"strain": strain}, out=unfit)["stress"]
+        assert all(result is not array for array in unfit.values()), name
+        assert all(np.isnan(array).all() for array in unfit.values()), name  # left alone
+        np.testing.assert_array_equal(result, expected, err_msg=name)
+    recorded = NEML2Model(ELASTIC, "model", compile=COMPILE)._operation("values")  # autograd: NEML2's own call
+    rows = {"stress": np.full((30, 6), np.nan)}
+    assert recorded({"strain": strain}, out=rows)["stress"] is not rows["stress"] and np.isnan(rows["stress"]).all()
+
+
+def test_a_compiled_dispatch_without_autograd_equals_neml2_on_worker_processes(process_client):
+    """Through dispatch on worker processes (its chunks' output rows in shared memory): the same values as NEML2,
+    one graph per worker, none again at the next calls."""
+    strain = np.random.default_rng(12).uniform(-4e-3, 4e-3, size=(64, 6))
+    with torch.no_grad():
+        expected = _numpy(_load(ELASTIC).call_by_name(_state({"strain": strain}))["stress"])
+    model = NEML2Model(ELASTIC, "model", compile=COMPILE, autograd=False)
+    s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [32, 32])
+    start = model.compiled_graphs(process_client)
+    np.testing.assert_array_equal(model.dispatch({"strain": strain}, scheduler=s, client=process_client)["stress"],
+                                  expected)
+    first = model.compiled_graphs(process_client)
+    assert all(first[w] - start[w] <= 1 for w in first if w != "client"), (start, first)
+    for _ in range(2):
+        np.testing.assert_array_equal(model.dispatch({"strain": strain}, scheduler=s, client=process_client)["stress"],
+                                      expected)
+    assert model.compiled_graphs(process_client) == first
+
+
 # --- the bench's compiled rows ------------------------------------------------------
 
 

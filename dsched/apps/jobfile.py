@@ -48,7 +48,7 @@ from dsched.devices.device import UNLIMITED_CAPACITY, Device, parse_devices
 from dsched.checks import did_you_mean
 from dsched.models import get_model
 from dsched.models.imported import is_import_path
-from dsched.models.neml2 import graph_parameters
+from dsched.models.neml2_graph import graph_parameters
 from dsched.schedulers import PerformanceModelScheduler, SimpleScheduler, StaticHybridScheduler
 from dsched.schedulers.model import saved_costs_cover
 from dsched.schedulers.profiles import profile_settings
@@ -67,7 +67,7 @@ AUTO_PRIORITY = {"cpu": 1.0, "cuda": 2.0}
 
 _INT, _FLOAT, _BOOL, _STR = int, (int, float), bool, str
 _SCHEMA = {
-    # input, model, inputs and outputs: name = "neml2" only (dsched.models.neml2.graph_parameters)
+    # input, model, inputs and outputs: name = "neml2" only (dsched.models.neml2_graph.graph_parameters)
     # generator: name = "package.module:function" only (dsched.models.imported)
     "model": {"name": _STR, "tangent": _BOOL, "parameters": dict, "input": _STR, "model": _STR, "inputs": dict,
               "outputs": list, "generator": _STR},

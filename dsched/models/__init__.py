@@ -12,7 +12,8 @@ from dsched.checks import did_you_mean
 from dsched.models.imported import imported_fields, is_import_path
 from dsched.models.fe_material import FEMaterial
 from dsched.models.j2 import J2_INPUTS, J2Parameters, j2_chunk, j2_outputs, j2_update, loading_strain, write_j2_inputs
-from dsched.models.neml2 import NEML2ConvergenceError, NEML2Model, NEML2Parameters, neml2_chunk
+from dsched.models.neml2 import NEML2ConvergenceError, NEML2Model
+from dsched.models.neml2_graph import NEML2Parameters, neml2_chunk
 
 __all__ = [
     "FEMaterial",

@@ -35,9 +35,7 @@ round-robin when ranks outnumber devices and rejects idle devices: pass
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import os
 import uuid
 from pathlib import Path
 
@@ -51,10 +49,9 @@ from dsched.devices.per_thread import PerThread
 from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.dispatch.front import dispatch
 from dsched.errors import NEML2ConvergenceError, as_recoverable  # noqa: F401  (as_recoverable: its old home)
-from dsched.models.j2 import loading_strain
 from dsched.models.neml2_artifacts import Artifacts
-from dsched.models.neml2_engines import ArtifactEngine, NativeEngine, compile_options, compiled_graphs
-from dsched.models.neml2_evaluate import as_neml2_value, evaluate, kind_of, numpy_storage
+from dsched.models.neml2_engines import ArtifactEngine, NativeEngine, ValuesInto, compile_options, compiled_graphs
+from dsched.models.neml2_evaluate import as_neml2_value, evaluate, kind_of, numpy_storage, rows_to_compute_into
 from dsched.models.neml2_parameters import ParameterValues
 from dsched.models.neml2_surface import (
     COTANGENT,
@@ -68,8 +65,7 @@ from dsched.models.neml2_surface import (
 )
 from dsched.models.row_blocks import BLOCK, padded_sizes
 
-__all__ = ["NEML2Model", "NEML2ConvergenceError", "NEML2Parameters", "neml2_chunk", "graph_parameters",
-           "as_recoverable", "compiled_graphs"]
+__all__ = ["NEML2Model", "NEML2ConvergenceError", "as_recoverable", "compiled_graphs"]
 
 
 def _import_neml2():
@@ -257,10 +253,11 @@ class NEML2Model:
             return ArtifactEngine(AOTIModel(str(self.artifacts.root), device=str(torch_device),
                                             dtype=self.artifacts.dtype))
         model = _load(self.input, self.model, self.overrides).to(device=torch_device)
-        compiled = self.compile is not None and not eager
-        if compiled:
-            _import_neml2().compile(model, **self.compile)
-        return NativeEngine(model, compiled)
+        if self.compile is None or eager:
+            return NativeEngine(model)
+        into = ValuesInto(model.forward, self.compile)  # the forward before neml2.compile replaces it
+        _import_neml2().compile(model, **self.compile)
+        return NativeEngine(model, compiled=True, into=into)
 
     # --- parameters ------------------------------------------------------------------
 
@@ -319,10 +316,11 @@ class NEML2Model:
     def _default_operation(self):
         return "jacobian" if self.derivatives else "values"
 
-    def _evaluate_entries(self, operation, entries, params=None, *, sent=False, probe=False):
+    def _evaluate_entries(self, operation, entries, params=None, *, sent=False, probe=False, out=None):
         """``operation`` on a chunk's entries (inputs, tangents or cotangents, parameters: see
         :mod:`~dsched.models.neml2_surface`). ``sent``: the entries carry the parameters (a call's), else they are
-        this object's. ``probe``: evaluated eagerly, on the client."""
+        this object's. ``probe``: evaluated eagerly, on the client. ``out``: the chunk's output rows, which a
+        compiled model's values are computed into where they fit (then returned)."""
         import torch
 
         inputs, parameters, tangents, cotangents = split_entries(entries)
@@ -345,15 +343,20 @@ class NEML2Model:
         engine.use_parameters(parameters)
         neml2 = _import_neml2()
         recording = self.autograd or operation != "values"  # derivatives need the record whatever the option
+        # Values alone, NumPy's, and rows to hold them: a compiled engine computes them there (ValuesInto)
+        into = None if recording or kind != "numpy" else rows_to_compute_into(
+            out, {name: self.base_shapes[name] for name in self.all_output_names}, batch)
         try:
             with contextlib.nullcontext() if recording else torch.no_grad():
                 values, second = evaluate(
                     engine, operation, state, extra, params, batch=batch, device=device, block=self.block,
                     sizes=padded_sizes((self._token, str(device))) if engine.compiled else None,
                     outputs=self.output_names, allocate=numpy_storage if kind == "numpy" else None,
-                    keep_grad=self.keep_grad)
+                    keep_grad=self.keep_grad, into=into)
         except neml2.solvers.ConvergenceError as err:
             raise NEML2ConvergenceError(f"NEML2 model {self.model!r} ({self.input.name}): {err}") from None
+        if into is not None and values is into:  # computed in the chunk's output rows: nothing to convert
+            return into
         return self._results(operation, values, second, batch, kind)
 
     def _results(self, operation, values, second, batch, kind):
@@ -501,100 +504,3 @@ def _default_client():
         return default_client()
     except (ImportError, ValueError):
         return None
-
-
-# --- graph files ---------------------------------------------------------------
-
-STRAIN = "strain"  # the graph value that stands for each point's loading strain
-
-
-@dataclasses.dataclass(frozen=True)
-class NEML2Parameters:
-    """A graph's ``[model]`` for ``name = "neml2"``.
-
-    Parameters
-    ----------
-    input : str
-        The NEML2 input file (relative paths are from the graph file).
-    model : str
-        The model's name in the file.
-    inputs : dict
-        Every input variable: ``"strain"`` for each point's loading strain
-        (:func:`dsched.models.loading_strain`, a Mandel 6-vector as NEML2's
-        ``SR2``), or a number given to every point (all components of a
-        tensor variable).
-    outputs : list of str, optional
-        The outputs to keep; default all.
-    """
-
-    input: str
-    model: str
-    inputs: tuple = ()
-    outputs: tuple | None = None
-
-    def __post_init__(self):
-        inputs = dict(self.inputs)
-        for name, value in inputs.items():
-            if value != STRAIN and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ValueError(f"inputs.{name}: expected {STRAIN!r} or a number, got {value!r}")
-        object.__setattr__(self, "inputs", tuple(sorted(inputs.items())))
-        if self.outputs is not None:
-            object.__setattr__(self, "outputs", tuple(self.outputs))
-        model = _graph_model(self)  # loads the file: every name is checked before any work
-        model.check_inputs(inputs)
-
-
-_GRAPH_MODELS = {}  # NEML2Parameters -> NEML2Model, one per process
-
-
-def _graph_model(params: NEML2Parameters) -> NEML2Model:
-    model = _GRAPH_MODELS.get(params)
-    if model is None:
-        model = _GRAPH_MODELS[params] = NEML2Model(params.input, params.model, outputs=params.outputs)
-    return model
-
-
-def neml2_chunk(work, device, params: NEML2Parameters, *, tangent=False):
-    """A graph job's ``do_work``: the NEML2 model on points ``work`` (a slice), inputs made where it runs.
-
-    Returns a dict of NumPy arrays: the outputs, and with ``tangent`` the
-    Jacobian blocks as ``"d(output)/d(input)"``.
-    """
-    if not isinstance(work, slice) or work.stop is None:
-        raise ValueError(f"work must be a slice with a stop, got {work!r}")
-    points = np.arange(work.start or 0, work.stop, work.step or 1)
-    inputs = {name: loading_strain(points) if value == STRAIN else float(value) for name, value in params.inputs}
-    model = _graph_model(params)
-    if not tangent:
-        return model(inputs)
-    if not model.derivatives:
-        model = _GRAPH_MODELS[("tangent", params)] = _GRAPH_MODELS.get(("tangent", params)) or NEML2Model(
-            params.input, params.model, outputs=params.outputs, derivatives=True
-        )
-    outputs, derivatives = model(inputs)
-    for out, blocks in derivatives.items():
-        for inp, block in blocks.items():
-            outputs[f"d({out})/d({inp})"] = block
-    return outputs
-
-
-def graph_parameters(table: dict, source: str) -> dict:
-    """The :class:`NEML2Parameters` fields of a graph's ``[model]`` table (``input`` resolved against the graph's folder)."""
-    for key in ("input", "model", "inputs"):
-        if key not in table:
-            raise ValueError(f"model.{key}: required for name = 'neml2'")
-    if "parameters" in table:
-        raise ValueError("model.parameters: not used by name = 'neml2' (give inputs and outputs instead)")
-    path = Path(table["input"])
-    if not path.is_absolute() and os.path.isfile(source):
-        path = Path(source).resolve().parent / path
-    fields = {"input": str(path), "model": table["model"], "inputs": dict(table["inputs"])}
-    if "outputs" in table:
-        fields["outputs"] = list(table["outputs"])
-    try:
-        NEML2Parameters(**fields)  # loads the file once: every name checked before any cluster starts
-    except ImportError as err:
-        raise ValueError(f"model.name: {err}") from None
-    except ValueError as err:
-        raise ValueError(f"model.{err}") from None
-    return fields

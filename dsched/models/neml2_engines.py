@@ -16,6 +16,10 @@ Parameters reach an engine through :meth:`use_parameters` before each call
 own copy (NEML2's ``set_parameter``), an artifact passes them per call
 (``param_overrides``), so neither keeps a value the client no longer sends.
 
+A compiled native engine also writes values straight into arrays it is
+given (:class:`ValuesInto`): a chunk's output rows in shared memory, so that
+a compiled model's results are never copied after they are computed.
+
 Compilations are counted by torch's own counter: :func:`compiled_graphs`
 is the number of graphs ``torch.compile`` has built in this process.
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["OPERATIONS", "NativeEngine", "ArtifactEngine", "compile_options", "compiled_graphs"]
+__all__ = ["OPERATIONS", "NativeEngine", "ArtifactEngine", "ValuesInto", "compile_options", "compiled_graphs"]
 
 #: NEML2's sensitivity surface, as its multi-device ``DispatchedModel`` chunks it.
 OPERATIONS = ("values", "jacobian", "jvp", "param_jacobian", "param_vjp")
@@ -57,11 +61,41 @@ def compile_options(compile):
                      f"(but dynamic, which neml2.compile fixes), got {compile!r}")
 
 
-class NativeEngine:
-    """NEML2's own model on one device, eager or compiled (``compiled``: chunks are padded to few sizes)."""
+class ValuesInto:
+    """A compiled model's values computed into arrays given: its forward and the copy into them in one
+    ``torch.compile`` graph.
 
-    def __init__(self, model, compiled=False):
-        self.model, self.compiled = model, bool(compiled)
+    Inductor then stores each result where the copy would have put it (the
+    chunk's output rows), so the values are written once, by the model's own
+    kernels, instead of computed into fresh memory and copied after: for a
+    cheap model (linear elasticity) the copy cost as much as the model.
+    ``forward`` is the model's own, before ``neml2.compile`` replaced it;
+    ``options`` are ``neml2.compile``'s keywords (``dynamic`` fixed off, as
+    there).
+    """
+
+    def __init__(self, forward, options):
+        import torch
+
+        def values_into(args, outs):
+            result = forward(*args)
+            for out, value in zip(outs, result if isinstance(result, tuple) else (result,)):
+                out.copy_(value.data)  # an unbatched value broadcasts over the rows
+
+        self._compiled = torch.compile(values_into, **{"fullgraph": False, **options, "dynamic": False})
+
+    def __call__(self, args, outs) -> None:
+        """Write the values of ``args`` (the inputs, typed, in the model's order) into ``outs`` (tensors, in the
+        outputs' order), gradients off."""
+        self._compiled(tuple(args), tuple(outs))
+
+
+class NativeEngine:
+    """NEML2's own model on one device, eager or compiled (``compiled``: chunks are padded to few sizes; ``into``:
+    its :class:`ValuesInto`)."""
+
+    def __init__(self, model, compiled=False, into=None):
+        self.model, self.compiled, self.into = model, bool(compiled), into
         self.input_spec, self.output_spec = dict(model.input_spec), dict(model.output_spec)
         self.defaults = {name: p.detach().clone() for name, p in model.named_parameters()}
         self._applied = {}  # the parameters set to something else than the file's value: name -> value
@@ -103,7 +137,7 @@ class ArtifactEngine:
     """An AOTI artifact's leaf for one device and dtype (``neml2.aoti.AOTIModel``): batch sizes are dynamic,
     so no chunk is padded."""
 
-    compiled = False
+    compiled, into = False, None
 
     def __init__(self, model):
         self.model, self.inner = model, model._inner

@@ -3,7 +3,9 @@
 On a CPU, a chunk is evaluated in blocks of rows (:mod:`dsched.models.row_blocks`):
 equal blocks for an eager model, fixed pieces padded to a size already
 compiled for a compiled one. Per-item results are joined along the batch;
-``param_vjp`` is summed over the blocks in block order.
+``param_vjp`` is summed over the blocks in block order. A compiled model's
+values computed in one piece go straight into the chunk's output rows where
+dispatch hands them over (:func:`rows_to_compute_into`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dsched.devices import backends
 from dsched.models.neml2_surface import ordered_sum
 from dsched.models.row_blocks import joined, padded, pieces, rows_of, spans, unpadded
 
-__all__ = ["evaluate", "as_neml2_value", "kind_of", "numpy_storage"]
+__all__ = ["evaluate", "as_neml2_value", "kind_of", "numpy_storage", "rows_to_compute_into"]
 
 
 def kind_of(values) -> str:
@@ -52,6 +54,19 @@ def as_neml2_value(value, variable_type, device, torch):
     return variable_type(value if value.device == device else value.to(device))
 
 
+def rows_to_compute_into(out, base_shapes, batch):
+    """``out`` (a chunk's output rows by name, or ``None``) if a compiled model can compute its values there:
+    every output of the model (``base_shapes``) in it, each a writable, C-contiguous float64 ``(rows, *base)``
+    array for the chunk's one batch axis ``batch`` (the layout the graph is compiled for); else ``None``."""
+    if not isinstance(out, dict) or set(out) != set(base_shapes) or len(batch) != 1:
+        return None
+    for name, array in out.items():
+        if (type(array) is not np.ndarray or array.dtype != np.float64 or not array.flags.writeable
+                or not array.flags.c_contiguous or array.shape != (batch[0], *base_shapes[name])):
+            return None
+    return out
+
+
 def _bounds(engine, rows, device, block):
     if engine.compiled:  # fixed pieces on a CPU, the whole chunk elsewhere: padded to few sizes
         return pieces(rows, block if device.type == "cpu" else None)
@@ -59,14 +74,16 @@ def _bounds(engine, rows, device, block):
 
 
 def evaluate(engine, operation, state, extra, params, *, batch, device, block, sizes, outputs, allocate=None,
-             keep_grad=False):
+             keep_grad=False, into=None):
     """``(values, second)`` of ``operation`` over the chunk's points, as the engine returns them for one call.
 
     ``state`` and ``extra`` (tangents or cotangents) are NEML2 values on
     ``device``; ``batch`` is their broadcast batch shape. ``sizes`` is the
     :class:`~dsched.models.row_blocks.PaddedSizes` of a compiled engine.
     ``outputs``: the outputs joined across blocks; ``allocate(shape, dtype)``
-    makes the joined storage.
+    makes the joined storage. ``into``: NumPy arrays, one per output of the
+    model, that a compiled engine's values may be computed into (the
+    chunk's output rows); the values are then those arrays.
     """
     if len(batch) != 1:
         return engine.run(operation, state, extra, params)
@@ -74,6 +91,10 @@ def evaluate(engine, operation, state, extra, params, *, batch, device, block, s
     bounds = _bounds(engine, rows, device, block)
     # One block that needs no padding (a compiled model at its own size: its steady call): the chunk as it is
     if len(bounds) == 1 and (not engine.compiled or sizes.size(rows) == rows):
+        if into is not None and engine.into is not None and operation == "values":
+            engine.into([state[name] for name in engine.input_spec],
+                        [backends.TORCH.from_host(into[name], None) for name in engine.output_spec])
+            return into, None
         return engine.run(operation, state, extra, params)
     parts = []
     for start, stop in bounds:

@@ -188,7 +188,7 @@ def model_overrides(scenario, points) -> tuple:
 
 
 def run_neml2_driver(scenario, histories, *, chunks=None, threads=None, per_step=False, compile=None,
-                     artifacts=None):
+                     artifacts=None, grad=True):
     """NEML2's ``TransientDriver`` over ``histories``: ``{output: final value}`` (NumPy) and each chunk's seconds.
 
     ``chunks`` (a list of point counts) runs the driver once per chunk of
@@ -201,7 +201,9 @@ def run_neml2_driver(scenario, histories, *, chunks=None, threads=None, per_step
     ``neml2.compile`` options) compiles the model first, as NEML2's users do
     (the first call of each chunk size compiles: warm it up before timing);
     ``artifacts`` drives an AOTI artifact root's ``cpu/float64`` leaf
-    (``neml2.aoti.AOTIModel``) instead of the input file's model.
+    (``neml2.aoti.AOTIModel``) instead of the input file's model. ``grad``
+    off runs the driver under ``torch.no_grad()``: values alone, nothing
+    recorded for a backward pass (``NEML2Model(autograd=False)``'s way).
     """
     import time
 
@@ -232,7 +234,8 @@ def run_neml2_driver(scenario, histories, *, chunks=None, threads=None, per_step
     try:
         for driver in drivers:
             start = time.perf_counter()
-            driver.run()
+            with torch.set_grad_enabled(grad):
+                driver.run()
             seconds.append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(before)

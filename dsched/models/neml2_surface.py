@@ -85,12 +85,15 @@ class Operation:
     """
 
     moves_inputs = True
+    #: dispatch hands it the chunk's output rows (``out=``) where they are NumPy views: a compiled model's
+    #: values are computed there (:class:`~dsched.models.neml2_engines.ValuesInto`), not copied after.
+    takes_out_rows = True
 
     def __init__(self, model, operation, params=None):
         self.model, self.operation, self.params = model, operation, params
 
-    def __call__(self, entries):
-        return self.model._evaluate_entries(self.operation, entries, self.params, sent=True)
+    def __call__(self, entries, out=None):
+        return self.model._evaluate_entries(self.operation, entries, self.params, sent=True, out=out)
 
     @property
     def probe_outputs(self):

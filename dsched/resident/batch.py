@@ -31,7 +31,7 @@ from dsched.blocks.planning import plan
 from dsched.checks import check_callable, check_positive_int
 from dsched.dataplane.outputs import check_out_path
 from dsched.dataplane.store import classify_workers
-from dsched.devices.ownership import check_devices_owned, cluster_info, device_owners
+from dsched.devices.ownership import check_devices_owned, device_owners, recent_cluster_info
 from dsched.names import EMULATED_RESOURCE
 from dsched.resident.fields import _check_call, _check_fields, _check_inputs, _check_layouts, _names
 from dsched.resident.host_batch import HostBatch
@@ -85,7 +85,8 @@ class Batch:
         self.client = _client(client)
         check_positive_int(lookahead, "lookahead", integers=int, below=None)
         self.lookahead = lookahead
-        workers = cluster_info(self.client)["workers"]  # one question to the scheduler for every check
+        # One answer of the scheduler for every check: a recent one, as a run's (a driver per history makes a batch)
+        workers = recent_cluster_info(self.client, scheduler)["workers"]
         check_devices_owned(self.client, scheduler, workers)
         self.chunks = []
         start = 0

@@ -13,7 +13,12 @@ mode such as ``max-autotune``, ``default``, or ``backend=NAME``):
 - **compiled halves side by side**: the same on each half of the points, in
   the two workers at once;
 - **dispatch, NumPy / driver**: the dsched forms with
-  ``NEML2Model(..., compile=...)``.
+  ``NEML2Model(..., compile=..., autograd=False)``.
+
+Both sides evaluate values alone, as a user running a compiled model for
+speed does: NEML2's driver under ``torch.no_grad()``, dsched's model with
+``autograd=False`` (whose compiled values are computed straight into each
+chunk's output rows, :class:`~dsched.models.neml2_engines.ValuesInto`).
 
 ``--neml2-aoti DIR`` (NEML2's AOTI artifacts; ``DIR/<scenario>`` is each
 scenario's artifact root, exported there with ``neml2.export_model_for_aoti``
@@ -70,14 +75,14 @@ def measure_compiled(scenario, client, histories, halves, *, compile=None, aoti=
     out = {}
     if compile is not None:
         model = NEML2Model(scenario.input, scenario.model, overrides=model_overrides(scenario, histories.points),
-                           block=block, compile=compile)
-        out["compiled"] = _rows(scenario, client, histories, halves, model, COMPILED_FORMS, {"compile": compile},
-                                repeats, progress, "compiled")
+                           block=block, compile=compile, autograd=False)
+        out["compiled"] = _rows(scenario, client, histories, halves, model, COMPILED_FORMS,
+                                {"compile": compile, "grad": False}, repeats, progress, "compiled")
         out["compiled"]["options"] = compile
         out["compiled"]["param_vjp"] = param_vjp_error(model, scenario, histories, halves, client)
         out["compiled"]["block"] = model.block  # None: one NEML2 call per chunk (NEML2Model's default compiled)
         bounds = [n for half in halves for a, b in pieces(half, model.block) for n in [b - a]]
-        same, _ = run_neml2_driver(scenario, histories, chunks=bounds, threads=1, compile=compile)
+        same, _ = run_neml2_driver(scenario, histories, chunks=bounds, threads=1, compile=compile, grad=False)
         whole, results = out["compiled"].pop("whole"), out["compiled"].pop("results")
         out["compiled"]["error"] = {form: errors(result, same, whole) for form, result in results.items()}
     if aoti is not None:

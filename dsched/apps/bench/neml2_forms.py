@@ -97,7 +97,7 @@ def forms(model, histories, scheduler, client):
 def side_by_side(client, scenario, points, steps, halves, **model) -> float:
     """Seconds of NEML2's driver on each half in the two workers at once (the slower half): what the hardware
     gives two single-thread workers side by side (shared caches and memory bandwidth), measured. ``model``:
-    :func:`~dsched.models.neml2_scenarios.run_neml2_driver`'s ``compile`` or ``artifacts``."""
+    :func:`~dsched.models.neml2_scenarios.run_neml2_driver`'s ``compile``, ``artifacts`` or ``grad``."""
     import uuid
 
     from dsched.devices.device import device_resource
