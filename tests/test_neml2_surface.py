@@ -414,6 +414,22 @@ def test_a_compiled_model_without_autograd_computes_its_values_in_the_rows_it_is
     assert recorded({"strain": strain}, out=rows)["stress"] is not rows["stress"] and np.isnan(rows["stress"]).all()
 
 
+def test_every_model_computing_into_rows_keeps_a_compiled_graph_of_its_own():
+    """torch.compile keeps graphs per function (its code object, at most 8 by default): ten models in one process
+    each compile a graph of their own, none served another's."""
+    from dsched.models.neml2_engines import compiled_graphs
+
+    strain = np.random.default_rng(13).uniform(-4e-3, 4e-3, size=(12, 6))
+    with torch.no_grad():
+        expected = _numpy(_load(ELASTIC).call_by_name(_state({"strain": strain}))["stress"])
+    before = compiled_graphs()
+    for _ in range(10):
+        rows = {"stress": np.full((12, 6), np.nan)}
+        NEML2Model(ELASTIC, "model", compile=COMPILE, autograd=False)._operation("values")({"strain": strain}, out=rows)
+        np.testing.assert_array_equal(rows["stress"], expected)
+    assert compiled_graphs() - before == 10
+
+
 def test_a_compiled_dispatch_without_autograd_equals_neml2_on_worker_processes(process_client):
     """Through dispatch on worker processes (its chunks' output rows in shared memory): the same values as NEML2,
     one graph per worker, none again at the next calls."""

@@ -27,8 +27,10 @@ is the number of graphs ``torch.compile`` has built in this process.
 from __future__ import annotations
 
 import sys
+import types
 
-__all__ = ["OPERATIONS", "NativeEngine", "ArtifactEngine", "ValuesInto", "compile_options", "compiled_graphs"]
+__all__ = ["OPERATIONS", "NativeEngine", "ArtifactEngine", "ValuesInto", "allow_recompilations", "compile_options",
+           "compiled_graphs"]
 
 #: NEML2's sensitivity surface, as its multi-device ``DispatchedModel`` chunks it.
 OPERATIONS = ("values", "jacobian", "jvp", "param_jacobian", "param_vjp")
@@ -38,6 +40,27 @@ def compiled_graphs() -> int:
     """Graphs ``torch.compile`` built in this process so far (torch's ``unique_graphs`` counter; 0 before any)."""
     utils = sys.modules.get("torch._dynamo.utils")
     return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
+
+
+#: torch.compile's graphs per function (``recompile_limit``) and per process (``accumulated_recompile_limit``) that a
+#: process compiling NEML2 models allows at least: NEML2's pyzag path raises them the same way.
+RECOMPILE_LIMITS = (512, 4096)
+
+
+def allow_recompilations() -> None:
+    """Raise torch.compile's limits on graphs per function to :data:`RECOMPILE_LIMITS` in this process.
+
+    Past its limit (8 graphs per function by default) torch.compile runs a
+    function uncompiled, silently. NEML2's compiled models reach it in a
+    worker that runs several: every implicit model shares the Newton
+    solver's functions, whose graphs depend on the iteration count they
+    stopped at, and each torch thread count and chunk size compiles anew.
+    """
+    import torch._dynamo.config as config
+
+    per_function, per_process = RECOMPILE_LIMITS
+    config.recompile_limit = max(config.recompile_limit, per_function)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, per_process)
 
 
 def _blocks(jacobian, batch_ndim):
@@ -82,6 +105,11 @@ class ValuesInto:
             for out, value in zip(outs, result if isinstance(result, tuple) else (result,)):
                 out.copy_(value.data)  # an unbatched value broadcasts over the rows
 
+        # torch.compile keeps its graphs on the function's code object and checks their guards one after the
+        # other at each call: a code object of its own per engine holds this model's graphs alone, not every
+        # model's and thread's of the worker (nor do they count against its recompile_limit).
+        values_into = types.FunctionType(values_into.__code__.replace(), values_into.__globals__, "values_into",
+                                         None, values_into.__closure__)
         self._compiled = torch.compile(values_into, **{"fullgraph": False, **options, "dynamic": False})
 
     def __call__(self, args, outs) -> None:

@@ -82,8 +82,8 @@ def evaluate(engine, operation, state, extra, params, *, batch, device, block, s
     :class:`~dsched.models.row_blocks.PaddedSizes` of a compiled engine.
     ``outputs``: the outputs joined across blocks; ``allocate(shape, dtype)``
     makes the joined storage. ``into``: NumPy arrays, one per output of the
-    model, that a compiled engine's values may be computed into (the
-    chunk's output rows); the values are then those arrays.
+    model, that a compiled engine's values may be computed into on a CPU
+    (the chunk's output rows); the values are then those arrays.
     """
     if len(batch) != 1:
         return engine.run(operation, state, extra, params)
@@ -91,7 +91,7 @@ def evaluate(engine, operation, state, extra, params, *, batch, device, block, s
     bounds = _bounds(engine, rows, device, block)
     # One block that needs no padding (a compiled model at its own size: its steady call): the chunk as it is
     if len(bounds) == 1 and (not engine.compiled or sizes.size(rows) == rows):
-        if into is not None and engine.into is not None and operation == "values":
+        if into is not None and engine.into is not None and operation == "values" and device.type == "cpu":
             engine.into([state[name] for name in engine.input_spec],
                         [backends.TORCH.from_host(into[name], None) for name in engine.output_spec])
             return into, None

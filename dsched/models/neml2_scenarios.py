@@ -220,6 +220,9 @@ def run_neml2_driver(scenario, histories, *, chunks=None, threads=None, per_step
         model = neml2.load_input(str(scenario.input), additional_args=list(
             model_overrides(scenario, histories.points))).get_model(scenario.model)
     if compile is not None:
+        from dsched.models.neml2_engines import allow_recompilations
+
+        allow_recompilations()  # as a compiled NEML2Model's workers do: NEML2's solver compiled for each model
         neml2.compile(model, **compile)
     bounds = np.cumsum([0, *(chunks or [histories.points])])
     pairs = list(zip(bounds[:-1], bounds[1:]))
