@@ -27,10 +27,9 @@ is the number of graphs ``torch.compile`` has built in this process.
 from __future__ import annotations
 
 import sys
-import types
 
-__all__ = ["OPERATIONS", "NativeEngine", "ArtifactEngine", "ValuesInto", "allow_recompilations", "compile_options",
-           "compiled_graphs"]
+__all__ = ["OPERATIONS", "NativeEngine", "ArtifactEngine", "ValuesInto", "compile_options", "compiled_graphs",
+           "with_recompile_limit"]
 
 #: NEML2's sensitivity surface, as its multi-device ``DispatchedModel`` chunks it.
 OPERATIONS = ("values", "jacobian", "jvp", "param_jacobian", "param_vjp")
@@ -42,25 +41,22 @@ def compiled_graphs() -> int:
     return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
 
 
-#: torch.compile's graphs per function (``recompile_limit``) and per process (``accumulated_recompile_limit``) that a
-#: process compiling NEML2 models allows at least: NEML2's pyzag path raises them the same way.
-RECOMPILE_LIMITS = (512, 4096)
+#: Graphs torch.compile may keep per function of a compiled NEML2 model (its default is 8).
+RECOMPILE_LIMIT = 512
 
 
-def allow_recompilations() -> None:
-    """Raise torch.compile's limits on graphs per function to :data:`RECOMPILE_LIMITS` in this process.
+def with_recompile_limit(options) -> dict:
+    """``torch.compile`` keywords ``options`` (``neml2.compile``'s too) with :data:`RECOMPILE_LIMIT` unless set.
 
-    Past its limit (8 graphs per function by default) torch.compile runs a
-    function uncompiled, silently. NEML2's compiled models reach it in a
-    worker that runs several: every implicit model shares the Newton
-    solver's functions, whose graphs depend on the iteration count they
-    stopped at, and each torch thread count and chunk size compiles anew.
+    Past its limit torch.compile runs a function uncompiled, silently, and
+    NEML2's compiled models reach the default one in a worker that runs
+    several: every implicit model shares the Newton solver's functions, whose
+    graphs depend on the iteration count they stopped at, and each torch
+    thread count, chunk size and gradient mode compiles anew. The limit goes
+    with the compilation (``torch.compile(recompile_limit=...)``): the global
+    setting is per thread and per task context, and would not reach them.
     """
-    import torch._dynamo.config as config
-
-    per_function, per_process = RECOMPILE_LIMITS
-    config.recompile_limit = max(config.recompile_limit, per_function)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, per_process)
+    return {"recompile_limit": RECOMPILE_LIMIT, **options}
 
 
 def _blocks(jacobian, batch_ndim):
@@ -105,12 +101,8 @@ class ValuesInto:
             for out, value in zip(outs, result if isinstance(result, tuple) else (result,)):
                 out.copy_(value.data)  # an unbatched value broadcasts over the rows
 
-        # torch.compile keeps its graphs on the function's code object and checks their guards one after the
-        # other at each call: a code object of its own per engine holds this model's graphs alone, not every
-        # model's and thread's of the worker (nor do they count against its recompile_limit).
-        values_into = types.FunctionType(values_into.__code__.replace(), values_into.__globals__, "values_into",
-                                         None, values_into.__closure__)
-        self._compiled = torch.compile(values_into, **{"fullgraph": False, **options, "dynamic": False})
+        self._compiled = torch.compile(values_into, **{"fullgraph": False, **with_recompile_limit(options),
+                                                       "dynamic": False})
 
     def __call__(self, args, outs) -> None:
         """Write the values of ``args`` (the inputs, typed, in the model's order) into ``outs`` (tensors, in the
