@@ -50,8 +50,7 @@ from dsched.dispatch.dispatcher import WorkDispatcher
 from dsched.dispatch.front import dispatch
 from dsched.errors import NEML2ConvergenceError, as_recoverable  # noqa: F401  (as_recoverable: its old home)
 from dsched.models.neml2_artifacts import Artifacts
-from dsched.models.neml2_engines import (ArtifactEngine, NativeEngine, ValuesInto, compile_options, compiled_graphs,
-                                        with_recompile_limit)
+from dsched.models.neml2_engines import ArtifactEngine, NativeEngine, ValuesInto, compile_options, compiled_graphs
 from dsched.models.neml2_evaluate import as_neml2_value, evaluate, kind_of, numpy_storage, rows_to_compute_into
 from dsched.models.neml2_parameters import ParameterValues
 from dsched.models.neml2_surface import (
@@ -257,7 +256,7 @@ class NEML2Model:
         if self.compile is None or eager:
             return NativeEngine(model)
         into = ValuesInto(model.forward, self.compile)  # the forward before neml2.compile replaces it
-        _import_neml2().compile(model, **with_recompile_limit(self.compile))
+        _import_neml2().compile(model, **self.compile)
         return NativeEngine(model, compiled=True, into=into)
 
     # --- parameters ------------------------------------------------------------------

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["OPERATIONS", "NativeEngine", "ArtifactEngine", "ValuesInto", "compile_options", "compiled_graphs",
-           "with_recompile_limit"]
+__all__ = ["OPERATIONS", "NativeEngine", "ArtifactEngine", "ValuesInto", "compile_options", "compiled_graphs"]
 
 #: NEML2's sensitivity surface, as its multi-device ``DispatchedModel`` chunks it.
 OPERATIONS = ("values", "jacobian", "jvp", "param_jacobian", "param_vjp")
@@ -39,24 +38,6 @@ def compiled_graphs() -> int:
     """Graphs ``torch.compile`` built in this process so far (torch's ``unique_graphs`` counter; 0 before any)."""
     utils = sys.modules.get("torch._dynamo.utils")
     return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
-
-
-#: Graphs torch.compile may keep per function of a compiled NEML2 model (its default is 8).
-RECOMPILE_LIMIT = 512
-
-
-def with_recompile_limit(options) -> dict:
-    """``torch.compile`` keywords ``options`` (``neml2.compile``'s too) with :data:`RECOMPILE_LIMIT` unless set.
-
-    Past its limit torch.compile runs a function uncompiled, silently, and
-    NEML2's compiled models reach the default one in a worker that runs
-    several: every implicit model shares the Newton solver's functions, whose
-    graphs depend on the iteration count they stopped at, and each torch
-    thread count, chunk size and gradient mode compiles anew. The limit goes
-    with the compilation (``torch.compile(recompile_limit=...)``): the global
-    setting is per thread and per task context, and would not reach them.
-    """
-    return {"recompile_limit": RECOMPILE_LIMIT, **options}
 
 
 def _blocks(jacobian, batch_ndim):
@@ -101,8 +82,7 @@ class ValuesInto:
             for out, value in zip(outs, result if isinstance(result, tuple) else (result,)):
                 out.copy_(value.data)  # an unbatched value broadcasts over the rows
 
-        self._compiled = torch.compile(values_into, **{"fullgraph": False, **with_recompile_limit(options),
-                                                       "dynamic": False})
+        self._compiled = torch.compile(values_into, **{"fullgraph": False, **options, "dynamic": False})
 
     def __call__(self, args, outs) -> None:
         """Write the values of ``args`` (the inputs, typed, in the model's order) into ``outs`` (tensors, in the

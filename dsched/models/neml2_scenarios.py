@@ -220,9 +220,7 @@ def run_neml2_driver(scenario, histories, *, chunks=None, threads=None, per_step
         model = neml2.load_input(str(scenario.input), additional_args=list(
             model_overrides(scenario, histories.points))).get_model(scenario.model)
     if compile is not None:
-        from dsched.models.neml2_engines import with_recompile_limit
-
-        neml2.compile(model, **with_recompile_limit(compile))  # as NEML2Model compiles: NEML2's solver per model
+        neml2.compile(model, **compile)
     bounds = np.cumsum([0, *(chunks or [histories.points])])
     pairs = list(zip(bounds[:-1], bounds[1:]))
     drivers = [_driver(neml2, torch, model, histories, a, b) for a, b in pairs]
