@@ -217,15 +217,20 @@ def test_blocked_numpy_results_are_allocated_in_their_output_rows_on_worker_proc
     from dsched.worker.result_placement import placement_counts
 
     # Chunks of 2,000 points in two blocks each: outputs large enough to be worth placing (BYTES_PER_ALLOCATION).
+    # Values alone are written into their rows block by block; with the Jacobian, both are joined, and placed.
     inputs = {"strain": _strain(8000, seed=4)}
-    model = NEML2Model(ELASTIC, "model", block=1000)
+    model = NEML2Model(ELASTIC, "model", block=1000, derivatives=True)
     s = dsched.StaticHybridScheduler(["cpu", "cuda:0"], [2000, 2000])
     before = process_client.run(placement_counts)
+    expected = _direct(ELASTIC, inputs, derivatives=True)
     for _ in range(4):  # two chunks to learn where the joined result lies, then placed
-        out = model.dispatch(inputs, scheduler=s, client=process_client)
-        np.testing.assert_array_equal(out["stress"], _direct(ELASTIC, inputs)["stress"])
+        values, jacobian = model.dispatch(inputs, scheduler=s, client=process_client)
+        np.testing.assert_array_equal(values["stress"], expected[0]["stress"])
+        np.testing.assert_array_equal(jacobian["stress"]["strain"], expected[1]["stress"]["strain"])
     after = process_client.run(placement_counts)
     assert all(after[w]["placed"] > before[w]["placed"] for w in after), (before, after)
+    values_only = NEML2Model(ELASTIC, "model", block=1000).dispatch(inputs, scheduler=s, client=process_client)
+    np.testing.assert_array_equal(values_only["stress"], expected[0]["stress"])
 
 
 def test_values_without_autograd_equal_neml2_under_no_grad_and_derivatives_keep_their_record(process_client):

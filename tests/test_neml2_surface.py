@@ -414,6 +414,25 @@ def test_a_compiled_model_without_autograd_computes_its_values_in_the_rows_it_is
     assert recorded({"strain": strain}, out=rows)["stress"] is not rows["stress"] and np.isnan(rows["stress"]).all()
 
 
+def test_a_chunk_evaluated_in_blocks_writes_each_blocks_values_into_the_rows_it_is_given():
+    """Blocks of 8 of 30 rows: each block's values go straight into the chunk's output rows (recorded or not,
+    eager or compiled and padded), and come back as those arrays; kept autograd history gets arrays of its own."""
+    strain = np.random.default_rng(12).uniform(-4e-3, 4e-3, size=(30, 6))
+    with torch.no_grad():
+        expected = _numpy(_load(ELASTIC).call_by_name(_state({"strain": strain}))["stress"])
+    for name, options in [("eager", {}), ("eager, nothing recorded", {"autograd": False}),
+                          ("compiled, padded pieces", {"compile": COMPILE, "autograd": False})]:
+        values = NEML2Model(ELASTIC, "model", block=8, **options)._operation("values")
+        rows = {"stress": np.full((30, 6), np.nan)}
+        assert values({"strain": strain}, out=rows)["stress"] is rows["stress"], name
+        np.testing.assert_allclose(rows["stress"], expected, rtol=1e-14, atol=0, err_msg=name)
+    kept = NEML2Model(ELASTIC, "model", block=8, keep_grad=True)._operation("values")
+    rows = {"stress": np.full((30, 6), np.nan)}
+    result = kept({"strain": strain}, out=rows)["stress"]
+    assert result is not rows["stress"] and np.isnan(rows["stress"]).all()
+    np.testing.assert_allclose(np.asarray(result), expected, rtol=1e-14, atol=0)
+
+
 def test_copies_of_a_compiled_model_share_its_graphs_and_read_their_own_parameters():
     """Two copies computing into rows in one process (a worker's threads): one graph per chunk size for both, each
     copy's values from its own parameters."""

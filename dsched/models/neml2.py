@@ -343,8 +343,9 @@ class NEML2Model:
         engine.use_parameters(parameters)
         neml2 = _import_neml2()
         recording = self.autograd or operation != "values"  # derivatives need the record whatever the option
-        # Values alone, NumPy's, and rows to hold them: a compiled engine computes them there (ValuesInto)
-        into = None if recording or kind != "numpy" or engine.into is None else rows_to_compute_into(
+        # NumPy values and rows to hold them: a compiled engine computes them there (ValuesInto) when nothing is
+        # recorded, and the values of a chunk evaluated in blocks are written there block by block
+        into = None if operation != "values" or kind != "numpy" or self.keep_grad else rows_to_compute_into(
             out, {name: self.base_shapes[name] for name in self.all_output_names}, batch)
         try:
             with contextlib.nullcontext() if recording else torch.no_grad():

@@ -5,7 +5,9 @@ equal blocks for an eager model, fixed pieces padded to a size already
 compiled for a compiled one. Per-item results are joined along the batch;
 ``param_vjp`` is summed over the blocks in block order. A compiled model's
 values computed in one piece go straight into the chunk's output rows where
-dispatch hands them over (:func:`rows_to_compute_into`).
+dispatch hands them over (:func:`rows_to_compute_into`), and a chunk's values
+evaluated in blocks are written there block by block, each while it is still in
+the caches: nothing is joined, and nothing copied again.
 """
 
 from __future__ import annotations
@@ -82,8 +84,10 @@ def evaluate(engine, operation, state, extra, params, *, batch, device, block, s
     :class:`~dsched.models.row_blocks.PaddedSizes` of a compiled engine.
     ``outputs``: the outputs joined across blocks; ``allocate(shape, dtype)``
     makes the joined storage. ``into``: NumPy arrays, one per output of the
-    model, that a compiled engine's values may be computed into on a CPU
-    (the chunk's output rows); the values are then those arrays.
+    model (the chunk's output rows), that values computed on a CPU go into:
+    a compiled engine's computed there in one piece (nothing recorded), or
+    each block's copied there as it is done; the values are then those
+    arrays.
     """
     if len(batch) != 1:
         return engine.run(operation, state, extra, params)
@@ -91,11 +95,13 @@ def evaluate(engine, operation, state, extra, params, *, batch, device, block, s
     bounds = _bounds(engine, rows, device, block)
     # One block that needs no padding (a compiled model at its own size: its steady call): the chunk as it is
     if len(bounds) == 1 and (not engine.compiled or sizes.size(rows) == rows):
-        if into is not None and engine.into is not None and operation == "values" and device.type == "cpu":
-            engine.into([state[name] for name in engine.input_spec],
-                        [backends.TORCH.from_host(into[name], None) for name in engine.output_spec])
+        if into is not None and engine.into is not None and operation == "values" and device.type == "cpu" \
+                and not _recording():
+            engine.into([state[name] for name in engine.input_spec], list(_row_targets(into, engine).values()))
             return into, None
         return engine.run(operation, state, extra, params)
+    # Values with rows to hold them: each block's go there while they are in the caches, nothing is joined
+    targets = _row_targets(into, engine) if operation == "values" and device.type == "cpu" else None
     parts = []
     for start, stop in bounds:
         n = stop - start
@@ -105,7 +111,14 @@ def evaluate(engine, operation, state, extra, params, *, batch, device, block, s
         part_state = {k: padded(rows_of(v, start, stop, rows), n, size) for k, v in state.items()}
         part_extra = {k: padded(rows_of(v, start, stop, rows), n, size, zeros=True) for k, v in extra.items()}
         values, second = engine.run(operation, part_state, part_extra, params)
-        parts.append(_unpadded(operation, values, second, n, size))
+        values, second = _unpadded(operation, values, second, n, size)
+        if targets is None:
+            parts.append((values, second))
+            continue
+        for name, target in targets.items():
+            target[start:stop].copy_(backends.NEML2.expanded(values[name], (n,)).data.detach())
+    if targets is not None:
+        return into, None
     if len(parts) == 1:
         return parts[0]
     if operation == "param_vjp":
@@ -118,6 +131,19 @@ def evaluate(engine, operation, state, extra, params, *, batch, device, block, s
         return values, {name: join([second[name] for _, second in parts]) for name in outputs}
     return values, {out: {x: join([second[out][x] for _, second in parts]) for x in parts[0][1][out]}
                     for out in outputs}
+
+
+def _recording() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
+def _row_targets(into, engine):
+    """Torch views of the output rows ``into`` (by output name), or ``None`` without them."""
+    if into is None:
+        return None
+    return {name: backends.TORCH.from_host(into[name], None) for name in engine.output_spec}
 
 
 def _unpadded(operation, values, second, rows, size):

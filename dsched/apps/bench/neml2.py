@@ -81,6 +81,7 @@ from dsched.apps.bench.neml2_forms import (  # noqa: F401  (dispatch_steps, driv
     forms as _forms,
     halves as _halves,
     side_by_side,
+    take_devices,
 )
 from dsched.apps.bench.neml2_compiled import compile_options, compiled_verdicts, format_compiled, measure_compiled
 from dsched.apps.bench.scheduling import verdict
@@ -124,6 +125,7 @@ def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS
         _, [t2] = run_neml2_driver(scenario, histories, threads=2)
         halved, per_half, per_step = run_neml2_driver(scenario, histories, chunks=halves, threads=1, per_step=True)
         side = side_by_side(client, scenario, n, steps, halves)
+        take_devices(model, histories, scheduler, client)
         if round_:
             seconds["neml2_1"].append(t1)
             seconds["neml2_2"].append(t2)

@@ -43,11 +43,10 @@ import time
 from pathlib import Path
 
 import dsched
-from dsched.apps.bench.neml2_forms import FORM_TITLES, errors, forms, side_by_side
+from dsched.apps.bench.neml2_forms import FORM_TITLES, errors, first_step_inputs, forms, side_by_side, take_devices
 from dsched.models.neml2 import NEML2Model, compiled_graphs
 from dsched.models.neml2_scenarios import model_overrides, run_neml2_driver
 from dsched.models.row_blocks import pieces, spans
-from dsched.resident.driver import neml2_feedback
 
 __all__ = ["COMPILED_FORMS", "AOTI_FORMS", "COMPILED_TARGETS", "measure_compiled", "compiled_verdicts",
            "format_compiled", "compile_options", "param_vjp_error", "first_step_inputs"]
@@ -96,21 +95,6 @@ def measure_compiled(scenario, client, histories, halves, *, compile=None, aoti=
         whole, results = out["aoti"].pop("whole"), out["aoti"].pop("results")
         out["aoti"]["error"] = {form: errors(result, halved, whole) for form, result in results.items()}
     return out
-
-
-def first_step_inputs(model, histories) -> dict:
-    """The model's inputs at the first step: the prescribed values of entry 1, the old state as NEML2's driver
-    starts it (``X~1`` from entry 0 of a prescribed ``X``, zero otherwise)."""
-    prescribed = {"t": histories.time, **histories.prescribed}
-    feedback = neml2_feedback(model.input_names, model.all_output_names)
-    inputs = {}
-    for name in model.input_names:
-        if name in prescribed:
-            inputs[name] = prescribed[name][1]
-        else:
-            source = feedback.get(name)
-            inputs[name] = prescribed[source][0] if source in prescribed else 0.0
-    return inputs
 
 
 def param_vjp_error(model, scenario, histories, halves, client) -> dict:
@@ -164,6 +148,7 @@ def _rows(scenario, client, histories, halves, model, form_names, reference, rep
         whole, [t1] = run_neml2_driver(scenario, histories, threads=1, **reference)
         _, [t2] = run_neml2_driver(scenario, histories, threads=2, **reference)
         side = side_by_side(client, scenario, n, steps, halves, **reference)
+        take_devices(model, histories, scheduler, client)
         for form, run in runs.items():
             start = time.perf_counter()
             results[form] = run()

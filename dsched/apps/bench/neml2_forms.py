@@ -18,7 +18,8 @@ import numpy as np
 from dsched.models.neml2_scenarios import run_neml2_driver
 from dsched.resident.driver import TransientDriver, neml2_feedback
 
-__all__ = ["FORMS", "FORM_TITLES", "dispatch_steps", "driver_steps", "halves", "forms", "side_by_side", "errors"]
+__all__ = ["FORMS", "FORM_TITLES", "dispatch_steps", "driver_steps", "halves", "forms", "side_by_side", "errors",
+           "first_step_inputs", "take_devices"]
 
 FORMS = ("numpy", "typed", "batch", "driver")
 FORM_TITLES = {"numpy": "dispatch, NumPy", "typed": "dispatch, typed", "batch": "Batch", "driver": "driver"}
@@ -92,6 +93,33 @@ def forms(model, histories, scheduler, client):
         "driver": lambda: driver_steps(model, histories, scheduler, client),
     }
 
+
+
+def first_step_inputs(model, histories) -> dict:
+    """The model's inputs at the first step: the prescribed values of entry 1, the old state as NEML2's driver
+    starts it (``X~1`` from entry 0 of a prescribed ``X``, zero otherwise)."""
+    prescribed = {"t": histories.time, **histories.prescribed}
+    feedback = neml2_feedback(model.input_names, model.all_output_names)
+    inputs = {}
+    for name in model.input_names:
+        if name in prescribed:
+            inputs[name] = prescribed[name][1]
+        else:
+            source = feedback.get(name)
+            inputs[name] = prescribed[source][0] if source in prescribed else 0.0
+    return inputs
+
+
+def take_devices(model, histories, scheduler, client) -> None:
+    """One untimed call of ``model``'s first step, so that dsched's forms are timed on devices they hold.
+
+    :func:`side_by_side` runs NEML2 as tasks on the same devices: its tasks
+    end the feeds dsched's last call left parked (a device is shared), and the
+    next call starts new ones, a scheduler round trip (some 10 ms here). A
+    solver calling dsched step after step holds its feeds; this call takes
+    them back as its loop would have them.
+    """
+    model.dispatch(first_step_inputs(model, histories), scheduler=scheduler, client=client)
 
 
 def side_by_side(client, scenario, points, steps, halves, **model) -> float:
