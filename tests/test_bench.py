@@ -4,6 +4,7 @@ import json
 import os
 import threading
 import time
+import types
 
 import pytest
 
@@ -222,3 +223,24 @@ def test_zarr_is_a_core_dependency_so_the_data_suite_s_store_run_needs_no_extra(
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert "zarr>=3" in project["dependencies"]
+
+
+def test_an_emulated_device_fed_by_one_thread_runs_at_its_rate_whatever_sleep_overshoots(monkeypatch):
+    """A fake clock whose sleeps overshoot by 0.2 ms: chunks that follow one another on one thread end at the
+    device's rate (the overshoot is not the device's), and one that comes 1 ms after the last ended starts
+    then, less that chunk's overshoot."""
+    import dsched.apps.bench.scheduling as scheduling
+
+    now = [100.0]
+
+    def sleep(seconds):
+        now[0] += seconds + 0.0002
+
+    monkeypatch.setattr(scheduling, "time", types.SimpleNamespace(perf_counter=lambda: now[0], sleep=sleep))
+    clock = scheduling._DeviceClock()
+    for _ in range(3):
+        clock.run(0.01)
+    assert clock.due == pytest.approx(100.03, abs=1e-12) and now[0] == pytest.approx(100.0302, abs=1e-12)
+    now[0] += 0.001  # the dispatch's gap: the device idles it
+    clock.run(0.01)
+    assert clock.due == pytest.approx(100.041, abs=1e-12)
