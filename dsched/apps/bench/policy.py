@@ -124,9 +124,9 @@ def _hybrid(client, devices, chunk_seconds, total, repeats, map_chunks, profile_
 def _interleave(client, ways, repeats, devices):
     """Run every way once per repeat, in turn; the median wall time and the split of the median run.
 
-    Each repeat of a dsched way (a scheduler's: not in :data:`PEERS`) is timed on feeds it holds, as a program calling dsched again
-    and again runs: :func:`_settle` lets the last way's feeds go, so an untimed run of a few items takes the
-    devices first, and its own seconds (starting the feeds: a scheduler round trip per device) are kept
+    Each repeat of a dsched way (any but :data:`PEERS`) is timed on feeds it holds, as a program calling dsched
+    again and again runs: :func:`_settle` lets the last way's feeds go, so an untimed run of a few items takes
+    the devices first, and its own seconds (starting the feeds: a scheduler round trip per device) are kept
     beside the row as ``take_s``.
     """
     walls = {name: [] for name in ways}
