@@ -120,7 +120,7 @@ class NEML2Model:
         :data:`~dsched.models.row_blocks.BLOCK` (25,000) for an eager model
         with an implicit update (a Newton solve), ``None`` for one without
         (elasticity: a few passes over the points, which blocks only cut
-        into more calls and join again) and for a compiled one, whose fused
+        into more calls) and for a compiled one, whose fused
         kernels keep no large temporaries and whose cost per call is NEML2's
         Python around them.
     compile : bool, str or dict

@@ -12,11 +12,14 @@ about a third off a dispatch per step of NEML2's radret scenario at
 100,000 points and 5 to 15 % off isoharden's (``dsched bench --only neml2
 --neml2-points 100000 --neml2-block none``, against ``25000``). A model
 without an implicit update (elasticity) has no Newton solve to stop early
-and only a few passes over the points: there blocks made each form slower,
-by some 15 % on average at 500,000 points (10 of 12 rows, ``dsched bench
---only neml2 --neml2-scenarios elasticity --neml2-block none`` against
-``25000``), so :class:`~dsched.models.neml2.NEML2Model` cuts only the
-chunks of models that solve. Blocks much smaller pay NEML2's own cost per
+and only a few passes over the points. When blocks' values were joined after
+the last block, blocks made each of its forms slower (by some 15 % at 500,000
+points, ``dsched bench --only neml2 --neml2-scenarios elasticity
+--neml2-block none`` against ``25000``); written into the chunk's output rows
+block by block (:mod:`dsched.models.neml2_evaluate`), they measured within the
+run-to-run noise of one call per chunk, so
+:class:`~dsched.models.neml2.NEML2Model` still cuts only the chunks of models
+that solve. Blocks much smaller pay NEML2's own cost per
 call too often. This is NEML2's own ``batch_size``: its schedulers hand a
 device sub-batches.
 
