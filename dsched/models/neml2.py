@@ -344,9 +344,11 @@ class NEML2Model:
         neml2 = _import_neml2()
         recording = self.autograd or operation != "values"  # derivatives need the record whatever the option
         # NumPy values and rows to hold them: a compiled engine computes them there (ValuesInto) when nothing is
-        # recorded, and the values of a chunk evaluated in blocks are written there block by block
-        into = None if operation != "values" or kind != "numpy" or self.keep_grad else rows_to_compute_into(
-            out, {name: self.base_shapes[name] for name in self.all_output_names}, batch)
+        # recorded, and the values of a chunk evaluated in blocks are written there block by block. An eager
+        # model called once per chunk has no use for them: its rows are not looked at on every call.
+        takes_rows = (engine.into is not None and not recording) or self.block is not None
+        into = None if operation != "values" or kind != "numpy" or self.keep_grad or not takes_rows \
+            else rows_to_compute_into(out, {name: self.base_shapes[name] for name in self.all_output_names}, batch)
         try:
             with contextlib.nullcontext() if recording else torch.no_grad():
                 values, second = evaluate(

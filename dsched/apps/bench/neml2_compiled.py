@@ -49,7 +49,7 @@ from dsched.models.neml2_scenarios import model_overrides, run_neml2_driver
 from dsched.models.row_blocks import pieces, spans
 
 __all__ = ["COMPILED_FORMS", "AOTI_FORMS", "COMPILED_TARGETS", "measure_compiled", "compiled_verdicts",
-           "format_compiled", "compile_options", "param_vjp_error", "first_step_inputs"]
+           "format_compiled", "compile_options", "param_vjp_error"]
 
 COMPILED_FORMS = ("numpy", "driver")
 AOTI_FORMS = ("driver",)
