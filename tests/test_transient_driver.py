@@ -64,10 +64,48 @@ def test_runs_continue_and_steps_per_update_change_nothing(process_client, memor
             np.testing.assert_array_equal(value, reference[name], err_msg=name)
     with TransientDriver(model, scheduler, client=process_client, memory=memory) as driver:
         driver.run(_prescribed(histories), steps_per_update=3)
-        assert driver.batch.memory == memory
         np.testing.assert_array_equal(driver.get("gamma"), reference["gamma"])
-        # No initial values: nothing was loaded before the first steps, the batch holds what they kept.
-        assert driver.batch.fields == sorted(driver.keep)
+        if memory == "device":  # no initial values: nothing was loaded before the first steps
+            assert driver.batch.memory == "device" and driver.batch.fields == sorted(driver.keep)
+        else:  # no batch: each update is one call, the state in arrays of this host's memory
+            assert driver.batch is None and sorted(driver._host.state) == sorted(driver.keep)
+
+
+def test_the_state_in_host_memory_is_the_default_here_and_results_stay_as_returned(process_client):
+    """On worker processes of this host (cuda:0 emulated), ``memory="auto"`` keeps the state in host memory. The
+    values returned are read-only (the next run starts from them) and a later run never changes them."""
+    scenario, histories, model, scheduler, halves = _scenario("radret", 40, 4)
+    first, _ = run_neml2_driver(scenario, dataclasses.replace(
+        histories, time=histories.time[:3], prescribed={k: v[:3] for k, v in histories.prescribed.items()}),
+        chunks=halves)
+    reference, _ = run_neml2_driver(scenario, histories, chunks=halves)
+    with TransientDriver(model, scheduler, client=process_client, record=["stress"]) as driver:
+        assert driver.memory == "auto"
+        driver.run(_prescribed(histories, 0, 3))
+        assert driver.memory == "host"
+        after_two = driver.get_many()
+        with pytest.raises(ValueError, match="read-only"):
+            after_two["stress"][0, 0] = 1.0
+        driver.run(_prescribed(histories, 2), steps_per_update=1)
+        np.testing.assert_array_equal(driver.get("gamma"), reference["gamma"])
+        np.testing.assert_array_equal(driver.get("gamma~1"), driver.get("gamma~1"))  # a source: its state
+        for name, value in after_two.items():
+            np.testing.assert_array_equal(value, first[name], err_msg=name)
+        assert driver.history("stress").shape == (4, 40, 6)
+
+
+def test_a_compiled_model_in_host_memory_computes_its_steps_into_rows_and_equals_nemls(process_client):
+    """A compiled model without autograd computes each step's values into rows (kept scratch rows, then the new
+    state's): the results are NEML2 compiled's on the same chunks, over two runs of one driver. (An eager model
+    with blocks takes rows too: radret above, whose lags of two make a step read the rows of two steps back.)"""
+    scenario, histories, _, scheduler, halves = _scenario("elasticity", 40, 4)
+    model = NEML2Model(scenario.input, scenario.model, overrides=scenario.overrides, compile=True, autograd=False)
+    reference, _ = run_neml2_driver(scenario, histories, chunks=halves, compile={}, grad=False)
+    with TransientDriver(model, scheduler, client=process_client) as driver:
+        driver.run(_prescribed(histories, 0, 3))
+        driver.run(_prescribed(histories, 2))
+        for name, value in driver.get_many().items():
+            np.testing.assert_allclose(value, reference[name], rtol=1e-12, atol=1e-12, err_msg=name)
 
 
 def _segments():

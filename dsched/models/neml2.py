@@ -243,6 +243,8 @@ class NEML2Model:
     #: dispatch() hands the inputs over as they are (NumPy stays NumPy on a GPU chunk): this model
     #: moves them to its torch device itself, so CuPy is never needed.
     moves_inputs = True
+    #: ``__call__`` takes ``out=``: the rows its values go to (a driver's last step in host memory computes there).
+    computes_into = True
 
     def _build(self, device, eager=False):
         """This thread's engine on ``device`` (a probe's: eager, on the client)."""
@@ -302,15 +304,19 @@ class NEML2Model:
                 + "; ".join(part for part in (missing and f"missing {missing}", unknown and f"unknown {unknown}") if part)
             )
 
-    def __call__(self, inputs):
+    def __call__(self, inputs, *, out=None):
         """Evaluate one chunk: ``inputs`` maps every input variable to an array or a number.
 
         A number goes to every point and every component of its variable; a
         NumPy array of a tensor variable without a batch needs a leading axis
         of 1 (``(1, 6)`` for an ``SR2``), since NumPy cannot tell a ``(6,)``
-        tensor from six points. The parameters are this object's.
+        tensor from six points. The parameters are this object's. ``out``
+        (``{output: rows}``, every output of the model, NumPy float64 of the
+        chunk's points) is where NumPy values may be computed: a compiled model
+        without ``autograd`` computes them there, and a model with ``block``
+        writes each block's there; the result is then ``out`` itself.
         """
-        return self._evaluate_entries(self._default_operation, inputs)
+        return self._evaluate_entries(self._default_operation, inputs, out=out)
 
     @property
     def _default_operation(self):

@@ -38,7 +38,7 @@ from dsched.resident.host_batch import HostBatch
 from dsched.resident.task_batch import TaskBatch
 from dsched.resident.tasks import Update, _Chunk, _client, _UpdateSpec
 
-__all__ = ["Batch", "Update", "MEMORY"]
+__all__ = ["Batch", "Update", "MEMORY", "placement"]
 
 MEMORY = ("auto", "host", "device")  # where a batch's fields may live (Batch(memory=...))
 
@@ -85,23 +85,8 @@ class Batch:
         self.client = _client(client)
         check_positive_int(lookahead, "lookahead", integers=int, below=None)
         self.lookahead = lookahead
-        # One answer of the scheduler for every check: a recent one, as a run's (a driver per history makes a batch)
-        workers = recent_cluster_info(self.client, scheduler)["workers"]
-        check_devices_owned(self.client, scheduler, workers)
-        self.chunks = []
-        start = 0
-        for index, (device, size) in enumerate(plan(self.n, scheduler)):
-            self.chunks.append(_Chunk(index, device, start, start + size))
-            start += size
+        self.chunks, self._shared, self.memory = placement(self.client, scheduler, self.n, memory)
         self.devices = list(dict.fromkeys(c.device for c in self.chunks))
-        owners = device_owners(self.client, self.devices, workers)
-        kinds = classify_workers(self.client, {a for addrs in owners.values() for a in addrs})
-        if any(kind == "remote" for kind in kinds.values()):
-            raise ValueError("client: a worker owning one of the devices is on another host; resident batches "
-                             "need workers that map this host's shared memory (or run in this process)")
-        # Worker processes map shared memory; in-process workers read this process's arrays.
-        self._shared = any(kind == "host" for kind in kinds.values())
-        self.memory = _memory_for(memory, self.devices, owners, workers)
         if self.memory == "host":
             self._backend = HostBatch(arrays, n=self.n, chunks=self.chunks, scheduler=scheduler, client=self.client,
                                       shared=self._shared)
@@ -261,6 +246,28 @@ class Batch:
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this Batch is closed")
+
+
+def placement(client, scheduler, n, memory) -> tuple:
+    """``(chunks, shared, memory)`` of a resident batch of ``n`` items: the scheduler's chunks, whether worker
+    processes read its arrays (in shared memory) or workers in this process, and where its fields live
+    (``memory`` resolved). A ValueError for a device no worker owns or one on another host."""
+    # One answer of the scheduler for every check: a recent one, as a run's (a driver per history makes a batch)
+    workers = recent_cluster_info(client, scheduler)["workers"]
+    check_devices_owned(client, scheduler, workers)
+    chunks, start = [], 0
+    for index, (device, size) in enumerate(plan(n, scheduler)):
+        chunks.append(_Chunk(index, device, start, start + size))
+        start += size
+    devices = list(dict.fromkeys(c.device for c in chunks))
+    owners = device_owners(client, devices, workers)
+    kinds = classify_workers(client, {a for addrs in owners.values() for a in addrs})
+    if any(kind == "remote" for kind in kinds.values()):
+        raise ValueError("client: a worker owning one of the devices is on another host; resident batches "
+                         "need workers that map this host's shared memory (or run in this process)")
+    # Worker processes map shared memory; in-process workers read this process's arrays.
+    shared = any(kind == "host" for kind in kinds.values())
+    return chunks, shared, _memory_for(memory, devices, owners, workers)
 
 
 def _memory_for(memory, devices, owners, workers) -> str:

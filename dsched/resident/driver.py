@@ -33,122 +33,11 @@ from __future__ import annotations
 import numpy as np
 
 from dsched.dataplane.store import RunStore
-from dsched.devices.backends import TORCH, torch_device
-from dsched.resident.batch import MEMORY, Batch
+from dsched.resident.batch import MEMORY, Batch, placement
+from dsched.resident.tasks import _client
+from dsched.resident.steps import FINAL, HISTORY, RECORD, HostRuns, TransientSteps, neml2_feedback
 
 __all__ = ["TransientDriver", "TransientSteps", "neml2_feedback"]
-
-HISTORY = "history/"  # an update's inputs: the prescribed histories, time leading
-FINAL = "final/"  # an update's out arrays: the outputs after its last step, one row per point
-RECORD = "record/"  # an update's out arrays: recorded outputs at every step of the run, (points, steps, *base)
-
-
-def neml2_feedback(input_names, output_names) -> dict:
-    """NEML2's old-state rule: ``{history input: its source}`` (the source's value of the step before).
-
-    Examples
-    --------
-    >>> neml2_feedback(["strain", "t", "t~1", "t~2", "stress~1"], ["stress"])
-    {'t~1': 't', 't~2': 't~1', 'stress~1': 'stress'}
-    """
-    feedback = {}
-    for name in input_names:
-        base, lag = _lag(name)
-        if lag:
-            feedback[name] = base if lag == 1 else f"{base}~{lag - 1}"
-    return feedback
-
-
-def _lag(name):
-    base, _, lag = name.rpartition("~")
-    return (base, int(lag)) if base and lag.isdigit() and int(lag) > 0 else (name, 0)
-
-
-class TransientSteps:
-    """A :meth:`Batch.update <dsched.Batch.update>` function: steps ``first`` to ``last`` of a history on one chunk.
-
-    It reads the chunk's old state (its fields, one per feedback source) and
-    the histories (the update's inputs, ``history/<name>``, time leading),
-    runs the model step after step where the chunk lives, and returns the new
-    state as torch tensors. Into the update's ``out`` arrays it writes the
-    recorded outputs of every step (``record/<name>``) and, with ``final``,
-    the outputs after the last step (``final/<name>``).
-
-    Parameters
-    ----------
-    model : NEML2Model
-        The model (see the module docs).
-    feedback : dict
-        ``{history input: source}``, as :func:`neml2_feedback` makes.
-    first, last : int
-        The history entries to step to (entry 0 is the starting point).
-    keep : tuple of str
-        The state to return: every source, and the outputs kept.
-    constants : dict
-        Numbers for inputs with neither history nor feedback (zero otherwise).
-    """
-
-    def __init__(self, model, feedback, first, last, keep, constants=None):
-        self.model, self.feedback = model, dict(feedback)
-        self.first, self.last, self.keep = int(first), int(last), tuple(keep)
-        self.constants = dict(constants or {})
-        self.__name__ = f"steps-{self.first}-{self.last}"
-
-    def __call__(self, **arrays):
-        import torch
-
-        histories, out, state = {}, {}, {}
-        for name, value in arrays.items():
-            if name.startswith(HISTORY):
-                histories[name[len(HISTORY):]] = value
-            elif name.startswith((FINAL, RECORD)):
-                out[name] = value
-            else:
-                state[name] = _tensor(value, torch)
-        rows = next(iter(histories.values())).shape[1]  # (entries, rows, *base): the chunk's items on axis 1
-        # The starting point: the prescribed values of the entry before the first step.
-        state.update({name: _tensor(h[self.first - 1], torch) for name, h in histories.items() if name in self.keep})
-        outputs = self.model.output_names
-        for step in range(self.first, self.last + 1):
-            inputs = {}
-            for name in self.model.input_names:
-                if name in histories:
-                    inputs[name] = _tensor(histories[name][step], torch)
-                else:
-                    inputs[name] = state.get(self.feedback.get(name), self.constants.get(name, 0.0))
-            values = self.model(inputs)
-            state = {source: values[source] if source in outputs else inputs[source] for source in self.keep}
-            for name in outputs:
-                if RECORD + name in out:
-                    _copy_into(out[RECORD + name][:, step - 1], values[name], torch)
-        for name in outputs:
-            if FINAL + name in out:
-                _copy_into(out[FINAL + name], state[name], torch)
-        # Inputs kept as state may be views of a history (released after the update): the chunk copies them.
-        return {name: self._rows(value, name, rows, torch, copy=name not in outputs) for name, value in state.items()}
-
-    def _rows(self, value, name, rows, torch, copy=False):
-        """``value`` over the chunk's rows (NEML2 leaves unchanged values unbatched; a number is a zero)."""
-        base = self.model.base_shapes[name]
-        if not isinstance(value, torch.Tensor):  # on the chunk's device, as the model's outputs are
-            return torch.full((rows, *base), float(value), dtype=torch.float64, device=torch_device())
-        if tuple(value.shape) != (rows, *base):
-            return value.expand(rows, *base).clone()
-        return value.clone() if copy else value
-
-
-def _tensor(value, torch):
-    """A chunk's array as a torch tensor (NumPy shares its memory); numbers and tensors as they are."""
-    if isinstance(value, np.ndarray):
-        return TORCH.from_host(value, None)
-    return value
-
-
-def _copy_into(target, value, torch):
-    """Write ``value`` (a tensor, on any device) into the NumPy rows ``target``, broadcasting an unbatched one."""
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
-    np.copyto(target, value)
 
 
 class TransientDriver:
@@ -177,13 +66,16 @@ class TransientDriver:
         Outputs whose value at every step :meth:`history` returns.
     time : str
         The model's time input (NEML2's ``time`` option), fed back like any other.
-    memory : {"device", "host", "auto"}
-        Where the batch keeps the state (:class:`~dsched.Batch`'s ``memory``). ``"device"`` (the default) keeps
-        it on each chunk's device as torch tensors between steps and runs, and pipelines the steps' updates: a
-        driver is about throughput, and a model's outputs then never go through NumPy. ``"host"`` keeps it in
-        this host's memory as NumPy arrays, each step one dispatch call: the least latency per step, but each
-        step's outputs are copied into shared memory (``"auto"``: host memory where :class:`~dsched.Batch`
-        would choose it).
+    memory : {"auto", "host", "device"}
+        Where the state lives between updates. ``"device"`` keeps it on each chunk's device as torch tensors
+        in a :class:`~dsched.Batch`, each update one Dask task per chunk, and pipelines the updates: a chunk
+        starts its next update without waiting for the others, and a model's outputs never go through NumPy.
+        ``"host"`` keeps it in this host's memory as NumPy arrays that the workers map
+        (:class:`~dsched.resident.steps.HostRuns`), each update one call over the fast lanes: a run costs what a
+        call costs, not a task's round trips, but every chunk of an update waits for the slowest before the
+        next update starts. ``"auto"`` (the default): host memory where every device is served by workers on
+        this host and none is a real GPU (as :class:`~dsched.Batch` chooses), else device memory. With every
+        step in one update (the default) the two differ only in those fixed costs.
 
     Examples
     --------
@@ -193,11 +85,11 @@ class TransientDriver:
     """
 
     def __init__(self, model, scheduler, *, client=None, feedback=None, initial=None, constants=None, record=(),
-                 time="t", memory="device"):
+                 time="t", memory="auto"):
         self.model, self.scheduler, self.client, self.time = model, scheduler, client, str(time)
         if not isinstance(memory, str) or memory not in MEMORY:
             raise ValueError(f"memory: expected 'auto', 'host' or 'device', got {memory!r}")
-        self.memory = memory  # the batch's, made at the first run
+        self.memory = memory  # as asked; "host" or "device" once the first run started
         self.feedback = _check_feedback(model, feedback)
         sources = tuple(dict.fromkeys(s for s in self.feedback.values() if s is not None))
         self.keep = tuple(dict.fromkeys(sources + tuple(model.output_names)))
@@ -207,7 +99,9 @@ class TransientDriver:
         unknown = [name for name in self.record if name not in model.output_names]
         if unknown:
             raise ValueError(f"record: {unknown} are not outputs kept by the model (it keeps {model.output_names})")
-        self.batch = None
+        self.batch = None  # in device memory: the Batch holding the state
+        self._host = None  # in host memory: the HostRuns holding it
+        self.n = None
         self.steps_done = 0
         self._runs = []  # per run: (its last update, its store, {out name: array}), the arrays written by its updates
 
@@ -226,15 +120,17 @@ class TransientDriver:
         per_update = steps if steps_per_update is None else steps_per_update
         if isinstance(per_update, bool) or not isinstance(per_update, int) or per_update < 1:
             raise ValueError(f"steps_per_update: expected a positive number of steps, got {steps_per_update!r}")
-        if self.batch is None:
+        if self.n is None:
             self._start(histories)
+        if self._host is not None:
+            self._host.run(list(self._steps(steps, per_update)), histories, {name: steps for name in self.record})
+            self.steps_done += steps
+            return self
         store, finals, records = self._allocate(steps)
         inputs = {f"{HISTORY}{name}": value for name, value in histories.items()}
         update = None
-        for first in range(1, steps + 1, per_update):
-            last = min(first + per_update - 1, steps)
-            fn = TransientSteps(self.model, self.feedback, first, last, self.keep, self.constants)
-            out = {**records, **(finals if last == steps else {})}
+        for fn in self._steps(steps, per_update):
+            out = {**records, **(finals if fn.last == steps else {})}
             fields = self.batch.fields
             made = [f for f in self.keep if f not in fields]
             update = self.batch.update(fn, reads=[f for f in self.keep if f in fields],
@@ -265,7 +161,9 @@ class TransientDriver:
         written = self._finish()[-1]
         values = {name: written[FINAL + name] for name in names if FINAL + name in written}
         rest = [name for name in names if name not in values]
-        if rest:
+        if rest and self._host is not None:
+            values.update(self._host.get_many(rest))
+        elif rest:
             layouts = {name: (self.model.base_shapes[name], "<f8") for name in rest}
             values.update(self.batch.get_many(rest, layouts=layouts))
         return {name: values[name] for name in names}
@@ -280,6 +178,8 @@ class TransientDriver:
 
     def close(self):
         """Release the batch (every chunk's state) and the arrays of runs nobody asked for."""
+        if self._host is not None:
+            self._host.close()
         if self.batch is not None:
             try:
                 self._finish(raise_errors=False)  # a failed run says so where its results are asked for
@@ -297,14 +197,28 @@ class TransientDriver:
 
     # --- internals ---------------------------------------------------------------
 
+    def _steps(self, steps, per_update):
+        """The :class:`TransientSteps` of each update of a run of ``steps`` steps."""
+        for first in range(1, steps + 1, per_update):
+            yield TransientSteps(self.model, self.feedback, first, min(first + per_update - 1, steps), self.keep,
+                                 self.constants)
+
     def _start(self, histories):
-        n = next(iter(histories.values())).shape[1]
+        n = self.n = next(iter(histories.values())).shape[1]
+        if self.memory != "device":
+            client = _client(self.client)
+            _, shared, memory = placement(client, self.scheduler, n, self.memory)
+            if memory == "host":
+                self._host = HostRuns(self.model, self.scheduler, client, n, shared, self.initial)
+                self.memory = "host"
+                return
+        self.memory = "device"
         fields = {}
         for name, value in self.initial.items():
             fields[name] = np.broadcast_to(np.asarray(value, dtype=np.float64), (n, *self.model.base_shapes[name]))
         # Without initial values nothing is loaded: the first steps' task is each chunk's first.
         self.batch = Batch({k: np.ascontiguousarray(v) for k, v in fields.items()}, self.scheduler, n=n,
-                           client=self.client, memory=self.memory)
+                           client=self.client, memory="device")
 
     def _allocate(self, steps):
         """This run's arrays written by its steps: the outputs after the last step, and the recorded outputs."""
@@ -320,6 +234,8 @@ class TransientDriver:
 
     def _finish(self, raise_errors=True) -> list:
         """Wait for every run's steps; the arrays they wrote, per run (their stores released)."""
+        if self._host is not None:
+            return self._host.finish(raise_errors)
         done = []
         for i, (update, store, written) in enumerate(self._runs):
             if store is not None:
@@ -364,12 +280,12 @@ class TransientDriver:
             histories[name] = array
         if not histories:
             raise ValueError(f"prescribed: no input of {self.model.model!r} among {list(prescribed)}")
-        if self.batch is not None and shape[1] != self.batch.n:
-            raise ValueError(f"prescribed: {shape[1]} points; this driver's batch has {self.batch.n}")
+        if self.n is not None and shape[1] != self.n:
+            raise ValueError(f"prescribed: {shape[1]} points; this driver's batch has {self.n}")
         return histories, shape[0] - 1
 
     def _check_started(self):
-        if self.batch is None:
+        if self.n is None:
             raise RuntimeError("this driver has run no step yet (call run() first)")
 
 

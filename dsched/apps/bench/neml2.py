@@ -39,9 +39,11 @@ warm-up round; the rows of a round run one after another):
 - **dispatch, typed**: the same on NEML2's typed tensors (``SR2``, ``Scalar``).
 - **Batch**: a :class:`dsched.Batch` with one update per step, whose function
   calls the model where the chunk lives (:class:`~dsched.resident.driver.TransientDriver`
-  with ``steps_per_update=1``): the state stays on the workers as torch tensors.
+  with ``steps_per_update=1``, ``memory="device"``): the state stays on the
+  workers as torch tensors, and a chunk steps on without waiting for the other.
 - **driver**: :class:`~dsched.resident.driver.TransientDriver` with every step
-  in one update of each chunk.
+  in one update of each chunk, on its default ``memory="auto"``: here, the
+  state in host memory and the update one call over the fast lanes.
 
 The dsched rows run on two single-thread worker processes, ``cpu`` and an
 emulated ``cuda:0`` (a second CPU worker: placement only, not a GPU), each

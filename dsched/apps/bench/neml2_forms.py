@@ -3,8 +3,9 @@
 Each form steps a :class:`~dsched.models.NEML2Model` through prescribed
 histories (time leading, NEML2's layout) the way a user would: a dispatch per
 step on NumPy or on NEML2's typed tensors, a resident :class:`dsched.Batch`
-with one update per step, or a :class:`~dsched.resident.driver.TransientDriver`
-with every step in one update. :func:`side_by_side` runs NEML2's own driver on
+with one update per step (its state in device memory), or a
+:class:`~dsched.resident.driver.TransientDriver` with every step in one update
+(its state where ``memory="auto"`` puts it: host memory here). :func:`side_by_side` runs NEML2's own driver on
 each half of the points in the two workers at once: what the hardware gives
 two single-thread workers.
 """
@@ -73,9 +74,9 @@ def _numpy(value):
     return value.data.detach().numpy() if hasattr(value, "base_shape") else np.asarray(value)
 
 
-def driver_steps(model, histories, scheduler, client, *, steps_per_update=None):
+def driver_steps(model, histories, scheduler, client, *, steps_per_update=None, memory="auto"):
     """A :class:`TransientDriver` over the histories; the last step's outputs."""
-    with TransientDriver(model, scheduler, client=client) as driver:
+    with TransientDriver(model, scheduler, client=client, memory=memory) as driver:
         driver.run(histories, steps_per_update=steps_per_update)
         return driver.get_many()
 
@@ -89,7 +90,9 @@ def forms(model, histories, scheduler, client):
     return {
         "numpy": lambda: dispatch_steps(model, histories, scheduler, client),
         "typed": lambda: dispatch_steps(model, histories, scheduler, client, typed=True),
-        "batch": lambda: driver_steps(model, histories, scheduler, client, steps_per_update=1),
+        # The state on the workers as torch tensors, each step a task per chunk: a chunk steps on without
+        # waiting for the other (in host memory each step would be one call, every chunk waiting for the slower).
+        "batch": lambda: driver_steps(model, histories, scheduler, client, steps_per_update=1, memory="device"),
         "driver": lambda: driver_steps(model, histories, scheduler, client),
     }
 
