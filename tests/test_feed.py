@@ -561,3 +561,25 @@ def test_send_now_sends_new_tasks_without_waiting_for_the_clients_batch_window(c
         assert future.result(timeout=60) == 7
     finally:
         send_now(client)  # the window as Dask keeps it
+
+
+def test_a_call_submitted_by_this_thread_takes_its_parked_feeds_and_parks_them_for_it(client):
+    """dsched.submit runs a call on a thread of its own, for the thread that submitted it: that thread's parked
+    feeds serve it (no task at all), and are parked for that thread again, so that its own calls and the ones
+    it submits (a driver's updates) take turns on the same feeds rather than each ending the other's."""
+    import threading
+
+    from dsched.dispatch.parking import _parked
+
+    x = np.arange(1000.0)
+    s = scheduler()
+    with dask.config.set({"dsched.feed-linger": 60}):
+        dsched.dispatch(double, x, scheduler=s, client=client)
+        client.run_on_scheduler(_forget_keys)
+        out = dsched.submit(double, x, scheduler=s, client=client).result(timeout=60)
+        np.testing.assert_array_equal(out, 2 * x)
+        assert client.run_on_scheduler(_keys_seen) == []  # the submitted call ran on this thread's parked feeds
+        mine = [f for key, fs in _parked(client).items() if key[0] == threading.get_ident() for f in fs]
+        assert len(mine) == 2  # parked again for this thread, one per single-thread device worker
+        np.testing.assert_array_equal(dsched.dispatch(double, x, scheduler=s, client=client), 2 * x)
+        assert client.run_on_scheduler(_keys_seen) == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -22,7 +23,7 @@ from dsched.devices.ownership import forget_cluster_info
 from dsched.dispatch.completion import ask_worker
 from dsched.worker.feed import PARK_OP, FeedPlugin
 
-__all__ = ["release_parked", "register_plugin"]
+__all__ = ["release_parked", "register_plugin", "caller_id", "running_for"]
 
 ANSWER_WAIT = 5.0  # seconds a worker has to answer a stop or park (a frozen worker never does)
 PARK_CHECK = 0.05  # seconds between the event loop's looks at the parks waiting to be told
@@ -46,6 +47,28 @@ class _ProcessState:
 
 
 _state = _ProcessState()
+
+
+_caller = threading.local()  # .id: the thread a submitted call runs for (dsched.submit's runner sets it)
+
+
+def caller_id() -> int:
+    """Whose runs this thread's are: the thread itself, or, while it runs a call submitted by another thread
+    (:func:`dsched.submit`), that thread. A caller's runs park their feeds for its next runs, whichever thread
+    runs them: a driver's submitted updates and its caller's own dispatch calls take turns on the same feeds
+    rather than each ending the other's (a new feed is a scheduler round trip)."""
+    return getattr(_caller, "id", None) or threading.get_ident()
+
+
+@contextlib.contextmanager
+def running_for(caller):
+    """Runs in this block are ``caller``'s (:func:`caller_id`)."""
+    before = getattr(_caller, "id", None)
+    _caller.id = caller
+    try:
+        yield
+    finally:
+        _caller.id = before
 
 
 def _is_gone(address) -> bool:
@@ -96,7 +119,7 @@ def _park(client, feeds, linger) -> list:
         for feed in feeds:
             feed.epoch += 1
             feed.reuse_until = now + linger - _REUSE_MARGIN
-            pool.setdefault((threading.get_ident(), feed.address, str(feed.device), feed.holds), []).append(feed)
+            pool.setdefault((caller_id(), feed.address, str(feed.device), feed.holds), []).append(feed)
             messages.append((feed.address, feed.id, feed.epoch))
     return messages
 
@@ -179,7 +202,7 @@ def _take_parked(client, address, device, holds):
     with _state.parked_lock:
         pool = _parked(client)
         _sweep(pool, now, client)
-        waiting = pool.get((threading.get_ident(), address, str(device), holds))
+        waiting = pool.get((caller_id(), address, str(device), holds))
         while waiting and not _usable(waiting[-1], now):  # not swept yet: let go of it now
             waiting.pop().let_go()
         if not waiting:
@@ -219,7 +242,7 @@ def _new_feed_id(client) -> str:
     """``dsched-feed-<client and thread>-<n>``: a feed outlives its run, so its name carries who runs it (its
     worker tells that caller's other feeds from other tasks by it), not the run. Runs of one client on
     several threads are told apart, as they were when feeds ended with their runs."""
-    token = hashlib.sha1(f"{client.id}-{threading.get_ident()}".encode()).hexdigest()[:16]
+    token = hashlib.sha1(f"{client.id}-{caller_id()}".encode()).hexdigest()[:16]
     return f"dsched-feed-{token}-{next(_state.feed_numbers)}"
 
 

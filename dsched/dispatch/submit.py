@@ -13,6 +13,11 @@ devices' capacity holds however many calls are in flight. Calls with
 different schedulers run at the same time, sharing the devices as
 concurrent clients do (each task holds its device's resource).
 
+A submitted call runs for the thread that submitted it: it takes the feeds
+that thread's calls left parked on the workers, and parks its own for that
+thread's next call (:func:`~dsched.dispatch.parking.caller_id`), so a thread's
+own calls and the ones it submits take turns on the same feeds.
+
 The arrays given to a submitted call are read while it runs (by reference,
 never copied up front): leave them unchanged until its result is in.
 """
@@ -26,6 +31,7 @@ import weakref
 
 from dsched.dispatch.completion import Cancellation, CancelledError, cancellable
 from dsched.dispatch.front import PreparedCall
+from dsched.dispatch.parking import caller_id, running_for
 
 __all__ = ["submit", "DispatchFuture"]
 
@@ -91,11 +97,11 @@ class DispatchFuture:
         state = "cancelled" if self.cancelled() else "finished" if self.done() else "pending"
         return f"<DispatchFuture {state}>"
 
-    def _run(self, call):
+    def _run(self, call, caller):
         if not self._future.set_running_or_notify_cancel():
             return
         try:
-            with cancellable(self._cancellation):
+            with cancellable(self._cancellation), running_for(caller):
                 self._cancellation.check()
                 result = call.run()
         except BaseException as err:  # handed to result()
@@ -115,7 +121,7 @@ def submit(fn, *args, scheduler, client=None, mode="async", axis=0, out_axis=Non
                         out_axis=out_axis, trace_file=trace_file, out=out, overwrite=overwrite, timeout=timeout,
                         keep_grad=keep_grad, host_arrays=host_arrays)
     future = DispatchFuture()
-    _runner_of(scheduler).put((future, call))
+    _runner_of(scheduler).put((future, call, caller_id()))  # run for this thread: its parked feeds are taken
     return future
 
 
@@ -151,6 +157,6 @@ def _serve(inbox):
         item = inbox.get()
         if item is None:
             return
-        future, call = item
-        future._run(call)
+        future, call, caller = item
+        future._run(call, caller)
         item = future = call = None  # an idle runner keeps no call's arrays or result alive
