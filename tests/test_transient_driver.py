@@ -92,6 +92,10 @@ def test_the_state_in_host_memory_is_the_default_here_and_results_stay_as_return
         for name, value in after_two.items():
             np.testing.assert_array_equal(value, first[name], err_msg=name)
         assert driver.history("stress").shape == (4, 40, 6)
+    with TransientDriver(model, scheduler, client=process_client) as driver:  # four updates: two sets in turn
+        driver.run(_prescribed(histories), steps_per_update=1)
+        for name, value in driver.get_many().items():
+            np.testing.assert_array_equal(value, reference[name], err_msg=name)
 
 
 def test_a_compiled_model_in_host_memory_computes_its_steps_into_rows_and_equals_nemls(process_client):

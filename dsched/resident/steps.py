@@ -175,9 +175,9 @@ def copy_into(target, value):
 class HostSteps:
     """An update's function on one chunk, as :func:`dsched.dispatch` calls it: the steps, and the state into rows.
 
-    ``steps`` is a :class:`TransientSteps` (the model, the feedback, the steps to run).
-    Called with the chunk's rows of the state of the update before (``{source: rows}``; none on a driver's first
-    run) and of the histories (``{"history/<name>": (entries, rows, *base)}``), in one dict, and ``out``: its rows of the new state
+    ``steps`` is a :class:`TransientSteps` (the model, the feedback, the steps to run). Called with one dict of
+    the chunk's rows of the state of the update before (``{source: rows}``; none on a driver's first run) and of
+    the histories (``{"history/<name>": (entries, rows, *base)}``), and ``out``: its rows of the new state
     (``{source: rows}``) and of the recorded outputs (``{"record/<name>": (rows, steps, *base)}``). The model
     gets NumPy inputs, and its last step the rows its outputs go to (a compiled model computes them there);
     what it did not compute there is copied there. Returns ``out``.
@@ -313,11 +313,15 @@ class HostRuns:
         ``{name: steps}`` of the outputs recorded at every step. Returns at once."""
         keep = steps_list[0].keep
         base = self.model.base_shapes
-        specs = [((self.n, *base[name]), np.float64) for _ in steps_list for name in keep]
+        # The state after the run, and between its updates two sets in turn: an update reads the set the one
+        # before wrote and writes the other (they run one after another), however many updates the run has.
+        sets = 1 + min(len(steps_list) - 1, 2)
+        specs = [((self.n, *base[name]), np.float64) for _ in range(sets) for name in keep]
         specs += [((self.n, steps, *base[name]), np.float64) for name, steps in records.items()]
         store = RunStore(shared=self.shared)
         placed = iter(view for _, view in store.allocate_many(specs, handed_out=True))
-        states = [{name: next(placed) for name in keep} for _ in steps_list]
+        after, *between = [{name: next(placed) for name in keep} for _ in range(sets)]
+        states = [between[i % 2] for i in range(len(steps_list) - 1)] + [after]
         recorded = {RECORD + name: next(placed) for name in records}
         futures = []
         for steps, state in zip(steps_list, states):  # each update writes its steps' columns of the records
