@@ -557,3 +557,20 @@ def test_the_surface_and_parameters_on_a_real_gpu_match_neml2_on_the_cpu():
         np.testing.assert_allclose(grads[name], _numpy(value), rtol=1e-8, atol=1e-12 * largest, err_msg=name)
     np.testing.assert_allclose(compiled["stress"], _numpy(_load(ELASTIC).call_by_name(
         {"strain": torch.as_tensor(inputs["E"])})["stress"]), rtol=1e-12)
+
+
+def test_changed_parameters_are_compared_again_only_when_a_value_changed():
+    """ParameterValues.changed() remembers its answer while no value changed: every way a caller changes one (set,
+    in place, a new .data) is seen at the next call, and a value put back to the file's is no longer sent."""
+    from dsched.models.neml2_parameters import ParameterValues
+
+    values = ParameterValues({"E": torch.tensor(200e3, dtype=torch.float64), "nu": torch.tensor(0.3)})
+    assert values.changed() == {} and values.changed() == {}
+    values.values["E"].fill_(150e3)  # in place, as named_parameters() allows
+    assert {k: float(v) for k, v in values.changed().items()} == {"E": 150e3}
+    values.set("E", 200e3)
+    assert values.changed() == {}
+    values.values["nu"].data = torch.tensor(0.25)  # a new storage, its version unchanged
+    assert {k: round(float(v), 6) for k, v in values.changed().items()} == {"nu": 0.25}
+    values.changed()["nu"] = None  # a copy: the remembered answer is not the caller's to change
+    assert set(values.changed()) == {"nu"}

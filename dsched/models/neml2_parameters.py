@@ -40,6 +40,7 @@ class ParameterValues:
     def __init__(self, defaults):
         self.defaults = {name: value.detach().cpu().clone() for name, value in defaults.items()}
         self.values = {name: value.clone() for name, value in self.defaults.items()}
+        self._known = None  # (each value's version and storage, the changed ones then): changed() compares once
 
     def __getstate__(self):
         # A worker needs only the values set: it has the file's own (or builds them), and the defaults would
@@ -48,6 +49,7 @@ class ParameterValues:
 
     def __setstate__(self, state):
         self.defaults, self.values = state["defaults"], state["values"]
+        self._known = None
 
     def names(self) -> list:
         return list(self.values)
@@ -84,7 +86,13 @@ class ParameterValues:
 
         if not self.defaults:  # a worker's copy: it holds only what was changed
             return dict(self.values)
-        return {name: value for name, value in self.values.items() if not torch.equal(value, self.defaults[name])}
+        # A value changes in place (set(), fill_, copy_, an optimizer's step: each bumps its version) or has its
+        # .data replaced (a new storage): compared with the file's again only then, not at every call.
+        stamp = tuple((value._version, value.data_ptr()) for value in self.values.values())
+        if self._known is None or self._known[0] != stamp:
+            self._known = (stamp, {name: value for name, value in self.values.items()
+                                   if not torch.equal(value, self.defaults[name])})
+        return dict(self._known[1])
 
     def entries(self) -> dict:
         """The changed parameters as entries of a call's inputs: ``{PARAMETER + name: value[None]}``.
