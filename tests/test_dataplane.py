@@ -537,3 +537,27 @@ def test_an_array_found_in_shared_memory_is_not_found_once_its_segment_is_freed(
     assert first is not None and again == first and find_shared(array[10:]).offset == 10 * 3 * 8
     assert free_shared(array)
     assert find_shared(array) is None
+
+
+def test_a_run_closed_unclean_after_its_outputs_went_back_to_the_pool_leaves_the_pool_sound():
+    """Outputs handed out and let go of go back to the pool; a store closed afterwards as unclean (its run
+    failed) must not unlink what the pool holds now: the pool's next segment of that size opens by name."""
+    import gc
+
+    from dsched.dataplane.store import RunStore
+
+    release_pool()
+    store = RunStore(shared=True)
+    [(ref, view)] = store.allocate_many([((1000,), np.float64)], handed_out=True)
+    token = ref.token
+    del view
+    gc.collect()  # the arrays are gone: the segment is the pool's
+    store.close(clean=False)
+    assert os.path.exists(os.path.join(SHM_DIR, token))
+    again = RunStore(shared=True)
+    [(ref2, view2)] = again.allocate_many([((1000,), np.float64)], handed_out=True)
+    assert ref2.token == token  # the pool lent it again, and it is still there to be opened
+    assert os.path.exists(os.path.join(SHM_DIR, token))
+    again.close(clean=True)
+    del view2
+    release_pool()

@@ -571,8 +571,11 @@ def test_a_call_submitted_by_this_thread_takes_its_parked_feeds_and_parks_them_f
 
     from dsched.dispatch.parking import _parked
 
+    from dsched.dispatch.parking import release_parked
+
     x = np.arange(1000.0)
     s = scheduler()
+    release_parked(client)  # none left by earlier tests: those counted below are this test's
     with dask.config.set({"dsched.feed-linger": 60}):
         dsched.dispatch(double, x, scheduler=s, client=client)
         client.run_on_scheduler(_forget_keys)

@@ -88,10 +88,16 @@ def test_the_state_in_host_memory_is_the_default_here_and_results_stay_as_return
             after_two["stress"][0, 0] = 1.0
         driver.run(_prescribed(histories, 2), steps_per_update=1)
         np.testing.assert_array_equal(driver.get("gamma"), reference["gamma"])
-        np.testing.assert_array_equal(driver.get("gamma~1"), driver.get("gamma~1"))  # a source: its state
+        three, _ = run_neml2_driver(scenario, dataclasses.replace(
+            histories, time=histories.time[:4], prescribed={k: v[:4] for k, v in histories.prescribed.items()}),
+            chunks=halves)
+        np.testing.assert_array_equal(driver.get("gamma~1"), three["gamma"])  # a source: gamma of the step before
         for name, value in after_two.items():
             np.testing.assert_array_equal(value, first[name], err_msg=name)
-        assert driver.history("stress").shape == (4, 40, 6)
+        history = driver.history("stress")  # the two runs' columns, the second's written by two updates
+        assert history.shape == (4, 40, 6)
+        for step, expected in ((2, first), (3, three), (4, reference)):
+            np.testing.assert_array_equal(history[step - 1], expected["stress"], err_msg=f"step {step}")
     with TransientDriver(model, scheduler, client=process_client) as driver:  # four updates: two sets in turn
         driver.run(_prescribed(histories), steps_per_update=1)
         for name, value in driver.get_many().items():
@@ -103,13 +109,73 @@ def test_a_compiled_model_in_host_memory_computes_its_steps_into_rows_and_equals
     state's): the results are NEML2 compiled's on the same chunks, over two runs of one driver. (An eager model
     with blocks takes rows too: radret above, whose lags of two make a step read the rows of two steps back.)"""
     scenario, histories, _, scheduler, halves = _scenario("elasticity", 40, 4)
-    model = NEML2Model(scenario.input, scenario.model, overrides=scenario.overrides, compile=True, autograd=False)
-    reference, _ = run_neml2_driver(scenario, histories, chunks=halves, compile={}, grad=False)
+    aot = {"backend": "aot_eager"}  # torch.compile's graphs without inductor's code generation: seconds, not minutes
+    model = NEML2Model(scenario.input, scenario.model, overrides=scenario.overrides, compile=aot, autograd=False)
+    reference, _ = run_neml2_driver(scenario, histories, chunks=halves, compile=aot, grad=False)
     with TransientDriver(model, scheduler, client=process_client) as driver:
         driver.run(_prescribed(histories, 0, 3))
         driver.run(_prescribed(histories, 2))
         for name, value in driver.get_many().items():
             np.testing.assert_allclose(value, reference[name], rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+def test_in_host_memory_a_parameter_changed_between_runs_reaches_the_workers(process_client):
+    """A driver per history of one model, in a loop, runs on the dispatcher of the one before; a parameter set in
+    between is sent with the next run (as in device memory, where each task carries the model)."""
+    scenario, histories, model, scheduler, halves = _scenario("isoharden", 20, 2)
+    name = "implicit_rate.elasticity.E"
+    stiff = NEML2Model(scenario.input, scenario.model, overrides=scenario.overrides)
+    stiff.set_parameter(name, 2e5)
+    with TransientDriver(stiff, scheduler, client=process_client, memory="device") as driver:
+        driver.run(_prescribed(histories))
+        expected = driver.get("stress")
+    results = []
+    for value in (1e5, 2e5, 2e5, 1e5):
+        model.set_parameter(name, value)
+        with TransientDriver(model, scheduler, client=process_client) as driver:
+            driver.run(_prescribed(histories))
+            results.append(driver.get("stress"))
+    np.testing.assert_array_equal(results[1], expected)
+    np.testing.assert_array_equal(results[2], expected)
+    np.testing.assert_array_equal(results[3], results[0])
+    assert not np.array_equal(results[0], expected)
+
+
+def test_in_host_memory_outputs_left_out_of_the_model_and_a_closed_driver(process_client):
+    """A model that keeps only the outputs fed back (radret without stress) steps as the full one; a closed driver
+    says so."""
+    scenario, histories, model, scheduler, halves = _scenario("radret", 40, 3)
+    fed_back = ["equivalent_plastic_strain", "kinematic_plastic_strain", "gamma", "plastic_strain"]
+    fewer = NEML2Model(scenario.input, scenario.model, overrides=scenario.overrides, outputs=fed_back)
+    reference, _ = run_neml2_driver(scenario, histories, chunks=halves)
+    driver = TransientDriver(fewer, scheduler, client=process_client)
+    with driver:
+        driver.run(_prescribed(histories))
+        assert driver.memory == "host"
+        for name, value in driver.get_many().items():
+            np.testing.assert_array_equal(value, reference[name], err_msg=name)
+    with pytest.raises(RuntimeError, match="this driver is closed"):
+        driver.get("gamma")
+    with pytest.raises(RuntimeError, match="this driver is closed"):
+        driver.run(_prescribed(histories))
+
+
+def test_in_host_memory_a_failed_update_fails_the_later_ones_and_the_next_run(process_client):
+    """An update that fails leaves the state of the updates after it unwritten: they are cancelled, every result
+    raises the failure, and so does the next run, before any work."""
+    scenario, histories, _, scheduler, _ = _scenario("isoharden", 10, 3)
+    failing = NEML2Model(scenario.input, "model", overrides=["Solvers/newton/max_its:=1"])
+    from dsched.models import NEML2ConvergenceError
+
+    with TransientDriver(failing, scheduler, client=process_client) as driver:
+        driver.run(_prescribed(histories), steps_per_update=1)  # three updates: the first fails
+        for get in (lambda: driver.get("stress"), lambda: driver.get("strain")):
+            with pytest.raises((NEML2ConvergenceError, dsched.AggregateError)) as info:
+                get()
+            assert info.value.recoverable
+        with pytest.raises((NEML2ConvergenceError, dsched.AggregateError)):
+            driver.run(_prescribed(histories))
+        assert driver.steps_done == 3
 
 
 def _segments():

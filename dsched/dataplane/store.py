@@ -324,7 +324,10 @@ class _Lease:
         return lease
 
     def revoke(self):
-        """Never recycle it (its run did not end cleanly): unlink its name now."""
+        """Never recycle it (its run did not end cleanly): unlink its name now. Nothing once its arrays are gone:
+        the segment is the pool's then, perhaps lent to another run already."""
+        if self.buffer is None:
+            return
         self.revoked = True
         forget_user_segment(self.token)  # workers could no longer open it by name
         POOL.forget(self.token)

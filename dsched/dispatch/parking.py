@@ -53,10 +53,11 @@ _caller = threading.local()  # .id: the thread a submitted call runs for (dsched
 
 
 def caller_id() -> int:
-    """Whose runs this thread's are: the thread itself, or, while it runs a call submitted by another thread
-    (:func:`dsched.submit`), that thread. A caller's runs park their feeds for its next runs, whichever thread
-    runs them: a driver's submitted updates and its caller's own dispatch calls take turns on the same feeds
-    rather than each ending the other's (a new feed is a scheduler round trip)."""
+    """Whose parked feeds this thread's runs take and leave: the thread's own, or, while it runs a call submitted
+    by another thread (:func:`dsched.submit`), that thread's. A driver's submitted updates and its caller's own
+    dispatch calls so take turns on the same feeds rather than each ending the other's (a new feed is a
+    scheduler round trip). The feeds a run starts still carry the thread that runs it (:func:`_new_feed_id`):
+    two runs going at once, one of them submitted, give way to each other on the workers as before."""
     return getattr(_caller, "id", None) or threading.get_ident()
 
 
@@ -242,7 +243,7 @@ def _new_feed_id(client) -> str:
     """``dsched-feed-<client and thread>-<n>``: a feed outlives its run, so its name carries who runs it (its
     worker tells that caller's other feeds from other tasks by it), not the run. Runs of one client on
     several threads are told apart, as they were when feeds ended with their runs."""
-    token = hashlib.sha1(f"{client.id}-{caller_id()}".encode()).hexdigest()[:16]
+    token = hashlib.sha1(f"{client.id}-{threading.get_ident()}".encode()).hexdigest()[:16]
     return f"dsched-feed-{token}-{next(_state.feed_numbers)}"
 
 

@@ -267,8 +267,10 @@ class NEML2Model:
         """``{qualified name: tensor}``: the parameters as the next call will use them (NEML2's names).
 
         The tensors are this object's: change them in place (``.fill_(...)``,
-        ``.copy_(...)``) or with :meth:`set_parameter`; every device's copy
-        takes the values at the next call. An artifact's parameters are those
+        ``.copy_(...)``, an optimizer's step) or with :meth:`set_parameter`;
+        every device's copy takes the values at the next call. Not through
+        ``.data`` or a NumPy view of them: torch does not count those as
+        changes, and the next call would not see them. An artifact's parameters are those
         promoted at export.
         """
         return dict(self.parameters.values)

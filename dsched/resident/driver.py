@@ -1,13 +1,14 @@
-"""NEML2's ``TransientDriver`` on a resident batch: prescribed histories in, the old state kept where it lives.
+"""NEML2's ``TransientDriver`` over the devices: prescribed histories in, the old state kept between steps.
 
 NEML2's driver steps a model through prescribed histories (time, strain),
 feeding each step's outputs back as the next step's old state
 (``stress~1 <- stress``, ``t~1 <- t``, ``t~2 <- t~1``). :class:`TransientDriver`
-does the same over a :class:`~dsched.Batch`: each chunk of points steps on
-its device, its state is kept by the batch between runs (in device memory as
-torch tensors on the chunk's device, or in host memory as NumPy arrays the
-workers map: ``memory=``), and the histories are read by reference from
-shared memory, one step's rows at a time.
+does the same over the scheduler's chunks: each chunk of points steps on its
+device, its state kept between runs (``memory=``: in host memory as NumPy
+arrays the workers map, each update one call, :class:`~dsched.resident.steps.HostRuns`;
+or in device memory as torch tensors on the chunk's device, over a resident
+:class:`~dsched.Batch`, each update one task per chunk), and the histories
+are read by reference from shared memory, one step's rows at a time.
 
 >>> model = dsched.models.NEML2Model("radret.i", "model")               # doctest: +SKIP
 >>> with TransientDriver(model, scheduler, client=client) as driver:   # doctest: +SKIP
@@ -18,13 +19,16 @@ The model is any callable on a dict of named inputs that returns a dict of
 named outputs (torch tensors in, torch tensors out) and says its
 ``input_names``, ``output_names`` (those kept), ``all_output_names`` and
 ``base_shapes`` (each variable's shape per point): a
-:class:`~dsched.models.NEML2Model` does.
+:class:`~dsched.models.NEML2Model` does. In host memory it is given NumPy
+arrays, and ``out=`` rows to compute into, so ``memory="auto"`` picks host
+memory only for a model that says it takes them (``computes_into``, as
+:class:`~dsched.models.NEML2Model` does).
 
 The feedback is declared once. By default it is NEML2's own rule
 (:func:`neml2_feedback`): every input ``X~k`` takes, from the step before,
 ``X`` (for ``k = 1``) or ``X~(k-1)``, an output if the model has one of that
 name, else the input. An input with no history and no feedback is zero, as
-in NEML2. Several steps run in one task per chunk (by default all of a
+in NEML2. Several steps run in one update of each chunk (by default all of a
 :meth:`TransientDriver.run`), so a step costs what NEML2 costs, not a round trip.
 """
 
@@ -34,14 +38,14 @@ import numpy as np
 
 from dsched.dataplane.store import RunStore
 from dsched.resident.batch import MEMORY, Batch, placement
-from dsched.resident.tasks import _client
 from dsched.resident.steps import FINAL, HISTORY, RECORD, HostRuns, TransientSteps, neml2_feedback
+from dsched.resident.tasks import _client
 
 __all__ = ["TransientDriver", "TransientSteps", "neml2_feedback"]
 
 
 class TransientDriver:
-    """NEML2's ``TransientDriver`` over a resident :class:`~dsched.Batch` of material points.
+    """NEML2's ``TransientDriver`` over the devices, its state kept in host or device memory.
 
     Parameters
     ----------
@@ -74,8 +78,9 @@ class TransientDriver:
         (:class:`~dsched.resident.steps.HostRuns`), each update one call over the fast lanes: a run costs what a
         call costs, not a task's round trips, but every chunk of an update waits for the slowest before the
         next update starts. ``"auto"`` (the default): host memory where every device is served by workers on
-        this host and none is a real GPU (as :class:`~dsched.Batch` chooses), else device memory. With every
-        step in one update (the default) the two differ only in those fixed costs.
+        this host and none is a real GPU (as :class:`~dsched.Batch` chooses) and the model computes into rows
+        (``computes_into``), else device memory. With every step in one update (the default) the two differ
+        only in those fixed costs. Workers on another host are refused either way.
 
     Examples
     --------
@@ -102,6 +107,7 @@ class TransientDriver:
         self.batch = None  # in device memory: the Batch holding the state
         self._host = None  # in host memory: the HostRuns holding it
         self.n = None
+        self._closed = False
         self.steps_done = 0
         self._runs = []  # per run: (its last update, its store, {out name: array}), the arrays written by its updates
 
@@ -110,12 +116,14 @@ class TransientDriver:
 
         Entry 0 of each history is the starting point (its values are the
         ``~1`` of the first step, as in NEML2); steps ``1..steps`` call the
-        model. Returns at once (the steps are pushed to the batch); :meth:`get`
+        model. Returns at once (the steps are pushed to the devices); :meth:`get`
         waits for them. ``steps_per_update`` (default: all) runs that many
-        steps per task of each chunk. Histories in shared memory
+        steps per update of each chunk. Histories in shared memory
         (:func:`dsched.shared_empty`) are read where they are; others are
         copied there once.
         """
+        if self._closed:
+            raise RuntimeError("this driver is closed")
         histories, steps = self._check_prescribed(prescribed)
         per_update = steps if steps_per_update is None else steps_per_update
         if isinstance(per_update, bool) or not isinstance(per_update, int) or per_update < 1:
@@ -143,7 +151,8 @@ class TransientDriver:
         return self
 
     def get(self, name) -> np.ndarray:
-        """The value of ``name`` (an output kept, or a source) after the last step, one row per point."""
+        """The value of ``name`` (an output kept, or a source) after the last step, one row per point (read-only in
+        host memory: the next run starts from it; a later run never changes it)."""
         return self.get_many([name])[name]
 
     def get_many(self, names=None) -> dict:
@@ -151,7 +160,8 @@ class TransientDriver:
 
         The outputs kept are already in this process's memory once the last
         step is done (the steps wrote them there); a source is fetched from
-        where it lives.
+        where it lives. In host memory the arrays are read-only: the next run
+        starts from them (a later run never changes them; copy one to change it).
         """
         names = list(self.model.output_names if names is None else names)
         unknown = [name for name in names if name not in self.keep]
@@ -177,7 +187,8 @@ class TransientDriver:
         return np.moveaxis(pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1), 1, 0)
 
     def close(self):
-        """Release the batch (every chunk's state) and the arrays of runs nobody asked for."""
+        """Release the state (every chunk's) and the arrays of runs nobody asked for; the driver runs no more."""
+        self._closed = True
         if self._host is not None:
             self._host.close()
         if self.batch is not None:
@@ -205,7 +216,7 @@ class TransientDriver:
 
     def _start(self, histories):
         n = self.n = next(iter(histories.values())).shape[1]
-        if self.memory != "device":
+        if self.memory == "host" or (self.memory == "auto" and getattr(self.model, "computes_into", False)):
             client = _client(self.client)
             _, shared, memory = placement(client, self.scheduler, n, self.memory)
             if memory == "host":
@@ -285,6 +296,8 @@ class TransientDriver:
         return histories, shape[0] - 1
 
     def _check_started(self):
+        if self._closed:
+            raise RuntimeError("this driver is closed")
         if self.n is None:
             raise RuntimeError("this driver has run no step yet (call run() first)")
 

@@ -18,23 +18,25 @@ what a call costs (a message each way on the fast lanes,
 ``docs/dataplane.md``), with no task, no scheduler round trip and nothing
 joined: a compiled model's last step is computed straight into those rows.
 
-Each update writes new arrays rather than the ones it read: a chunk run again
-(its worker was lost) reads what it read the first time, and the arrays a
-caller holds from an earlier run never change. They come from dsched's pool of
-segments, and go back to it once nobody holds them. An update runs after the
-one before it (they share the driver's scheduler, whose calls run in order);
-one that failed fails every later result of the driver too, as their state
-was never written.
+Each update writes other arrays than the ones it read: a chunk run again (its
+worker was lost) reads what it read the first time, and the arrays a caller
+holds from an earlier run never change (a run's own updates take two sets in
+turn between them). They come from dsched's pool of segments, and go back to
+it once nobody holds them. An update runs after the one before it (they share
+the driver's scheduler, whose calls run in order); one that failed fails every
+later result of the driver too, as their state was never written, and the
+updates pushed after it are cancelled.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+from concurrent.futures import CancelledError
 
 import numpy as np
 
-from dsched.dataplane.store import RunStore
+from dsched.dataplane.store import RunStore, find_shared, shared_copy
 from dsched.devices.backends import TORCH, torch_device
 from dsched.dispatch.submit import submit
 
@@ -207,12 +209,12 @@ class HostSteps:
         # The last step's outputs straight into their rows, where the model can compute every output there.
         last_rows = {name: out[name] for name in model.all_output_names} \
             if all(name in out for name in model.all_output_names) else None
-        scratch = _Scratch.of_this_thread({name: (len(out[name]), *model.base_shapes[name])
-                                           for name in model.all_output_names})
+        rows = next(iter(histories.values())).shape[1]  # (entries, rows, *base): the chunk's items on axis 1
+        scratch = _Scratch.of_this_thread({name: (rows, *model.base_shapes[name]) for name in model.all_output_names})
         for step in range(steps.first, steps.last + 1):
             inputs = steps.inputs_of(histories, step, current)
-            rows = last_rows if step == steps.last else scratch.free_of(inputs.values())
-            values = _call(model, inputs, rows)
+            target = last_rows if step == steps.last else scratch.free_of(inputs.values())
+            values = _call(model, inputs, target)
             current = {source: values[source] if source in outputs else inputs[source] for source in steps.keep}
             steps.record(out, step, values)
         for name in steps.keep:
@@ -264,15 +266,25 @@ _recent_lock = threading.Lock()
 
 
 def host_steps(steps) -> HostSteps:
-    """The :class:`HostSteps` of ``steps``, the same object for like steps of a recent driver's model: dispatch
-    takes a call of a function it ran recently the way it went then (a driver per history, in a loop)."""
-    key = (id(steps.model), *steps.key())  # the model is alive while its entry holds it: its id is its own
+    """The :class:`HostSteps` of ``steps``, the same object for like steps of a recent driver's model with the
+    same parameters: dispatch takes a call of a function it ran recently the way it went then (a driver per
+    history, in a loop), and a worker that keeps its program runs it on the model as it was sent. A parameter
+    changed since (``set_parameter``, a calibration's step) makes another, sent with the model as it is now."""
+    # The model is alive while its entry holds it: its id is its own.
+    key = (id(steps.model), *steps.key(), _parameters_now(steps.model))
     with _recent_lock:
         found = _recent_steps.pop(key, None) or HostSteps(steps)
         _recent_steps[key] = found
         while len(_recent_steps) > STEPS_KEPT:
             _recent_steps.popitem(last=False)
     return found
+
+
+def _parameters_now(model) -> tuple:
+    """The values of a model's parameters that differ from its file's (a NEML2Model's ``parameters``), as bytes."""
+    parameters = getattr(model, "parameters", None)
+    changed = parameters.changed() if hasattr(parameters, "changed") else {}
+    return tuple((name, value.detach().cpu().numpy().tobytes()) for name, value in sorted(changed.items()))
 
 
 class HostRuns:
@@ -297,34 +309,45 @@ class HostRuns:
         self.model, self.scheduler, self.client, self.n, self.shared = model, scheduler, client, n, shared
         self.state = {}  # {source: array} of the last update pushed (not yet written while it runs)
         if initial:
-            store = RunStore(shared=shared)
             names = list(initial)
-            placed = store.allocate_many([((n, *model.base_shapes[name]), np.float64) for name in names],
-                                         handed_out=True)
-            for name, (_, view) in zip(names, placed):
+            for name, view in zip(names, self._allocate([(n, *model.base_shapes[name]) for name in names])):
                 np.copyto(view, np.broadcast_to(np.asarray(initial[name], dtype=np.float64), view.shape))
                 self.state[name] = view
-            store.close()
-        self.runs = []  # per run: [futures, store, {out name: array}]
+        self.runs = []  # per run: [futures, stores, {out name: array}]
         self.failure = None  # the first update that failed: every result after it raises it
+
+    def _allocate(self, shapes, stores=None) -> list:
+        """New float64 arrays of ``shapes`` in one segment of dsched's pool, back to the pool once nobody holds
+        them (``stores``: a list the run's store joins, closed when the run ended)."""
+        store = RunStore(shared=self.shared)
+        views = [view for _, view in store.allocate_many([(shape, np.float64) for shape in shapes],
+                                                         handed_out=True)]
+        if stores is None:
+            store.close(clean=True)
+        else:
+            stores.append(store)
+        return views
 
     def run(self, steps_list, histories, records):
         """Push one update per :class:`TransientSteps` of ``steps_list``; ``records``:
         ``{name: steps}`` of the outputs recorded at every step. Returns at once."""
-        keep = steps_list[0].keep
-        base = self.model.base_shapes
-        # The state after the run, and between its updates two sets in turn: an update reads the set the one
-        # before wrote and writes the other (they run one after another), however many updates the run has.
-        sets = 1 + min(len(steps_list) - 1, 2)
-        specs = [((self.n, *base[name]), np.float64) for _ in range(sets) for name in keep]
-        specs += [((self.n, steps, *base[name]), np.float64) for name, steps in records.items()]
-        store = RunStore(shared=self.shared)
-        placed = iter(view for _, view in store.allocate_many(specs, handed_out=True))
-        after, *between = [{name: next(placed) for name in keep} for _ in range(sets)]
-        states = [between[i % 2] for i in range(len(steps_list) - 1)] + [after]
-        recorded = {RECORD + name: next(placed) for name in records}
+        if self.failure is not None:
+            raise self.failure  # the state it should have written was never written
+        keep, base = steps_list[0].keep, self.model.base_shapes
+        stores = []
+        # Each in a segment of its own, so that each goes back to the pool when its own arrays are let go: the
+        # state after the run when the next run's is asked for, the records when the driver closes, and between
+        # the updates two sets in turn (an update reads the set the one before wrote and writes the other).
+        [after] = self._sets(keep, 1, stores)
+        between = self._sets(keep, min(len(steps_list) - 1, 2), stores)
+        recorded = dict(zip((RECORD + name for name in records), self._allocate(
+            [(self.n, steps, *base[name]) for name, steps in records.items()], stores))) if records else {}
+        # Histories not in shared memory are copied there once for the run (not once per update), as they are now.
+        if self.shared:
+            histories = {name: h if find_shared(h) is not None else shared_copy(h) for name, h in histories.items()}
         futures = []
-        for steps, state in zip(steps_list, states):  # each update writes its steps' columns of the records
+        for i, steps in enumerate(steps_list):  # each update writes its steps' columns of the records
+            state = after if i == len(steps_list) - 1 else between[i % 2]
             # One dict, the state along axis 0 and the histories along axis 1: the same layout from run to run (a
             # driver's first has no state), so that each call after the first goes the way the last one went.
             arrays = {**self.state, **{HISTORY + name: h for name, h in histories.items()}}
@@ -333,19 +356,33 @@ class HostRuns:
                                   axis=axes, out_axis=0, out={**state, **recorded}))
             self.state = state
         finals = {FINAL + name: _read_only(self.state[name]) for name in self.model.output_names}
-        self.runs.append([futures, store, {**finals, **recorded}])
+        self.runs.append([futures, stores, {**finals, **recorded}])
+
+    def _sets(self, keep, count, stores) -> list:
+        """``count`` sets of state arrays, ``[{source: array}]``, in one segment."""
+        base = self.model.base_shapes
+        views = iter(self._allocate([(self.n, *base[name]) for _ in range(count) for name in keep], stores))
+        return [{name: next(views) for name in keep} for _ in range(count)]
 
     def finish(self, raise_errors=True) -> list:
         """Wait for every run's updates; the arrays they wrote, per run. The first failure raises (with
-        ``raise_errors``), for its run and every later one: their state was never written."""
+        ``raise_errors``), for its run and every later one: their state was never written, and the updates
+        pushed after it are cancelled."""
         for entry in self.runs:
-            futures, store, _ = entry
+            futures, stores, _ = entry
             for future in futures:
-                self.failure = self.failure or future.exception()
-            entry[0] = ()  # a future holds its call's result: the run's arrays
-            if store is not None:  # a failed run's arrays may still be written by a chunk: not pooled
+                if self.failure is not None:
+                    future.cancel()  # it would step from a state never written
+                try:
+                    error = future.exception()
+                except CancelledError as cancelled:  # cancelled before it started
+                    error = cancelled
+                self.failure = self.failure or error
+            for store in stores:  # a failed run's arrays may still be written by a chunk: not pooled
                 store.close(clean=self.failure is None)
-                entry[1] = None
+            # Then let go of the futures, which hold their calls' results (the run's arrays): a segment goes back
+            # to the pool only once its store said whether it may.
+            entry[0], entry[1] = (), ()
         # A run before the last keeps only what history() reads: its state after its last step (the finals) goes
         # back to the pool once the caller lets go of it too, and a long-lived driver's next runs reuse its pages.
         for entry in self.runs[:-1]:

@@ -5,9 +5,9 @@ histories (time leading, NEML2's layout) the way a user would: a dispatch per
 step on NumPy or on NEML2's typed tensors, a resident :class:`dsched.Batch`
 with one update per step (its state in device memory), or a
 :class:`~dsched.resident.driver.TransientDriver` with every step in one update
-(its state where ``memory="auto"`` puts it: host memory here). :func:`side_by_side` runs NEML2's own driver on
-each half of the points in the two workers at once: what the hardware gives
-two single-thread workers.
+(its state where ``memory="auto"`` puts it: host memory here).
+:func:`side_by_side` runs NEML2's own driver on each half of the points in the
+two workers at once: what the hardware gives two single-thread workers.
 """
 
 from __future__ import annotations
