@@ -39,6 +39,7 @@ import numpy as np
 from dsched.dataplane.store import RunStore, find_shared, shared_copy
 from dsched.devices.backends import TORCH, torch_device
 from dsched.dispatch.submit import submit
+from dsched.resident.tasks import read_only
 
 __all__ = ["TransientSteps", "neml2_feedback", "HostSteps", "HostRuns", "host_steps", "HISTORY", "FINAL", "RECORD",
            "copy_into"]
@@ -102,17 +103,8 @@ class TransientSteps:
     def __call__(self, **arrays):
         import torch
 
-        histories, out, state = {}, {}, {}
-        for name, value in arrays.items():
-            if name.startswith(HISTORY):
-                histories[name[len(HISTORY):]] = value
-            elif name.startswith((FINAL, RECORD)):
-                out[name] = value
-            else:
-                state[name] = _tensor(value, torch)
+        histories, state, out = self.split(arrays, lambda value: _tensor(value, torch))
         rows = next(iter(histories.values())).shape[1]  # (entries, rows, *base): the chunk's items on axis 1
-        # The starting point: the prescribed values of the entry before the first step.
-        state.update({name: _tensor(h[self.first - 1], torch) for name, h in histories.items() if name in self.keep})
         outputs = self.model.output_names
         for step in range(self.first, self.last + 1):
             inputs = self.inputs_of(histories, step, state, lambda value: _tensor(value, torch))
@@ -124,6 +116,22 @@ class TransientSteps:
                 copy_into(out[FINAL + name], state[name])
         # Inputs kept as state may be views of a history (released after the update): the chunk copies them.
         return {name: self._rows(value, name, rows, torch, copy=name not in outputs) for name, value in state.items()}
+
+    def split(self, arrays, convert=None) -> tuple:
+        """``(histories, state, out)`` of an update's arrays on a chunk: the histories by name (``history/<name>``),
+        the state the first step starts from (the sources fed back, and the prescribed values of the entry before
+        the first step of a history kept), and the ``final/`` and ``record/`` arrays; the state ``convert``-ed."""
+        convert = convert or (lambda value: value)
+        histories, state, out = {}, {}, {}
+        for name, value in arrays.items():
+            if name.startswith(HISTORY):
+                histories[name[len(HISTORY):]] = value
+            elif name.startswith((FINAL, RECORD)):
+                out[name] = value
+            else:
+                state[name] = convert(value)
+        state.update({name: convert(h[self.first - 1]) for name, h in histories.items() if name in self.keep})
+        return histories, state, out
 
     def inputs_of(self, histories, step, state, convert=None) -> dict:
         """The model's inputs at ``step``: the prescribed rows (``convert``-ed), else the old state fed back, else
@@ -197,14 +205,7 @@ class HostSteps:
         if out is None:
             raise RuntimeError(f"{self.__name__}: called without the rows of the new state (out=)")
         steps, model = self.steps, self.steps.model
-        state, histories = {}, {}
-        for name, value in arrays.items():
-            if name.startswith(HISTORY):
-                histories[name[len(HISTORY):]] = value
-            else:
-                state[name] = value
-        current = dict(state)
-        current.update({name: h[steps.first - 1] for name, h in histories.items() if name in steps.keep})
+        histories, current, _ = steps.split(arrays)
         outputs = model.output_names
         # The last step's outputs straight into their rows, where the model can compute every output there.
         last_rows = {name: out[name] for name in model.all_output_names} \
@@ -355,7 +356,7 @@ class HostRuns:
             futures.append(submit(host_steps(steps), arrays, scheduler=self.scheduler, client=self.client,
                                   axis=axes, out_axis=0, out={**state, **recorded}))
             self.state = state
-        finals = {FINAL + name: _read_only(self.state[name]) for name in self.model.output_names}
+        finals = {FINAL + name: read_only(self.state[name]) for name in self.model.output_names}
         self.runs.append([futures, stores, {**finals, **recorded}])
 
     def _sets(self, keep, count, stores) -> list:
@@ -394,7 +395,7 @@ class HostRuns:
     def get_many(self, names) -> dict:
         """The sources ``names`` after the last step (read-only: the next run starts from them)."""
         self.finish()
-        return {name: _read_only(self.state[name]) for name in names}
+        return {name: read_only(self.state[name]) for name in names}
 
     def close(self):
         try:
@@ -402,8 +403,3 @@ class HostRuns:
         finally:
             self.state, self.runs = {}, []
 
-
-def _read_only(array):
-    view = array.view()
-    view.flags.writeable = False
-    return view

@@ -22,7 +22,7 @@ from dsched.devices.backends import array_module
 from dsched.devices.context import running_on, selected
 from dsched.errors import AggregateError
 
-__all__ = ["Update"]
+__all__ = ["Update", "read_only"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,8 @@ class _UpdateSpec:
 
 # --- what runs on the workers ---------------------------------------------------
 
-def _read_only(array):
+def read_only(array):
+    """A read-only view of a NumPy ``array`` (anything else as it is): what a caller or a chunk may read, not write."""
     if isinstance(array, np.ndarray):
         array = array.view()
         array.flags.writeable = False
@@ -159,7 +160,7 @@ def _update(spec, chunk, versions, inputs=None, out=None):
     arrays = {}
     for field, (value, name) in versions.items():
         array = _pick(value)[name]
-        arrays[field] = _writable(array) if (spec.inplace and field in spec.writes) else _read_only(array)
+        arrays[field] = _writable(array) if (spec.inplace and field in spec.writes) else read_only(array)
     for name, ref in (inputs or {}).items():
         arrays[name] = ref.resolve() if isinstance(ref, SliceRef) else ref
     for name, ref in (out or {}).items():
@@ -237,7 +238,7 @@ def _write_many(values, targets, chunk, layouts):
 def _partial(fn, value, name, chunk):
     """``fn`` on a chunk's version of a field, where it lives; a device result comes back to the host."""
     with running_on(chunk.device), selected(chunk.device):
-        result = fn(_read_only(_pick(value)[name]))
+        result = fn(read_only(_pick(value)[name]))
     return result.get() if hasattr(result, "__cuda_array_interface__") else result
 
 

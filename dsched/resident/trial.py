@@ -22,6 +22,7 @@ import numpy as np
 
 from dsched.dataplane.segments import shared_copy
 from dsched.dispatch import dispatch, submit
+from dsched.resident.tasks import read_only
 
 __all__ = ["TrialState"]
 
@@ -72,12 +73,12 @@ class TrialState:
     @property
     def committed(self) -> dict:
         """The committed state, read-only."""
-        return {name: _read_only(array) for name, array in self._committed.items()}
+        return {name: read_only(array) for name, array in self._committed.items()}
 
     @property
     def trial_state(self):
         """The last trial's state (read-only), or ``None`` when there is none since the last commit or rollback."""
-        return None if self._trial is None else {name: _read_only(a) for name, a in self._trial.items()}
+        return None if self._trial is None else {name: read_only(a) for name, a in self._trial.items()}
 
     def trial(self, fn, *args, scheduler, axis=None, **options):
         """``fn(*args, state)`` over the batch, from the committed state; its ``result`` (the new state is kept).
@@ -150,8 +151,3 @@ class _TrialFuture:
     def cancel(self) -> bool:
         return self._future.cancel()
 
-
-def _read_only(array):
-    view = array.view()
-    view.flags.writeable = False
-    return view
