@@ -368,3 +368,33 @@ def test_yield_on_wake_follows_its_setting(on):
         thread.start()
         thread.join()
     assert seen == [os.SCHED_BATCH if on else os.SCHED_OTHER, os.SCHED_OTHER]
+
+
+@pytest.mark.parametrize("size", [10, 100_000, 8 << 20])
+def test_a_send_the_socket_cannot_take_reads_the_replies_coming_the_other_way(size):
+    """Each end writing a message larger than the socket holds before it reads: a worker blocked on its reply
+    reads nothing, so a client blocked on its send would wait for ever. The client's send reads the reply
+    meanwhile and the next receive returns it; the worker reads the message whole (its framing)."""
+    import threading
+    from multiprocessing import Pipe
+
+    ours, theirs = Pipe()
+    lane, payload = Lane(ours), b"x" * size
+    reply = ("done", 0, True, b"r" * (8 << 20), 0.0, 1.0)
+    read_by_worker, sent = [], []
+
+    def worker():
+        theirs.send_bytes(wire.dumps(reply))  # blocks until the client reads it
+        read_by_worker.append(wire.loads(theirs.recv_bytes()))
+
+    worker_thread = threading.Thread(target=worker, daemon=True)
+    sender = threading.Thread(target=lambda: sent.append(lane.send(("chunks", None, payload))), daemon=True)
+    worker_thread.start()
+    sender.start()
+    sender.join(60)
+    assert not sender.is_alive() and sent == [True]
+    assert lane.receive() == reply  # read during the send, or (a message the socket took at once) now
+    worker_thread.join(60)
+    assert not worker_thread.is_alive() and read_by_worker == [("chunks", None, payload)]
+    lane.close()
+    theirs.close()

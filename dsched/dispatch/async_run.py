@@ -150,7 +150,8 @@ class AsyncRun:
         """Wait at most ``timeout`` seconds for completion notices: replies read from the fast lanes that ready
         first, then whatever the event loop queued."""
         lanes = self.feeds.waiting_lanes() if self.feeds is not None else {}
-        ready = self.done.wait(list(lanes), timeout)
+        # Replies read while a send waited for room (Lane.pending) are no longer in the socket: taken first.
+        ready = [c for c, feed in lanes.items() if feed.lane.pending] or self.done.wait(list(lanes), timeout)
         notices = [outcome for connection in ready for outcome in self.feeds.receive(lanes[connection])]
         return notices + self.done.drain()
 

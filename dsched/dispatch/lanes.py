@@ -15,9 +15,12 @@ private directory) the feed's chunks travel over Dask's comms as before.
 from __future__ import annotations
 
 import collections
+import os
+import select
+import socket
+import struct
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client as connect_to
-
 
 from dsched.checks import setting
 from dsched.dispatch.completion import ask_worker
@@ -64,6 +67,14 @@ class Lane:
 
     Used only by the run's dispatching thread (and the event loop only after the
     feed was given up).
+
+    A send never waits on the worker while the worker waits on it: the window
+    keeps both directions small, but a reply carrying a value (a first chunk's
+    result, a torch output) can be large, and a worker blocked writing it reads
+    nothing meanwhile. So a message the socket cannot take at once is written as
+    room comes, and the replies that arrive meanwhile are read and kept
+    (:attr:`pending`), for :meth:`receive` to return first; the run's loops look
+    at :attr:`pending` before they wait on the socket.
     """
 
     def __init__(self, connection):
@@ -71,6 +82,9 @@ class Lane:
         self.waiting = {}  # chunk index -> (ticket, work, slot, about): sent, not yet answered
         self.backlog = collections.deque()  # (ticket, index, work, slot, about) waiting for room in the window
         self.rearming = False  # its first message since it was taken from the parked ones is not answered yet
+        self.pending = collections.deque()  # replies read while a send waited for room: received first
+        # The same socket, written with MSG_DONTWAIT (the connection itself blocks, as its reads must).
+        self._socket = socket.socket(fileno=os.dup(connection.fileno()))
 
     def send(self, message) -> bool:
         """Write ``message`` (bytes: one pickled already); ``False`` if the feed's end is closed (it ended, or its
@@ -80,20 +94,51 @@ class Lane:
         except Exception as err:  # noqa: BLE001  what the pickler refused: a run's program (fn) for a parked feed
             raise unsendable_fn(err) from None
         try:
-            self.connection.send_bytes(data)
+            for part in _framed(data):  # multiprocessing.connection's framing: the worker reads with recv_bytes
+                self._write(memoryview(part))
             return True
-        except (OSError, ValueError):  # ValueError: closed on this side
+        except (OSError, ValueError, EOFError):  # ValueError: closed on this side; EOFError: while reading a reply
             return False
+
+    def _write(self, view):
+        while view:
+            try:
+                view = view[self._socket.send(view, socket.MSG_DONTWAIT):]
+            except BlockingIOError:  # the socket is full: wait for room, reading what the worker writes meanwhile
+                events = _wait_for(self._socket)
+                if events & select.POLLIN:
+                    self.pending.append(self.connection.recv_bytes())
+                elif events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                    raise OSError("the feed's end of the lane closed")
 
     def receive(self):
         """The next message from the feed; raises ``EOFError`` or ``OSError`` once it has ended."""
+        if self.pending:
+            return wire.loads(self.pending.popleft())
         return wire.loads(self.connection.recv_bytes())
 
     def close(self):
-        try:
-            self.connection.close()
-        except OSError:
-            pass
+        for end in (self.connection, self._socket):
+            try:
+                end.close()
+            except OSError:
+                pass
+
+
+def _framed(data) -> tuple:
+    """``data`` with ``multiprocessing.connection``'s header (a 4-byte length, or -1 and an 8-byte one)."""
+    if len(data) > 0x7FFFFFFF:
+        return struct.pack("!i", -1) + struct.pack("!Q", len(data)), data
+    if len(data) > 16384:  # large: written after its header rather than copied behind it
+        return struct.pack("!i", len(data)), data
+    return (struct.pack("!i", len(data)) + data,)
+
+
+def _wait_for(sock) -> int:
+    """The events of ``sock`` once it can be written or read (or has ended)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLOUT)
+    return max((events for _, events in poller.poll()), default=0)
 
 
 def open_lane(client, address, feed_id) -> Lane | None:

@@ -242,7 +242,9 @@ class SteadyRun:
 
     def _wait(self):
         """Wait for replies (or a notice), and account for what came."""
-        for fd, _ in (self.spin and look(self.poller, self.spin)) or self.poller.poll():
+        kept = [fd for fd, feed in self.by_fd.items() if feed.lane is not None and feed.lane.pending]
+        ready = [(fd, None) for fd in kept] or (self.spin and look(self.poller, self.spin)) or self.poller.poll()
+        for fd, _ in ready:  # replies read while a send waited (Lane.pending) first: the socket has them no more
             if fd == self.bell.waitable.fileno():
                 self.bell.clear()
                 if self.cancellation is not None:
