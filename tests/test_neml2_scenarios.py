@@ -169,8 +169,9 @@ def test_the_bench_measures_a_scenario_and_judges_the_targets(process_client):
     # Halves of 20 points, each in NEML2 calls of 7, 7 and 6: the results equal NEML2 on those blocks.
     result = measure_scenario(small, process_client, steps=2, repeats=1, block=7)
     assert result["block"] == 7
-    assert set(result["rate"]) == {"neml2_1", "neml2_2", "limit", "lockstep", "side_by_side", "numpy", "typed",
-                                   "batch", "driver"}
+    assert set(result["rate"]) == {"neml2_1", "neml2_2", "limit", "lockstep", "side_by_side", "paced", "numpy",
+                                   "typed", "batch", "driver"}
+    assert set(result["vs_paced"]) == {"numpy", "typed"}  # the forms that return after every step
     assert result["seconds"]["lockstep"] >= result["seconds"]["limit"]  # every step waits for its slower half
     assert all(e["same_chunks"] == 0.0 for e in result["error"].values())
     targets = verdicts([result])
@@ -182,7 +183,58 @@ def test_the_bench_measures_a_scenario_and_judges_the_targets(process_client):
                                 "repeats": 1, "machine": "test", "load": None, "targets": targets, "block": 7})
     assert "isoharden (40)" in table and "target every form >= 0.8 x the limit" in table
     assert "dsched calls NEML2 on blocks of at most 7 points" in table.splitlines()[0]
-    assert "vs lockstep (dispatch, NumPy / dispatch, typed)" in table
+    assert "vs lockstep, vs paced (dispatch, NumPy / dispatch, typed)" in table
+
+
+def test_a_paced_driver_runs_each_step_on_a_release_and_answers_it():
+    """NEML2's driver paced over a real pipe: one release per step, an answer after each, the results unchanged."""
+    import threading
+    from multiprocessing import Pipe
+
+    scenario = SCENARIOS["isoharden"]
+    histories = scenario.histories(10, 3)
+    ours, theirs = Pipe()
+    heard = []
+
+    def pace():
+        heard.append(ours.recv_bytes())  # ready, once the driver is built
+        for _ in range(3):
+            ours.send_bytes(b"go")
+            heard.append(ours.recv_bytes())
+
+    caller = threading.Thread(target=pace)
+    caller.start()
+    out, _ = run_neml2_driver(scenario, histories, paced=theirs)
+    caller.join(60)
+    assert heard == [b"ready", b"done", b"done", b"done"]
+    _assert_equal(out, run_neml2_driver(scenario, histories)[0])
+
+
+def test_paced_halves_are_released_together_until_both_end_and_timed_to_the_last_answer():
+    import threading
+    from multiprocessing import Pipe
+
+    from dsched.apps.bench.neml2_forms import _pace
+
+    releases = {0: 0, 1: 0}
+    pairs = [Pipe() for _ in range(2)]
+
+    def half(i, end, steps):
+        for _ in range(steps):
+            end.recv_bytes()
+            releases[i] += 1
+            end.send_bytes(b"done")
+        end.recv_bytes()  # the release after its last step
+        end.send_bytes(b"end")
+
+    threads = [threading.Thread(target=half, args=(i, pair[1], steps)) for i, (pair, steps) in
+               enumerate(zip(pairs, [3, 2]))]
+    for t in threads:
+        t.start()
+    seconds = _pace([pair[0] for pair in pairs])
+    for t in threads:
+        t.join(60)
+    assert releases == {0: 3, 1: 2} and seconds > 0
 
 
 def test_the_driver_times_each_step_of_each_chunk():

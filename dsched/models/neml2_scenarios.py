@@ -188,7 +188,7 @@ def model_overrides(scenario, points) -> tuple:
 
 
 def run_neml2_driver(scenario, histories, *, chunks=None, threads=None, per_step=False, compile=None,
-                     artifacts=None, grad=True):
+                     artifacts=None, grad=True, paced=None):
     """NEML2's ``TransientDriver`` over ``histories``: ``{output: final value}`` (NumPy) and each chunk's seconds.
 
     ``chunks`` (a list of point counts) runs the driver once per chunk of
@@ -204,6 +204,9 @@ def run_neml2_driver(scenario, histories, *, chunks=None, threads=None, per_step
     (``neml2.aoti.AOTIModel``) instead of the input file's model. ``grad``
     off runs the driver under ``torch.no_grad()``: values alone, nothing
     recorded for a backward pass (``NEML2Model(autograd=False)``'s way).
+    ``paced`` (a ``multiprocessing.connection.Connection``) holds each of the
+    model's calls until a message comes on it, and answers one when the call
+    is done: NEML2's steps paced by a caller (:class:`_PacedModel`).
     """
     import time
 
@@ -224,9 +227,11 @@ def run_neml2_driver(scenario, histories, *, chunks=None, threads=None, per_step
     bounds = np.cumsum([0, *(chunks or [histories.points])])
     pairs = list(zip(bounds[:-1], bounds[1:]))
     drivers = [_driver(neml2, torch, model, histories, a, b) for a, b in pairs]
-    if per_step:
-        for driver in drivers:
+    for driver in drivers:
+        if per_step:
             driver.model = _TimedModel(driver.model)
+        if paced is not None:
+            driver.model = _PacedModel(driver.model, paced)
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -267,6 +272,26 @@ class _TimedModel:
             return self.model(*args, **kwargs)
         finally:
             self.seconds.append(time.perf_counter() - start)
+
+
+class _PacedModel:
+    """A NEML2 model whose every call waits for a message on ``connection`` and answers one once done: a driver's
+    steps released one by one by a caller, as a call per step releases them; otherwise the model itself. Made
+    once the driver is built, it says so (``ready``): the caller's clock starts at its first release."""
+
+    def __init__(self, model, connection):
+        self.model, self.connection = model, connection
+        connection.send_bytes(b"ready")
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        self.connection.recv_bytes()
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.connection.send_bytes(b"done")
 
 
 def _driver(neml2, torch, model, histories, start, stop):

@@ -34,6 +34,12 @@ warm-up round; the rows of a round run one after another):
   process: what the hardware gives two single-thread workers (they share
   caches and memory bandwidth: a memory-bound model such as elasticity does
   not double), measured rather than assumed.
+- **paced side by side**: the same, every step of both halves released by a
+  message from the bench's thread and answered by one, the next step
+  released once both answered (:func:`~dsched.apps.bench.neml2_forms.side_by_side_paced`):
+  NEML2's own steps on data that never moves, with nothing between them but
+  a message each way. What a form that returns to its caller after every
+  step (the two dispatch forms) can reach at best on these workers.
 - **dispatch, NumPy**: :meth:`NEML2Model.dispatch` once per step on NumPy
   inputs, the state carried on the client (what a user writes by hand).
 - **dispatch, typed**: the same on NEML2's typed tensors (``SR2``, ``Scalar``).
@@ -77,12 +83,14 @@ import dsched
 from dsched.apps.bench.neml2_forms import (  # noqa: F401  (dispatch_steps, driver_steps: their old home)
     FORM_TITLES,
     FORMS,
+    STEPPED,
     dispatch_steps,
     driver_steps,
     errors,
     forms as _forms,
     halves as _halves,
     side_by_side,
+    side_by_side_paced,
     take_devices,
 )
 from dsched.apps.bench.neml2_compiled import compile_options, compiled_verdicts, format_compiled, measure_compiled
@@ -120,13 +128,14 @@ def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS
     scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], halves)
     runs = _forms(model, prescribed, scheduler, client)
     runs = {form: runs[form] for form in forms}
-    seconds = {row: [] for row in ("neml2_1", "neml2_2", "limit", "lockstep", "side_by_side", *runs)}
+    seconds = {row: [] for row in ("neml2_1", "neml2_2", "limit", "lockstep", "side_by_side", "paced", *runs)}
     results, whole, halved = {}, None, None
     for round_ in range(repeats + 1):  # round 0 warms up: imports, model loads, first calls
         whole, [t1] = run_neml2_driver(scenario, histories, threads=1)
         _, [t2] = run_neml2_driver(scenario, histories, threads=2)
         halved, per_half, per_step = run_neml2_driver(scenario, histories, chunks=halves, threads=1, per_step=True)
         side = side_by_side(client, scenario, n, steps, halves)
+        paced = side_by_side_paced(client, scenario, n, steps, halves)
         take_devices(model, histories, scheduler, client)
         if round_:
             seconds["neml2_1"].append(t1)
@@ -134,6 +143,7 @@ def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS
             seconds["limit"].append(max(per_half))
             seconds["lockstep"].append(max(per_half) + lockstep_penalty(per_step))
             seconds["side_by_side"].append(side)
+            seconds["paced"].append(paced)
         for form, run in runs.items():
             start = time.perf_counter()
             results[form] = run()
@@ -152,6 +162,7 @@ def measure_scenario(scenario, client, *, points=None, steps=10, repeats=REPEATS
             "efficiency": {form: rate[form] / rate["limit"] for form in runs},
             "vs_side_by_side": {form: rate[form] / rate["side_by_side"] for form in runs},
             "vs_lockstep": {form: rate[form] / rate["lockstep"] for form in runs},
+            "vs_paced": {form: rate[form] / rate["paced"] for form in runs if form in STEPPED},
             "vs_neml2_2": {form: rate[form] / rate["neml2_2"] for form in runs},
             "error": {form: errors(results[form], halved, whole) for form in runs}}
 
@@ -273,18 +284,20 @@ def format_neml2_table(results) -> str:
     if results.get("benchmarks"):
         head += f"; NEML2's files from {results['benchmarks']}"
     head += blocks_said(results["scenarios"])
-    stepped = [f for f in forms if f in ("numpy", "typed")]  # the forms that wait for every step's slower half
-    columns = ["NEML2 1 thr", "NEML2 2 thr", "limit", "lockstep", "side by side"] + [FORM_TITLES[f] for f in forms]
+    stepped = [f for f in forms if f in STEPPED]  # the forms that wait for every step's slower half
+    columns = ["NEML2 1 thr", "NEML2 2 thr", "limit", "lockstep", "side by side", "paced"] + [
+        FORM_TITLES[f] for f in forms]
     lines = [head, f"{'scenario (points)':<22}" + "".join(f"{c:>16}" for c in columns)
              + "  efficiency vs limit / vs side by side (" + " / ".join(FORM_TITLES[f] for f in forms) + ")"
-             + (" | vs lockstep (" + " / ".join(FORM_TITLES[f] for f in stepped) + ")" if stepped else "")]
+             + (" | vs lockstep, vs paced (" + " / ".join(FORM_TITLES[f] for f in stepped) + ")" if stepped else "")]
     for s in results["scenarios"]:
-        rows = ["neml2_1", "neml2_2", "limit", "lockstep", "side_by_side", *forms]
+        rows = ["neml2_1", "neml2_2", "limit", "lockstep", "side_by_side", "paced", *forms]
         lines.append(f"{s['scenario'] + ' (' + format(s['points'], ',') + ')':<22}"
                      + "".join(f"{_rate(s['rate'][r]):>16}" for r in rows)
                      + "  " + " / ".join(f"{s['efficiency'][f]:.2f}" for f in forms)
                      + "  |  " + " / ".join(f"{s['vs_side_by_side'][f]:.2f}" for f in forms)
-                     + ("  |  " + " / ".join(f"{s['vs_lockstep'][f]:.2f}" for f in stepped) if stepped else ""))
+                     + ("  |  " + " / ".join(f"{s['vs_lockstep'][f]:.2f}" for f in stepped) + ", "
+                        + " / ".join(f"{s['vs_paced'][f]:.2f}" for f in stepped) if stepped else ""))
     lines.append("points x steps per second. Largest difference from NEML2 on the same chunks (halves, in blocks): "
                  + ", ".join(f"{s['scenario']} {max(e['same_chunks'] for e in s['error'].values()):.1e}"
                              for s in results["scenarios"])

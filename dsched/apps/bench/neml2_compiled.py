@@ -11,7 +11,8 @@ mode such as ``max-autotune``, ``default``, or ``backend=NAME``):
   its model compiled, the better of 1 and 2 torch threads (a compiled model
   can run slower on two);
 - **compiled halves side by side**: the same on each half of the points, in
-  the two workers at once;
+  the two workers at once; **paced**: the same with every step released by a
+  message and answered by one, as the eager rows' paced side by side;
 - **dispatch, NumPy / driver**: the dsched forms with
   ``NEML2Model(..., compile=..., autograd=False)``.
 
@@ -43,7 +44,16 @@ import time
 from pathlib import Path
 
 import dsched
-from dsched.apps.bench.neml2_forms import FORM_TITLES, errors, first_step_inputs, forms, side_by_side, take_devices
+from dsched.apps.bench.neml2_forms import (
+    FORM_TITLES,
+    STEPPED,
+    errors,
+    first_step_inputs,
+    forms,
+    side_by_side,
+    side_by_side_paced,
+    take_devices,
+)
 from dsched.models.neml2 import NEML2Model, compiled_graphs
 from dsched.models.neml2_scenarios import model_overrides, run_neml2_driver
 from dsched.models.row_blocks import pieces, spans
@@ -139,7 +149,8 @@ def _rows(scenario, client, histories, halves, model, form_names, reference, rep
     scheduler = dsched.StaticHybridScheduler(["cpu", "cuda:0"], halves)
     runs = forms(model, {"t": histories.time, **histories.prescribed}, scheduler, client)
     runs = {form: runs[form] for form in form_names}
-    seconds = {row: [] for row in ("neml2_1", "neml2_2", "side_by_side", *runs)}
+    stepped = [form for form in runs if form in STEPPED]
+    seconds = {row: [] for row in ("neml2_1", "neml2_2", "side_by_side", *(["paced"] if stepped else []), *runs)}
     results, whole, graphs = {}, None, {}
     for round_ in range(repeats + 1):  # round 0 warms up: compiles, loads
         if round_ == 1:
@@ -148,6 +159,7 @@ def _rows(scenario, client, histories, halves, model, form_names, reference, rep
         whole, [t1] = run_neml2_driver(scenario, histories, threads=1, **reference)
         _, [t2] = run_neml2_driver(scenario, histories, threads=2, **reference)
         side = side_by_side(client, scenario, n, steps, halves, **reference)
+        paced = side_by_side_paced(client, scenario, n, steps, halves, **reference) if stepped else None
         take_devices(model, histories, scheduler, client)
         for form, run in runs.items():
             start = time.perf_counter()
@@ -158,6 +170,8 @@ def _rows(scenario, client, histories, halves, model, form_names, reference, rep
             seconds["neml2_1"].append(t1)
             seconds["neml2_2"].append(t2)
             seconds["side_by_side"].append(side)
+            if stepped:
+                seconds["paced"].append(paced)
         say(f"neml2 {scenario.name}, {what}: round {round_}/{repeats} done in {time.perf_counter() - started:.0f} s"
             + (" (warm-up)" if not round_ else ""))
     graphs["after"] = _worker_graphs(client)
@@ -167,6 +181,7 @@ def _rows(scenario, client, histories, halves, model, form_names, reference, rep
     return {"seconds": best, "rate": rate, "neml2_threads": threads,
             "vs_neml2": {form: rate[form] / rate["neml2"] for form in runs},
             "vs_side_by_side": {form: rate[form] / rate["side_by_side"] for form in runs},
+            "vs_paced": {form: rate[form] / rate["paced"] for form in stepped},
             "graphs": {**graphs, "recompilations": graphs["after"] - graphs["warm_up"]},
             "forms": list(runs), "results": results, "whole": whole}
 
@@ -213,20 +228,24 @@ def format_compiled(results, rate) -> list:
         if not scenarios:
             continue
         form_names = scenarios[0][kind]["forms"]
-        columns = ["NEML2", "side by side"] + [FORM_TITLES[f] for f in form_names]
-        lines.append(f"{title}: NEML2's driver, the better of 1 and 2 threads; halves side by side in the workers; "
-                     "dsched forms")
+        paced = [f for f in form_names if f in scenarios[0][kind].get("vs_paced", {})]
+        rows = ("side_by_side", *(["paced"] if paced else []), *form_names)
+        columns = ["NEML2", "side by side", *(["paced"] if paced else [])] + [FORM_TITLES[f] for f in form_names]
+        lines.append(f"{title}: NEML2's driver, the better of 1 and 2 threads; halves side by side in the workers"
+                     + (", and paced" if paced else "") + "; dsched forms")
         lines.append(f"{'scenario (points)':<22}" + "".join(f"{c:>16}" for c in columns)
                      + "  vs NEML2 / vs side by side (" + " / ".join(FORM_TITLES[f] for f in form_names) + ")"
+                     + (" / vs paced (" + " / ".join(FORM_TITLES[f] for f in paced) + ")" if paced else "")
                      + ("  graphs (warm-up, recompiled after)" if kind == "compiled" else ""))
         for s in scenarios:
             r = s[kind]
             lines.append(
                 f"{s['scenario'] + ' (' + format(s['points'], ',') + ')':<22}"
                 + f"{rate(r['rate']['neml2']) + ' (' + str(r['neml2_threads']) + ')':>16}"
-                + "".join(f"{rate(r['rate'][row]):>16}" for row in ("side_by_side", *form_names))
+                + "".join(f"{rate(r['rate'][row]):>16}" for row in rows)
                 + "  " + " / ".join(f"{r['vs_neml2'][f]:.2f}" for f in form_names)
                 + "  |  " + " / ".join(f"{r['vs_side_by_side'][f]:.2f}" for f in form_names)
+                + ("  |  " + " / ".join(f"{r['vs_paced'][f]:.2f}" for f in paced) if paced else "")
                 + (f"  {r['graphs']['warm_up']}, {r['graphs']['recompilations']}" if kind == "compiled" else ""))
         checked = [s for s in scenarios if s[kind].get("param_vjp", {}).get("parameters")]
         if checked:

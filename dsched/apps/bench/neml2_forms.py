@@ -13,17 +13,21 @@ two workers at once: what the hardware gives two single-thread workers.
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
+import time
 
 import numpy as np
 
 from dsched.models.neml2_scenarios import run_neml2_driver
 from dsched.resident.driver import TransientDriver, neml2_feedback
 
-__all__ = ["FORMS", "FORM_TITLES", "dispatch_steps", "driver_steps", "halves", "forms", "side_by_side", "errors",
-           "first_step_inputs", "take_devices"]
+__all__ = ["FORMS", "FORM_TITLES", "STEPPED", "dispatch_steps", "driver_steps", "halves", "forms", "side_by_side",
+           "side_by_side_paced", "errors", "first_step_inputs", "take_devices"]
 
 FORMS = ("numpy", "typed", "batch", "driver")
 FORM_TITLES = {"numpy": "dispatch, NumPy", "typed": "dispatch, typed", "batch": "Batch", "driver": "driver"}
+STEPPED = ("numpy", "typed")  # the forms that return to the caller after every step, both halves done
 
 
 def dispatch_steps(model, histories, scheduler, client, *, typed=False):
@@ -131,28 +135,121 @@ def side_by_side(client, scenario, points, steps, halves, **model) -> float:
     :func:`~dsched.models.neml2_scenarios.run_neml2_driver`'s ``compile``, ``artifacts`` or ``grad``."""
     import uuid
 
+    token = uuid.uuid4().hex
+    futures = _on_halves(client, halves, lambda i, a, b: (
+        _neml2_half, scenario, points, steps, a, b, f"{token}-{i}", f"{token}-{1 - i}", model))
+    return max(client.gather(futures))
+
+
+def _on_halves(client, halves, call) -> list:
+    """A task per half on its device's worker (``cpu``, then ``cuda:0``): ``call(i, start, stop)`` gives the
+    function and its arguments."""
     from dsched.devices.device import device_resource
 
-    token = uuid.uuid4().hex
-    bounds = [(0, halves[0]), (halves[0], points)]
-    futures = [client.submit(_neml2_half, scenario, points, steps, a, b, f"{token}-{i}", f"{token}-{1 - i}",
-                             model, resources={device_resource(device): 1}, pure=False)
-               for i, (device, (a, b)) in enumerate(zip(["cpu", "cuda:0"], bounds))]
-    return max(client.gather(futures))
+    bounds = [(0, halves[0]), (halves[0], sum(halves))]
+    return [client.submit(*call(i, a, b), resources={device_resource(device): 1}, pure=False)
+            for i, (device, (a, b)) in enumerate(zip(["cpu", "cuda:0"], bounds))]
+
+
+def _half(scenario, points, steps, start, stop):
+    """Points ``start:stop`` of the scenario's histories, copied: NEML2's driver builds its own."""
+    whole = scenario.histories(points, steps)
+    return dataclasses.replace(whole, time=whole.time[:, start:stop].copy(),
+                               prescribed={k: v[:, start:stop].copy() for k, v in whole.prescribed.items()})
 
 
 def _neml2_half(scenario, points, steps, start, stop, mine, other, model=None):
     """On a worker: NEML2's driver on points ``start:stop``, started when the other half's worker is ready too."""
     from distributed import Event
 
-    whole = scenario.histories(points, steps)
-    part = dataclasses.replace(whole, time=whole.time[:, start:stop].copy(),
-                               prescribed={k: v[:, start:stop].copy() for k, v in whole.prescribed.items()})
-    del whole
+    part = _half(scenario, points, steps, start, stop)
     run_neml2_driver(scenario, part, threads=1, **(model or {}))  # this worker's first call: imports, loads, compiles
     Event(mine).set()
     Event(other).wait(timeout=600)
     return run_neml2_driver(scenario, part, threads=1, **(model or {}))[1][0]
+
+
+def side_by_side_paced(client, scenario, points, steps, halves, **model) -> float:
+    """Seconds of :func:`side_by_side` with every step of both halves released by a message from this thread
+    and answered by one (a Unix socket per worker), the next step released once both answered.
+
+    The fastest any call per step can be on these workers: NEML2's own steps on
+    data that never moves, with nothing between them but the slower half and a
+    message each way, as a form that returns to its caller after every step
+    (``STEPPED``) must wait. The halves' steps differ in cost as their Newton
+    solves do, so each step waits for the slower one.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dsched-paced-") as folder:  # made with mode 0700
+        path = os.path.join(folder, "steps")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+            server.bind(path)
+            server.listen(2)
+            futures = _on_halves(client, halves, lambda i, a, b: (
+                _neml2_half_paced, scenario, points, steps, a, b, path, model))
+            connections = [_accept(server, futures) for _ in futures]
+            try:
+                for c in connections:
+                    c.recv_bytes()  # warmed up, its driver built
+                seconds = _pace(connections)
+            finally:
+                for c in connections:
+                    c.close()
+            client.gather(futures)
+    return seconds
+
+
+def _accept(server, futures, wait=600.0):
+    """The next worker's connection; a task's error rather than a wait for ever if one failed first."""
+    from multiprocessing.connection import Connection
+
+    server.settimeout(0.5)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            sock, _ = server.accept()
+        except TimeoutError:
+            for future in futures:
+                if future.status == "error":
+                    future.result()  # raises the task's error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the paced halves did not connect within {wait:.0f} s") from None
+            continue
+        sock.settimeout(None)
+        return Connection(sock.detach())
+
+
+def _pace(connections) -> float:
+    """Release the halves' steps together until both drivers end (each answers the release after its last step
+    with ``end``); seconds from the first release to the last step's answer."""
+    start = last = time.perf_counter()
+    running = list(connections)
+    while running:
+        for c in running:
+            c.send_bytes(b"go")
+        for c in list(running):
+            if c.recv_bytes() == b"end":
+                running.remove(c)
+            else:
+                last = time.perf_counter()
+    return last - start
+
+
+def _neml2_half_paced(scenario, points, steps, start, stop, path, model=None):
+    """On a worker: NEML2's driver on points ``start:stop``, each of its steps released over the socket at
+    ``path`` (:func:`side_by_side_paced`)."""
+    from multiprocessing.connection import Connection
+
+    part = _half(scenario, points, steps, start, stop)
+    run_neml2_driver(scenario, part, threads=1, **(model or {}))  # imports, loads, compiles
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    with Connection(sock.detach()) as connection:
+        seconds = run_neml2_driver(scenario, part, threads=1, paced=connection, **(model or {}))[1][0]
+        connection.recv_bytes()  # the release of a step this half does not have: the other half may
+        connection.send_bytes(b"end")
+    return seconds
 
 
 def errors(result, halved, whole) -> dict:
