@@ -486,7 +486,8 @@ def test_the_bench_measures_compiled_rows_and_counts_recompilations(process_clie
     result = measure_scenario(small, process_client, steps=2, repeats=1, block=7, compile=COMPILE)
     compiled = result["compiled"]
     assert compiled["forms"] == ["numpy", "driver"] and compiled["options"] == COMPILE
-    assert set(compiled["rate"]) == {"neml2_1", "neml2_2", "neml2", "side_by_side", "numpy", "driver"}
+    assert set(compiled["rate"]) == {"neml2_1", "neml2_2", "neml2", "side_by_side", "paced", "numpy", "driver"}
+    assert set(compiled["vs_paced"]) == {"numpy"}  # the form that returns after every step
     assert compiled["neml2_threads"] in (1, 2)
     assert compiled["seconds"]["neml2"] == min(compiled["seconds"]["neml2_1"], compiled["seconds"]["neml2_2"])
     assert compiled["graphs"]["warm_up"] > 0 and compiled["graphs"]["recompilations"] == 0
@@ -501,6 +502,7 @@ def test_the_bench_measures_compiled_rows_and_counts_recompilations(process_clie
     table = format_neml2_table({"scenarios": [result], "forms": list(result["efficiency"]), "steps": 2,
                                 "repeats": 1, "machine": "test", "load": None, "targets": targets, "block": 7})
     assert "compiled (neml2.compile): NEML2's driver, the better of 1 and 2 threads" in table
+    assert "/ vs paced (dispatch, NumPy)" in table
     assert "target compiled: no recompilation after the warm-up (graphs): 0.00 (threshold 0): reached" in table
 
 
