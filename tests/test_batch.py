@@ -9,6 +9,7 @@ Emulated CUDA workers compute with NumPy: these tests check placement, ordering,
 errors and faults, never GPU behaviour.
 """
 
+import contextlib
 import os
 import signal
 import threading
@@ -223,6 +224,36 @@ def test_a_chunks_tasks_reach_dask_in_program_order_when_two_threads_hand_them_o
                 backend._pump(rest)
             _wait_tasks(tasks)
             np.testing.assert_array_equal(view, 2 * np.arange(8.0))
+
+
+def _tasks_per_chunk(updates):
+    """Per chunk, the distinct Dask tasks that ran its updates (fused updates share one)."""
+    return [len({future.key for future in chunk}) for chunk in zip(*(update.futures for update in updates))]
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one by one", "together"])
+def test_updates_pushed_together_go_as_one_task_per_chunk(process_client, together):
+    # Device memory on worker processes: one by one, the first update goes alone (the batch's first values are
+    # loading: lookahead 2) and those pushed meanwhile as one task; in a together() block every chunk's four go as
+    # one. The values are the same either way.
+    with Batch({"x": np.arange(8.0)}, hybrid_scheduler(), client=process_client, memory="device") as batch:
+        block = batch.together() if together else contextlib.nullcontext()
+        with block:
+            updates = [batch.update(lambda x, k=k: {"x": x * 2 + k}, reads=["x"], writes=["x"]) for k in range(4)]
+            if together:
+                assert not any(t.submitted.is_set() for u in updates for t in u._tasks)  # held until the block ends
+        np.testing.assert_array_equal(batch.get("x"), ((((np.arange(8.0) * 2) * 2 + 1) * 2 + 2) * 2 + 3))
+        per_chunk = _tasks_per_chunk(updates)
+        assert per_chunk == [1] * len(batch.chunks) if together else min(per_chunk) >= 2
+
+
+def test_a_get_inside_a_together_block_hands_the_held_updates_over_first(hybrid_client, memory):
+    with Batch({"x": np.arange(8.0)}, hybrid_scheduler(), client=hybrid_client, memory=memory) as batch:
+        with batch.together():
+            batch.update(lambda x: {"x": x + 1.0}, reads=["x"], writes=["x"])
+            np.testing.assert_array_equal(batch.get("x"), np.arange(8.0) + 1.0)  # not a wait for ever
+            batch.update(lambda x: {"x": x * 3.0}, reads=["x"], writes=["x"])
+        np.testing.assert_array_equal(batch.get("x"), (np.arange(8.0) + 1.0) * 3.0)
 
 
 def test_an_update_whose_fn_does_not_pickle_fails_saying_why_and_the_batch_stays_usable(process_client, memory):

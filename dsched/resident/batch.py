@@ -219,6 +219,22 @@ class Batch:
         self._check_open()
         self._backend.wait()
 
+    def together(self):
+        """A context: the updates pushed in it reach the devices together, when it ends.
+
+        In device memory a chunk's updates go to its worker as Dask tasks, the
+        first ``lookahead`` each alone and those pushed meanwhile as one task;
+        updates pushed in a ``together()`` block go as one task per chunk for
+        the whole block (run in order, and failing together, as any such
+        burst): one scheduler round trip per chunk, not one per update. A
+        step's several updates pushed at once save the most. Anything that
+        waits inside the block (``get``, ``wait``, ``reduce``) hands what it
+        holds over first. In host memory each update is one call already:
+        nothing changes.
+        """
+        self._check_open()
+        return self._backend.together()
+
     def close(self):
         """Release the fields: their memory on the workers, and every shared-memory segment of the batch."""
         if self._closed:

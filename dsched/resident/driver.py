@@ -137,15 +137,16 @@ class TransientDriver:
         store, finals, records = self._allocate(steps)
         inputs = {f"{HISTORY}{name}": value for name, value in histories.items()}
         update = None
-        for fn in self._steps(steps, per_update):
-            out = {**records, **(finals if fn.last == steps else {})}
-            fields = self.batch.fields
-            made = [f for f in self.keep if f not in fields]
-            update = self.batch.update(fn, reads=[f for f in self.keep if f in fields],
-                                       writes=[f for f in self.keep if f in fields], outputs=made,
-                                       inputs=inputs, axis=1, out={n: view for n, (_, view) in out.items()},
-                                       label=fn.__name__,
-                                       layouts={f: (self.model.base_shapes[f], "<f8") for f in made})
+        with self.batch.together():  # a run's updates go to each chunk's worker as one task
+            for fn in self._steps(steps, per_update):
+                out = {**records, **(finals if fn.last == steps else {})}
+                fields = self.batch.fields
+                made = [f for f in self.keep if f not in fields]
+                update = self.batch.update(fn, reads=[f for f in self.keep if f in fields],
+                                           writes=[f for f in self.keep if f in fields], outputs=made,
+                                           inputs=inputs, axis=1, out={n: view for n, (_, view) in out.items()},
+                                           label=fn.__name__,
+                                           layouts={f: (self.model.base_shapes[f], "<f8") for f in made})
         self._runs.append((update, store, {name: view for name, (_, view) in {**finals, **records}.items()}))
         self.steps_done += steps
         return self

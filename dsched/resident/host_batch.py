@@ -45,6 +45,7 @@ with a :class:`~dsched.dispatch.dispatcher.WorkDispatcher` of its own
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 import weakref
@@ -221,6 +222,10 @@ class HostBatch:
         """Wait until every pushed update ran; raises the failures not raised yet."""
         self._wait_for(self._jobs[-1] if self._jobs else None)
         self._raise_failures(None)
+
+    def together(self):
+        """:meth:`dsched.Batch.together`: in host memory each update is one call already, so nothing changes."""
+        return contextlib.nullcontext()
 
     def close(self):
         """Cancel the updates still pending, and let go of every segment of the batch at once."""

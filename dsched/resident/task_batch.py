@@ -42,6 +42,7 @@ Arguments reach it checked (:class:`~dsched.Batch` checks them, naming the field
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
 import secrets
@@ -137,6 +138,7 @@ class TaskBatch:
         self._futures = weakref.WeakKeyDictionary()
         # The first values wait for the first operation, to go to Dask with it (one message, one task).
         self._held = True
+        self._deferring, self._deferred = 0, False  # together(): blocks open, and updates they hold back
         self._load_values(arrays, "init")
 
     @property
@@ -168,8 +170,23 @@ class TaskBatch:
                                         rows, into, pump=False))
             if store is not None or refs or targets:
                 self._inputs.append((_Kept(store, arrays, out), tasks))
-        self._flush(everywhere=True)
+        if self._deferring:
+            self._deferred = True
+        else:
+            self._flush(everywhere=True)
         return Update(label, tasks)
+
+    @contextlib.contextmanager
+    def together(self):
+        """:meth:`dsched.Batch.together`: the updates pushed in the block are handed to Dask as it ends, each
+        chunk's in one task (:func:`_run_fused`), not the first ``lookahead`` of them each alone."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+            if not self._deferring:
+                self._flush()
 
     def set(self, field, array) -> Update:
         """:meth:`dsched.Batch.set`, ``array`` checked.
@@ -360,6 +377,8 @@ class TaskBatch:
         From the client's event loop, so that the chunks' tasks leave in one message, sent at once
         (:meth:`_submit_now`) rather than at the end of the client's 10 ms batch window.
         """
+        if self._deferred:  # updates a together() block held back: whatever waits now needs them handed over
+            everywhere, self._deferred = True, False
         if not (self._held or everywhere):
             return
         self._held = False
