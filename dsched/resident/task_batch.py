@@ -136,9 +136,10 @@ class TaskBatch:
         # cycle), with its ops' payloads: close() records how each ended and releases it, so the workers free
         # the fields now rather than at the client's next garbage collection.
         self._futures = weakref.WeakKeyDictionary()
-        # The first values wait for the first operation, to go to Dask with it (one message, one task).
+        # What waits for the next _flush: the first values, for the first operation (to go to Dask with it: one
+        # message, one task), and the updates a together() block holds back.
         self._held = True
-        self._deferring, self._deferred = 0, False  # together(): blocks open, and updates they hold back
+        self._deferring = 0  # together() blocks open
         self._load_values(arrays, "init")
 
     @property
@@ -171,7 +172,7 @@ class TaskBatch:
             if store is not None or refs or targets:
                 self._inputs.append((_Kept(store, arrays, out), tasks))
         if self._deferring:
-            self._deferred = True
+            self._held = True
         else:
             self._flush(everywhere=True)
         return Update(label, tasks)
@@ -371,14 +372,12 @@ class TaskBatch:
         return op.payload
 
     def _flush(self, everywhere=False):
-        """Hand over what waits: the batch's first values (until its first operation) and, with
-        ``everywhere``, every chunk's queue.
+        """Hand over what waits: the batch's first values (until its first operation) or the updates a
+        :meth:`together` block held back, and, with ``everywhere``, every chunk's queue.
 
         From the client's event loop, so that the chunks' tasks leave in one message, sent at once
         (:meth:`_submit_now`) rather than at the end of the client's 10 ms batch window.
         """
-        if self._deferred:  # updates a together() block held back: whatever waits now needs them handed over
-            everywhere, self._deferred = True, False
         if not (self._held or everywhere):
             return
         self._held = False
