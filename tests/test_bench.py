@@ -129,8 +129,14 @@ def test_data_benchmarks_structure_and_honesty():
     assert 0 < out["task_bytes_max"] <= 1024
     assert out["output_run"]["points"] == 50_000 and out["output_run"]["stored_bytes"] >= 50_000 * 392
     assert out["client_rss"]["peak"] >= out["client_rss"]["before"] > 0
+    memory = out["memory_pass"]  # 128 MiB each way
+    assert memory["bytes"] == 128 << 20 and memory["shared_s"] > 0 and memory["own_s"] > 0
+    assert memory["shared_vs_own"] == pytest.approx(memory["own_s"] / memory["shared_s"])
     table = format_data_table(out)
     assert "emulated" in table and "target bytes through the scheduler per chunk <= 1 KiB: reached" in table
+    assert f"a pass over 128 MiB: shared memory at {memory['shared_vs_own']:.2f} x the speed of this process's own" \
+        f" ({memory['shared_s'] * 1e3:.1f} ms against {memory['own_s'] * 1e3:.1f} ms; " \
+        f"/dev/shm huge={memory['shm_huge_pages']})" in table
 
 
 def test_percall_benchmarks_time_every_form_against_the_pipe_round_trip():

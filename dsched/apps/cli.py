@@ -404,7 +404,8 @@ def _bench(args) -> int:
     print("\n\n".join(tables))
     machine = results["machine"]
     print(f"\nmachine: {machine['cpus']} cores ({machine['cpu']}), {machine['memory_gib']} GiB, "
-          f"{machine['gpus'] or 'no GPU (CUDA devices emulated)'}, load {machine['load_average']} at the start. "
+          f"{machine['gpus'] or 'no GPU (CUDA devices emulated)'}, /dev/shm huge={machine['shm_huge_pages']}, "
+          f"load {machine['load_average']} at the start. "
           "Targets are information: they were set on a 2-core machine at full sizes; --quick sizes, other "
           "machines and a busy machine read differently.")
     if failed:

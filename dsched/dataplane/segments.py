@@ -27,7 +27,8 @@ from dsched.names import SEGMENT_PREFIX
 
 __all__ = ["SHM_DIR", "mapped_segment", "pinned_segment", "forget_vanished_segments", "sweep_stale_segments",
            "sweep_now_and_then", "note_user_segment", "forget_user_segment", "shared_empty", "shared_copy",
-           "SegmentPool", "POOL", "release_pool", "record_semaphores", "free_shared", "on_free", "shareable"]
+           "SegmentPool", "POOL", "release_pool", "record_semaphores", "free_shared", "on_free", "shareable",
+           "advise_huge_pages", "shared_memory_huge_pages"]
 
 SHM_DIR = "/dev/shm"
 _PREFIX = SEGMENT_PREFIX
@@ -38,6 +39,7 @@ _mapped: dict = {}  # (token, writable) -> mmap of a whole segment, kept for thi
 _pinned: dict = {}  # (token, writable) -> (bytes view, pointer) of mappings this process page-locked for a GPU
 _mapped_lock = threading.Lock()
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels refuse it and pages are faulted one by one
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page (x86-64 and arm64 with 4 KiB pages)
 
 
 def mapped_segment(token: str, writable: bool, own: bool = True) -> np.ndarray:
@@ -64,6 +66,7 @@ def mapped_segment(token: str, writable: bool, own: bool = True) -> np.ndarray:
                 buffer = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=prot)
             finally:
                 os.close(fd)
+            advise_huge_pages(buffer)
             _mapped[(token, writable)] = buffer
     return np.frombuffer(buffer, np.uint8)
 
@@ -131,6 +134,42 @@ def _populate(whole, first, length):
             pass
 
 
+def advise_huge_pages(buffer) -> bool:
+    """Ask for transparent huge pages over a mapping's whole 2 MiB pieces (``MADV_HUGEPAGE``), before any page of it
+    is touched; whether the advice was taken.
+
+    Where ``/dev/shm`` allows huge pages (mounted with ``huge=advise``, ``within_size`` or ``always``), a large
+    array streamed from shared memory then runs as fast as one in a process's own memory, which NumPy puts on
+    huge pages; on 4 KiB pages a pass over it misses the TLB on every page (the data suite of ``dsched bench``
+    measures the two; ``docs/dataplane.md``). Elsewhere the kernel keeps the advice and uses small pages. The
+    tail past the last whole piece is left out: a huge page there would hold up to 2 MiB beyond the segment.
+    """
+    length = len(buffer) - len(buffer) % HUGE_PAGE
+    if not length or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        buffer.madvise(mmap.MADV_HUGEPAGE, 0, length)
+    except (OSError, ValueError):  # a kernel without transparent huge pages
+        return False
+    return True
+
+
+def shared_memory_huge_pages(mounts: str = "/proc/self/mounts") -> str:
+    """How ``/dev/shm`` is mounted for huge pages: its ``huge=`` option (``"never"`` when none is given, as by
+    default; ``"advise"``, ``"within_size"`` or ``"always"`` let :func:`advise_huge_pages` take effect), or
+    ``"unknown"`` where the mount table (``mounts``) cannot be read or has no ``/dev/shm``."""
+    try:
+        with open(mounts) as table:
+            entries = [line.split() for line in table]
+    except OSError:
+        return "unknown"
+    options = [fields[3] for fields in entries if len(fields) > 3 and fields[1] == SHM_DIR]
+    if not options:
+        return "unknown"
+    huge = [o.partition("=")[2] for o in options[-1].split(",") if o.startswith("huge=")]  # the last mount wins
+    return huge[0] if huge else "never"
+
+
 def _map_range(token: str, offset: int, length: int):
     """A private copy-on-write mapping of ``length`` bytes of segment ``token`` from ``offset``, and the offset of
     the data in it (torch inputs, whose tensors are writable)."""
@@ -163,6 +202,7 @@ class _Segment:
             _track(self.token)
             os.ftruncate(fd, max(nbytes, 1))
             self.buffer = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+            advise_huge_pages(self.buffer)
             _own_segments[self.token] = self.buffer
         except BaseException:
             os.close(fd)

@@ -50,8 +50,11 @@ against the batch's inputs plus outputs; the minor page faults and the CPU
 time each row took, in the client's process (with the cluster's scheduler and
 nannies, which run there) and in the worker processes (a fresh page is a fault,
 for NumPy as for dsched; on two cores, CPU the client takes is taken from the
-workers). Finally ``dsched run --input --output`` of a large batch, Zarr store
-to Zarr store, with the client's peak RSS.
+workers). Then ``dsched run --input --output`` of a large batch, Zarr store
+to Zarr store, with the client's peak RSS. Finally a pass (a sum) over 128 MiB
+in shared memory against one over this process's own memory, with how
+``/dev/shm`` is mounted for huge pages (:func:`memory_pass`): what a
+memory-bound chunk pays for reading its inputs where dsched places them.
 """
 
 from __future__ import annotations
@@ -294,6 +297,8 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
     say(f"data: dsched run --input --output of {big:,} points, Zarr to Zarr")
     output_run = _measure_output_run(big)
     batch_bytes = points * (BYTES_IN + BYTES_OUT)
+    say("data: a pass over an array in shared memory and in this process's own")
+    memory = memory_pass(MEMORY_PASS_BYTES // (8 if quick else 1))
     results = {
         "points": points, "chunk": chunk, "repeats": repeats, "items_per_s": rates, "best_items_per_s": best,
         "seconds": times,
@@ -302,11 +307,35 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
         "task_bytes_max": max(sizes) if sizes else None,
         "client_rss": {**rss, "batch_bytes": batch_bytes, "ratio": rss["peak"] / batch_bytes},
         "output_run": output_run,
+        "memory_pass": memory,
         "emulation": "the cuda:0 worker is emulated (NumPy on the CPU): two worker processes, no GPU",
     }
     results["ratios"] = _ratios(rates, best)
     results["targets"] = _targets(results, big)
     return results
+
+
+MEMORY_PASS_BYTES = 128 << 20
+
+
+def memory_pass(nbytes, repeats=10) -> dict:
+    """Seconds of a sum over ``nbytes`` of a :func:`dsched.shared_empty` array and over a NumPy array of this
+    process's own (best of ``repeats``, interleaved), and how ``/dev/shm`` is mounted for huge pages: what a
+    memory-bound chunk gains or loses by reading its inputs where dsched places them."""
+    from dsched.dataplane.segments import shared_memory_huge_pages
+
+    shared, own = dsched.shared_empty(nbytes // 8), np.empty(nbytes // 8)
+    shared[:] = 1.0
+    own[:] = 1.0
+    seconds = {"shared": [], "own": []}
+    for _ in range(repeats):
+        for name, array in (("shared", shared), ("own", own)):
+            start = time.perf_counter()
+            array.sum()
+            seconds[name].append(time.perf_counter() - start)
+    best = {name: min(values) for name, values in seconds.items()}
+    return {"bytes": nbytes, "shared_s": best["shared"], "own_s": best["own"], "shared_vs_own": best["own"] /
+            best["shared"], "shm_huge_pages": shared_memory_huge_pages()}
 
 
 def _time_rows(points, repeats, chunk, say) -> tuple:
@@ -473,6 +502,11 @@ def format_data_table(results) -> str:
     lines.append(f"dsched run --input --output, {run['points']:,} points: {run['wall_s']:.1f} s, client peak RSS "
                  f"{run['peak_rss'] / 2**20:,.0f} MiB, {run.get('input_bytes', 0) / 2**30:.2f} GiB read, "
                  f"{run['stored_bytes'] / 2**30:.2f} GiB stored")
+    memory = results.get("memory_pass")
+    if memory:
+        lines.append(f"a pass over {memory['bytes'] / 2**20:,.0f} MiB: shared memory at {memory['shared_vs_own']:.2f} x "
+                     f"the speed of this process's own ({memory['shared_s'] * 1e3:.1f} ms against "
+                     f"{memory['own_s'] * 1e3:.1f} ms; /dev/shm huge={memory['shm_huge_pages']})")
     lines.append("")
     for target, met in results["targets"].items():
         lines.append(f"target {target}: {verdict(met)}")

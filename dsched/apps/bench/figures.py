@@ -84,7 +84,8 @@ def fill(page: str, filled: dict) -> str:
 
 
 def machine_info() -> dict:
-    """What a bench result needs to be read: this machine's cores, CPU model, memory, GPUs, load and the date."""
+    """What a bench result needs to be read: this machine's cores, CPU model, memory, GPUs, whether its shared
+    memory takes huge pages (``/dev/shm``'s ``huge=``), load and the date."""
     import datetime
     import os
     import platform
@@ -99,10 +100,12 @@ def machine_info() -> dict:
         memory = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
     except (ValueError, OSError, AttributeError):
         memory = None
+    from dsched.dataplane.segments import shared_memory_huge_pages
     from dsched.devices.cuda import visible_gpus
 
     gpus = ", ".join(map(str, visible_gpus()))
     return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": memory, "gpus": gpus or None,
+            "shm_huge_pages": shared_memory_huge_pages(),
             "load_average": round(os.getloadavg()[0], 2), "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
@@ -114,6 +117,7 @@ def _machine(results, brief=False) -> str:
     if machine:
         parts.append(f"{machine.get('cpus', '?')} CPU cores ({machine.get('cpu', 'unknown CPU')}), "
                      f"{machine.get('memory_gib', '?')} GiB, {machine.get('gpus') or 'no GPU'}"
+                     + (f", /dev/shm huge={machine['shm_huge_pages']}" if machine.get("shm_huge_pages") else "")
                      + ("" if brief else f", load {machine.get('load_average', '?')} at the start, "
                                          f"{machine.get('date', '')}"))
     gpu = results.get("gpu")
