@@ -24,6 +24,7 @@ from dsched.apps.bench.neml2 import (
     lockstep_penalty,
     measure_scenario,
     options,
+    paced_bounds,
     verdicts,
 )
 from dsched.models.neml2_scenarios import (
@@ -184,6 +185,19 @@ def test_the_bench_measures_a_scenario_and_judges_the_targets(process_client):
     assert "isoharden (40)" in table and "target every form >= 0.8 x the limit" in table
     assert "dsched calls NEML2 on blocks of at most 7 points" in table.splitlines()[0]
     assert "vs lockstep, vs paced (dispatch, NumPy / dispatch, typed)" in table
+    bound = result["rate"]["paced"] / result["rate"]["side_by_side"]
+    assert table.splitlines()[-1] == ("a call per step reaches at most the paced halves: the lowest paced / side by "
+                                      f"side is {bound:.2f} (isoharden, eager)")
+
+
+def test_the_per_step_bound_is_the_lowest_paced_row_of_each_table():
+    scenarios = [{"scenario": "a", "rate": {"paced": 8.0, "side_by_side": 10.0},
+                  "compiled": {"rate": {"paced": 9.0, "side_by_side": 10.0}}},
+                 {"scenario": "b", "rate": {"paced": 9.5, "side_by_side": 10.0},
+                  "compiled": {"rate": {"paced": 7.0, "side_by_side": 10.0}}},
+                 {"scenario": "c", "rate": {"side_by_side": 1.0}}]  # measured without a paced row: not counted
+    assert paced_bounds(scenarios) == {"eager": (0.8, "a"), "compiled": (0.7, "b")}
+    assert paced_bounds([{"scenario": "c", "rate": {"side_by_side": 1.0}}]) == {}
 
 
 def test_a_paced_driver_runs_each_step_on_a_release_and_answers_it():

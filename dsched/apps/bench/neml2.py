@@ -308,7 +308,23 @@ def format_neml2_table(results) -> str:
     for name, (value, threshold, met) in results["targets"].items():
         shown = f"{value:.2f}" if value == 0 or abs(value) >= 0.01 else f"{value:.1e}"
         lines.append(f"target {name}: {shown} (threshold {threshold}): {verdict(met)}")
+    bounds = paced_bounds(results["scenarios"])
+    if bounds and stepped:
+        lines.append("a call per step reaches at most the paced halves: the lowest paced / side by side is "
+                     + ", ".join(f"{value:.2f} ({scenario}, {kind})" for kind, (value, scenario) in bounds.items()))
     return "\n".join(lines)
+
+
+def paced_bounds(scenarios) -> dict:
+    """``{"eager" | "compiled": (lowest paced / side-by-side rate, its scenario)}``: what the forms that return to
+    their caller after every step can reach at most, on the scenarios measured with a paced row."""
+    bounds = {}
+    for kind, rates in (("eager", lambda s: s["rate"]), ("compiled", lambda s: s.get("compiled", {}).get("rate"))):
+        measured = [(r["paced"] / r["side_by_side"], s["scenario"]) for s in scenarios
+                    for r in [rates(s)] if r and "paced" in r and "side_by_side" in r]
+        if measured:
+            bounds[kind] = min(measured)
+    return bounds
 
 
 def main(argv=None):
