@@ -298,7 +298,7 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
     output_run = _measure_output_run(big)
     batch_bytes = points * (BYTES_IN + BYTES_OUT)
     say("data: a pass over an array in shared memory and in this process's own")
-    memory = memory_pass(MEMORY_PASS_BYTES // (8 if quick else 1))
+    memory = memory_pass(MEMORY_PASS_BYTES)
     results = {
         "points": points, "chunk": chunk, "repeats": repeats, "items_per_s": rates, "best_items_per_s": best,
         "seconds": times,
@@ -315,7 +315,7 @@ def run_data_benchmarks(quick=False, *, points=None, repeats=None, output_points
     return results
 
 
-MEMORY_PASS_BYTES = 128 << 20
+MEMORY_PASS_BYTES = 128 << 20  # far beyond a core's caches, at any --quick: a pass streams from memory
 
 
 def memory_pass(nbytes, repeats=10) -> dict:
