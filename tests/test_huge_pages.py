@@ -10,7 +10,9 @@ import dsched
 from dsched.dataplane.segments import HUGE_PAGE, SHM_DIR, shared_memory_huge_pages
 from dsched.dataplane.store import shared_location
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/proc/self/smaps") or not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+    reason="needs Linux with transparent huge pages (reads /proc/self/smaps)")
 
 
 def advised(path, smaps="/proc/self/smaps") -> list:
