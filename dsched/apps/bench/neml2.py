@@ -318,10 +318,12 @@ def format_neml2_table(results) -> str:
 def paced_bounds(scenarios) -> dict:
     """``{"eager" | "compiled": (lowest paced / side-by-side rate, its scenario)}``: what the forms that return to
     their caller after every step can reach at most, on the scenarios measured with a paced row."""
+    tables = {"eager": [(s["scenario"], s["rate"]) for s in scenarios],
+              "compiled": [(s["scenario"], s["compiled"]["rate"]) for s in scenarios if "compiled" in s]}
     bounds = {}
-    for kind, rates in (("eager", lambda s: s["rate"]), ("compiled", lambda s: s.get("compiled", {}).get("rate"))):
-        measured = [(r["paced"] / r["side_by_side"], s["scenario"]) for s in scenarios
-                    for r in [rates(s)] if r and "paced" in r and "side_by_side" in r]
+    for kind, rows in tables.items():
+        measured = [(rate["paced"] / rate["side_by_side"], name) for name, rate in rows
+                    if "paced" in rate and "side_by_side" in rate]
         if measured:
             bounds[kind] = min(measured)
     return bounds
