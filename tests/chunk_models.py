@@ -4,11 +4,18 @@ Importable by name (not defined in a test module twice): the worker processes un
 """
 
 import os
+import time
 
 import numpy as np
 
 
 def triple(work, device):
+    return 3.0 * work
+
+
+def slow_triple(work, device):
+    """:func:`triple` after 5 ms: a chunk whose reply cannot come sooner."""
+    time.sleep(0.005)
     return 3.0 * work
 
 

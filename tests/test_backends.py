@@ -74,6 +74,27 @@ def test_from_host_rebuilds_a_cpu_tensor_around_the_same_memory():
     assert backends.from_host(a, np.zeros(1)) is a
 
 
+def test_read_only_arrays_become_tensors_without_a_warning_in_a_fresh_process():
+    """torch warns once per process for a read-only array (shared memory mapped read-only): dsched silences that
+    one warning, and every later read-only array, under warnings turned into errors, still converts."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, numpy as np\n"
+        "from dsched import backends\n"
+        "warnings.simplefilter('error')\n"
+        "a = np.arange(3.0); a.flags.writeable = False\n"
+        "b = np.arange(4.0)[::2]; b.flags.writeable = False\n"
+        "t, u = backends.TORCH.from_host(a, None), backends.TORCH.from_host(b, None)\n"
+        "assert t.tolist() == [0.0, 1.0, 2.0] and u.tolist() == [0.0, 2.0], (t, u)\n"
+        "assert t.data_ptr() == a.ctypes.data and u.data_ptr() == b.ctypes.data\n"
+        "assert backends._read_only_warned\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 def test_torch_take_concatenate_and_empty_like():
     x = torch.arange(12.0).reshape(4, 3)
     piece = backends.take(x, 1, 1, 3)

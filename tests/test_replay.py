@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import dsched
-from chunk_models import chunks_of, fail_on_negatives, runs_taking, triple
+from chunk_models import chunks_of, fail_on_negatives, runs_taking, slow_triple, triple
+from dsched.checks import setting
 from dsched.devices.ownership import cluster_info
 from dsched.dispatch import replay, steady
 from dsched.schedulers import PerformanceModelScheduler
@@ -29,7 +30,6 @@ WAIT_LIMIT = 60
 def client(process_client):
     """The module's worker processes (conftest's ``process_client``), checked for what would keep every run from
     replaying, so that a test that fails for it says which (a state left by an earlier module, not the test)."""
-    from dsched.checks import setting
     from dsched.devices.ownership import has_dashboard
     from dsched.observe.collect import open_collectors
 
@@ -78,6 +78,31 @@ def test_dispatch_in_a_solver_loop_replays_with_its_outputs_fed_back(client, run
     assert len(runs["replay"]) == 6
     # The state each call returned lies in another output segment: read there, with a kept placement's chunks.
     assert len(runs["replay"][-1].plan.inputs_kept) == replay.INPUTS_KEPT
+
+
+def test_a_replay_whose_last_call_waited_long_sleeps_at_once_rather_than_look_for_its_replies(client, runs):
+    """Looking for replies before sleeping takes a core; a replay after one that waited more than
+    ``LONG_WAIT`` (chunks of 5 ms here) sleeps at once, where the first replay, with no wait known, looks."""
+    d = dsched.WorkDispatcher(one_wave(), slow_triple, join="concat", client=client)
+    x = np.arange(400.0)
+    for k in range(4):
+        np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x + k)), 3 * (x + k))
+    first, *later = runs["replay"]
+    assert len(later) == 1 and first.plan is later[0].plan
+    assert first.spin == float(setting("lane-spin", steady.SPIN)) and later[0].spin == 0.0
+    assert first.plan.waited > 0.005 > replay.LONG_WAIT
+    # While it waited, it allocated the next call's outputs: the next call returns them, and makes the next.
+    spare = first.plan.spare
+    assert spare is not None and spare.generator is None
+    result = d.run(dsched.ArrayLoader(x + 4))
+    np.testing.assert_array_equal(result, 3 * (x + 4))
+    assert result is spare.outputs[0] and first.plan.spare not in (None, spare)
+    # A call with its own out= drops the spare and writes where it is told.
+    out = dsched.shared_empty(400)
+    d.out = out
+    np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x + 5)), 3 * (x + 5))
+    np.testing.assert_array_equal(out, 3 * (x + 5))
+    assert len(runs["replay"]) == 4 and first.plan.spare is None
 
 
 def test_inputs_of_alternating_layouts_each_keep_their_path_and_replay(client, runs):

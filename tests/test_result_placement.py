@@ -456,3 +456,29 @@ def test_an_output_travelling_by_value_is_not_taken_for_an_array_the_model_keeps
     assert seen["kept"] == 0 and seen["placed"] >= 1, seen
     np.testing.assert_array_equal(out["norm"], np.repeat([0.0, 2.0, 4.0, 6.0], n))
     store.close()
+
+
+def test_a_result_that_is_its_out_rows_is_taken_as_written_and_any_other_is_checked_and_copied():
+    """A model that computed into the ``out=`` rows it was given and returned them is done: nothing to check or
+    copy. A dict that holds another array under one name (or a name more) is no such result: it is checked and
+    written as any other."""
+    from dsched.dataplane.outputs import ChunkResultError, OutputLayout, OutputSlot
+    from dsched.dataplane.store import RunStore
+
+    n = 4
+    out = {"a": np.zeros(2 * n), "b": np.zeros((2 * n, 3))}
+    store = RunStore(shared=False)
+    layout = OutputLayout.of({"a": np.zeros(n), "b": np.zeros((n, 3))}, n)
+    slot = OutputSlot(layout, tuple(store.register(out[leaf.path[0]]) for leaf in layout.leaves), n, 2 * n, 1)
+    rows = slot.rows()
+    views = slot.views(rows)
+    views["a"][:], views["b"][:] = 1.0, 2.0  # the model's own writes
+    assert slot.write(views, "cpu", rows=rows) is None
+    np.testing.assert_array_equal(out["a"], [0.0] * n + [1.0] * n)
+    other = slot.views(rows)
+    other["b"] = np.full((n, 3), 7.0)  # returned under its name instead of its rows: copied there
+    assert slot.write(other, "cpu", rows=rows) is None
+    np.testing.assert_array_equal(out["b"][n:], 7.0)
+    with pytest.raises(ChunkResultError, match="returned"):
+        slot.write({**slot.views(rows), "c": np.zeros(n)}, "cpu", rows=rows)
+    store.close()

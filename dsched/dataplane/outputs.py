@@ -350,6 +350,8 @@ class OutputSlot:
             if row is not None and result.shape == row.shape and result.dtype == row.dtype:
                 copy_to_host(result, row)  # nothing to copy where the model computed into its rows
                 return None
+        if rows and not pinned and _in_its_rows(result, rows, self.layout):
+            return None  # the model computed into its out= rows and returned them: nothing to check or copy
         arrays = self.layout.check(result, self.stop - self.start, f"chunk {self.index} on {device}")
         if rows is None:
             rows = [] if pinned else self.rows()
@@ -363,6 +365,17 @@ class OutputSlot:
             else:
                 write_rows(target, leaf.axis, self.start, self.stop, array, pinned)
         return Leftover(leftover) if leftover else None
+
+
+def _in_its_rows(result, rows, layout) -> bool:
+    """Whether ``result`` is a dict holding, under each output's name, the very view of that output's rows (what
+    :meth:`OutputSlot.views` gave the model as ``out=``), and nothing else."""
+    if type(result) is not dict or type(layout.skeleton) is not dict or len(result) != len(rows):
+        return False
+    for leaf, row in zip(layout.leaves, rows):
+        if row is None or len(leaf.path) != 1 or result.get(leaf.path[0]) is not row:
+            return False
+    return len(rows) == len(layout.leaves)
 
 
 def _apart(arrays, rows):

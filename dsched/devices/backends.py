@@ -287,11 +287,16 @@ class TorchBackend(Backend):
     def from_host(self, array, like):
         import torch
 
+        if _read_only_warned or array.flags.writeable:
+            return torch.from_numpy(array)
         with warnings.catch_warnings():
             # A read-only array (shared memory mapped read-only) gives a tensor that must not be written;
-            # torch warns once per process, which would otherwise land in every worker's log.
+            # torch warns once per process, which would otherwise land in every worker's log. Once it has
+            # (silenced here), it never warns again: later calls skip the filter's cost (a step's every input).
             warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(array)
+            tensor = torch.from_numpy(array)
+        _silenced_read_only_warning()
+        return tensor
 
     def to_device(self, x, device, keep_grad=False):
         return (x if keep_grad else x.detach()).to(torch_device(device))
@@ -416,6 +421,14 @@ class StreamedBackend(Backend):
 NUMPY, CUPY, TORCH, NEML2, STREAMED = NumPyBackend(), CuPyBackend(), TorchBackend(), NEML2Backend(), StreamedBackend()
 # NEML2 before torch: its wrappers are not tensors, but the order states the intent.
 BACKENDS = (NUMPY, NEML2, TORCH, CUPY, STREAMED)
+
+
+_read_only_warned = False  # torch has given (and dsched silenced) its once-per-process read-only array warning
+
+
+def _silenced_read_only_warning():
+    global _read_only_warned
+    _read_only_warned = True
 
 
 def backend_of(x, strict: bool = True) -> Backend | None:

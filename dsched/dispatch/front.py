@@ -80,7 +80,9 @@ class _CallOnChunk:
     def _on_host(self, chunk, out):
         limit_this_thread()
         result = self._fn(chunk, out)
-        return result if type(result) is np.ndarray else backends.to_host(result, keep_grad=self.keep_grad)
+        if type(result) is np.ndarray or type(result) is dict and all(type(v) is np.ndarray for v in result.values()):
+            return result  # on the host already (a dict of them: a NEML2 model's outputs, perhaps its out= rows)
+        return backends.to_host(result, keep_grad=self.keep_grad)
 
     def _fn(self, chunk, out):
         """``fn`` on the chunk (and its output rows, where given); NEML2's solve failures as recoverable errors."""

@@ -63,6 +63,8 @@ BLOBS_KEPT = 8  # output targets kept pickled per plan (the segment pool lends a
 # plan ids, of every dispatcher and layout of its caller's thread: one it let go of is answered 'forgotten' and
 # its chunks are sent again in full (a round trip more), so many layouts in turn cost more than a few.
 INPUTS_KEPT = 3
+#: seconds: a replay whose last call waited longer for its replies does not look for them before it sleeps
+LONG_WAIT = 1e-3
 
 
 def replay_enabled() -> bool:
@@ -98,6 +100,8 @@ class ReplayPlan:
         self.closing = False  # dropped while a run replayed it: closed as that run ends
         self.blobs = {}  # the output targets of recent calls, pickled (targets_blob)
         self.agains = {}  # (inputs' id, targets' blob) -> the AGAIN message, pickled (_again)
+        self.waited = None  # seconds its last replay waited from its sends to its last reply
+        self.spare = None  # ReplayData: outputs allocated while the last replay waited, for the next one
         kept_until_released(self)
 
     @classmethod
@@ -153,13 +157,38 @@ class ReplayPlan:
         self.current, self.moves = kept, kept.moves_to(where, keys)
 
     def release_kept(self):
-        """:func:`dsched.release_pool`: the input segments go back (the next replay places the inputs anew), unless
-        a run replays the plan now."""
+        """:func:`dsched.release_pool`: the input segments and spare outputs go back (the next replay places the
+        inputs anew), unless a run replays the plan now."""
         if self.lock.acquire(blocking=False):
             try:
                 self.close_inputs()
             finally:
                 self.lock.release()
+
+    def prepare_spare(self, data):
+        """Allocate the next replay's outputs now, while this one's chunks run: ``data``'s layout, size and axis,
+        in shared memory. A solver's next call takes them (:meth:`take_spare`) instead of allocating its own
+        between its call and its messages, where the workers wait for it."""
+        self.drop_spare()
+        self.spare = ReplayData(data.generator, data.layout, data.axis, None)
+        self.spare.generator = None  # this call's inputs are not kept past it (the next call's are its own)
+
+    def take_spare(self, generator, layout, axis, out):
+        """The outputs :meth:`prepare_spare` allocated, for a run of ``generator`` without ``out`` and with the
+        same layout and axis; ``None`` otherwise (and the spare goes back)."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return None
+        if out is not None or spare.layout is not layout or spare.axis != axis or spare.total != generator.total:
+            spare.close(clean=True)
+            return None
+        spare.generator = generator
+        return spare
+
+    def drop_spare(self):
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            spare.close(clean=True)  # its outputs go back to the pool with their arrays, unused
 
     def message(self, feed, chunks, data, program) -> tuple:
         """``feed``'s message for this run: its chunks to keep (the first time) or the kept ones again."""
@@ -219,6 +248,7 @@ class ReplayPlan:
         while self.inputs_kept:
             self.inputs_kept.popitem()[1].close()
         self.current = None
+        self.drop_spare()
 
     def close_waiting(self):
         if self.waiting is not None:
@@ -296,7 +326,8 @@ def run_replay(dispatcher, generator, steady):
 
 def _replay(dispatcher, generator, steady, plan, start):
     out = check_out(dispatcher.out, generator.total, dispatcher.axis, dispatcher.overwrite)
-    data = ReplayData(generator, steady.layout, dispatcher.axis, out)
+    data = plan.take_spare(generator, steady.layout, dispatcher.axis, out) or \
+        ReplayData(generator, steady.layout, dispatcher.axis, out)
     if not data.writes_in_place_everywhere():  # an out= array in this process's memory: the full path writes it
         data.close(clean=True)  # nothing ran: its segments go back to the pool
         return MISS
@@ -361,6 +392,11 @@ class ReplayRun(SteadyRun):
         self.plan = plan
         super().__init__(client, data, report, feeds, run_id=None, scheduler=dispatcher.scheduler,
                          program=dispatcher._program, next_chunk=None, observers=None)
+        # Its replies come no sooner than the last call's did: a look for them now would only take a core from the
+        # workers computing them (two workers and this thread on two cores); the time is the next call's instead.
+        self.long_wait = plan.waited is not None and plan.waited > LONG_WAIT
+        if self.long_wait:
+            self.spin = 0.0
 
     def _waiting(self, feeds) -> tuple:
         """The plan's bell and poll, kept from call to call while its feeds' lanes are the same."""
@@ -396,9 +432,13 @@ class ReplayRun(SteadyRun):
         for feed in by_feed:
             self._send_plan(feed)
         self.report.sent = time.time()
+        sent = time.perf_counter()
         self._watch()
+        if self.long_wait and self.data.out is None:  # a long wait ahead: the next call's outputs, made now
+            self.plan.prepare_spare(self.data)
         while self.in_flight:
             self._wait()
+        self.plan.waited = time.perf_counter() - sent
 
     def _send_plan(self, feed) -> bool:
         """Send ``feed`` its chunks of the plan (kept, or again); whether they went (else its lane ended)."""

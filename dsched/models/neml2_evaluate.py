@@ -25,10 +25,16 @@ __all__ = ["evaluate", "as_neml2_value", "kind_of", "numpy_storage", "rows_to_co
 
 def kind_of(values) -> str:
     """``"neml2"``, ``"torch"`` or ``"numpy"``: the kind of arrays among ``values``, which the results come back as."""
+    values = list(values)
+    if all(type(v) in _NUMPY_KIND for v in values):  # a solver's call: NumPy arrays and numbers, told at a glance
+        return "numpy"
     kinds = {backends.backend_of(v).name for v in values if backends.backend_of(v) is not None}
     if "neml2" in kinds:
         return "neml2"
     return "torch" if "torch" in kinds else "numpy"
+
+
+_NUMPY_KIND = (np.ndarray, float, int, np.float64)
 
 
 def numpy_storage(shape, dtype):
@@ -42,6 +48,8 @@ def numpy_storage(shape, dtype):
 
 def as_neml2_value(value, variable_type, device, torch):
     """An input as NEML2 takes it on ``device``: typed tensors kept, arrays as float64 tensors, a number in every component."""
+    if type(value) is np.ndarray and device.type == "cpu" and min(value.strides, default=0) >= 0:
+        return variable_type(backends.TORCH.from_host(value, None))  # a solver's usual input, its checks below skipped
     backend = backends.backend_of(value)
     if backend is None:
         base = tuple(getattr(variable_type, "BASE_SHAPE", ()))
