@@ -398,6 +398,16 @@ def test_a_compiled_model_without_autograd_computes_its_values_in_the_rows_it_is
     rows = {"stress": np.full((30, 6), np.nan)}
     assert values({"strain": strain}, out=rows)["stress"] is rows["stress"]
     np.testing.assert_array_equal(rows["stress"], expected)
+    # The same rows again (a replay's): the torch view made for them the first time serves; other rows get theirs.
+    engine = model._per_thread.get()
+    [(kept_rows, kept_view)] = engine.row_views.values()
+    rows["stress"][:] = np.nan
+    assert values({"strain": 2 * strain}, out=rows)["stress"] is rows["stress"]
+    assert list(engine.row_views.values()) == [(kept_rows, kept_view)] and kept_rows is rows["stress"]
+    np.testing.assert_allclose(rows["stress"], 2 * expected, rtol=1e-14)
+    other = {"stress": np.full((30, 6), np.nan)}
+    assert values({"strain": strain}, out=other)["stress"] is other["stress"] and len(engine.row_views) == 2
+    np.testing.assert_array_equal(other["stress"], expected)
     for name, unfit in [("short", {"stress": np.full((29, 6), np.nan)}),
                         ("float32", {"stress": np.full((30, 6), np.nan, np.float32)}),
                         ("read-only", {"stress": np.full((30, 6), np.nan)}),

@@ -444,3 +444,27 @@ def test_two_functions_on_like_arguments_each_keep_their_quick_way(client, monke
         np.testing.assert_array_equal(dsched.dispatch(weighted_state, x + k, state, scheduler=s, client=client)[0],
                                       2 * (x + k))
     assert len(quick) == 4
+
+
+def test_a_kept_plan_keeps_the_rows_of_five_output_segments_lent_in_turn():
+    """A solver holding its last two steps' outputs while the next call's are allocated cycles through five
+    output segments: the feed keeps each one's rows mapped, so the second round maps none again."""
+    import pickle
+
+    from dsched.dataplane.outputs import OutputLayout, OutputSlot
+    from dsched.dataplane.store import RunStore
+    from dsched.worker import kept
+
+    n = 10
+    store = RunStore(shared=False)
+    layout = OutputLayout.of({"y": np.zeros(n)}, n)
+    outputs = [np.zeros(n) for _ in range(5)]
+    targets = [(store.register(a),) for a in outputs]
+    plan = kept.KeptPlans().keep("plan", [(0, None, OutputSlot(layout, targets[0], 0, n, 0))], "cpu")
+    blobs = [pickle.dumps(t, protocol=5) for t in targets]
+    first = [plan.jobs(blob)[0][3] for blob in blobs]
+    again = [plan.jobs(blob)[0][3] for blob in blobs]
+    assert all(a is b for a, b in zip(first, again)) and len(plan.outputs) == 5 <= kept.OUTPUTS_KEPT
+    first[2][0][:] = 7.0  # the rows are the segment's own
+    assert (outputs[2] == 7.0).all()
+    store.close()

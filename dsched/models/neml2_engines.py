@@ -98,6 +98,7 @@ class NativeEngine:
         self.model, self.compiled, self.into = model, bool(compiled), into
         self.input_spec, self.output_spec = dict(model.input_spec), dict(model.output_spec)
         self.defaults = {name: p.detach().clone() for name, p in model.named_parameters()}
+        self.row_views = {}  # torch views of output rows it computed into (neml2_evaluate: _row_targets)
         self._applied = {}  # the parameters set to something else than the file's value: name -> value
 
     def use_parameters(self, wanted) -> None:
@@ -143,6 +144,7 @@ class ArtifactEngine:
         self.model, self.inner = model, model._inner
         self.input_spec, self.output_spec = dict(model.input_spec), dict(model.output_spec)
         self.defaults = {name: value.detach().clone() for name, value in self.inner.named_parameters().items()}
+        self.row_views = {}  # torch views of output rows its blocks are written into (neml2_evaluate: _row_targets)
         self._overrides = {}
 
     def use_parameters(self, wanted) -> None:

@@ -35,6 +35,7 @@ def kind_of(values) -> str:
 
 
 _NUMPY_KIND = (np.ndarray, float, int, np.float64)
+ROW_VIEWS_KEPT = 64  # torch views of output rows an engine keeps (id -> (array, view)), for a replay's next call
 
 
 def numpy_storage(shape, dtype):
@@ -148,10 +149,20 @@ def _recording() -> bool:
 
 
 def _row_targets(into, engine):
-    """Torch views of the output rows ``into`` (by output name), or ``None`` without them."""
+    """Torch views of the output rows ``into`` (by output name), or ``None`` without them. A replay hands the
+    engine the same row arrays call after call: their views are made once (kept with their arrays, a few)."""
     if into is None:
         return None
-    return {name: backends.TORCH.from_host(into[name], None) for name in engine.output_spec}
+    kept, targets = engine.row_views, {}
+    for name in engine.output_spec:
+        array = into[name]
+        view = kept.get(id(array))
+        if view is None or view[0] is not array:  # (an id is another array's once the first is gone)
+            if len(kept) >= ROW_VIEWS_KEPT:
+                kept.clear()
+            view = kept[id(array)] = (array, backends.TORCH.from_host(array, None))
+        targets[name] = view[1]
+    return targets
 
 
 def _unpadded(operation, values, second, rows, size):

@@ -26,8 +26,13 @@ from dsched.worker.result_placement import run_and_write
 
 __all__ = ["KeptPlans", "KeptPrograms", "PLANS_KEPT", "PLACE_FROM"]
 
-PLANS_KEPT = 4  # plans a feed keeps (a plan holds its inputs' mappings: older ones are let go)
-OUTPUTS_KEPT = 4  # output segments per plan whose rows are kept mapped (the pool lends a few in turn)
+# Plans a feed keeps (a plan holds its inputs' mappings: older ones are let go). A NEML2 model with a history reads
+# its old state as numbers in its first steps (a plan per step until its state is all arrays), and its steady plan
+# has a few placements (dsched.dispatch.replay.INPUTS_KEPT): all of them kept, a solver's steps send no chunks again.
+PLANS_KEPT = 8
+# Output segments per plan whose rows are kept mapped. The pool lends a few in turn: a solver holding its last two
+# steps' outputs while the next call's are allocated (dsched.dispatch.replay's spare) cycles through five.
+OUTPUTS_KEPT = 8
 PLACE_FROM = 1 << 18  # bytes of a chunk's outputs from which its results are allocated in their rows
 
 
@@ -162,7 +167,8 @@ def run_kept(program, device, chunk, slot, rows, plan, moves=None):
         out = rows.views if rows.views is not None else slot.views(rows)
     else:
         out = None
-    if rows and program.place_results and rows.nbytes >= PLACE_FROM:  # a copy worth saving
+    # A copy worth saving: results allocated in their rows. Not for a model given its rows (out=): it computes there.
+    if out is None and rows and program.place_results and rows.nbytes >= PLACE_FROM:
         return run_and_write(program, slot, rows, lambda: program.run(device, work, out), device)
     on_host = getattr(program.do_work, "on_host", None) if plan.on_host else None  # dispatch's: nothing to move
     token = enter_device(device)  # running_on(device); no GPU to select
