@@ -105,6 +105,20 @@ def test_a_replay_whose_last_call_waited_long_sleeps_at_once_rather_than_look_fo
     assert len(runs["replay"]) == 4 and first.plan.spare is None
 
 
+def test_no_room_for_the_next_call_s_outputs_costs_this_call_nothing(client, runs, monkeypatch):
+    """The outputs a replay allocates for the next call while it waits are a bet: shared memory full then
+    (``ENOSPC``) fails neither this call nor the next, which allocates its own."""
+    def full(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(replay.ReplayPlan, "prepare_spare", full)
+    d = dsched.WorkDispatcher(one_wave(), slow_triple, join="concat", client=client)
+    x = np.arange(400.0)
+    for k in range(5):
+        np.testing.assert_array_equal(d.run(dsched.ArrayLoader(x + k)), 3 * (x + k))
+    assert len(runs["replay"]) == 3 and runs["replay"][-1].long_wait and runs["replay"][-1].plan.spare is None
+
+
 def test_inputs_of_alternating_layouts_each_keep_their_path_and_replay(client, runs):
     """A solver's first steps pass its old state as scalars, the next ones as arrays: each layout of the inputs
     keeps its own steady path and replay, so alternating between them never falls back to the full way."""

@@ -435,7 +435,10 @@ class ReplayRun(SteadyRun):
         sent = time.perf_counter()
         self._watch()
         if self.long_wait and self.data.out is None:  # a long wait ahead: the next call's outputs, made now
-            self.plan.prepare_spare(self.data)
+            try:
+                self.plan.prepare_spare(self.data)
+            except (OSError, MemoryError):  # no room for them now: the next call allocates its own, or says why
+                pass
         while self.in_flight:
             self._wait()
         self.plan.waited = time.perf_counter() - sent
