@@ -89,7 +89,7 @@ def test_read_only_arrays_become_tensors_without_a_warning_in_a_fresh_process():
         "t, u = backends.TORCH.from_host(a, None), backends.TORCH.from_host(b, None)\n"
         "assert t.tolist() == [0.0, 1.0, 2.0] and u.tolist() == [0.0, 2.0], (t, u)\n"
         "assert t.data_ptr() == a.ctypes.data and u.data_ptr() == b.ctypes.data\n"
-        "assert backends._read_only_warned\n"
+        "assert backends.TORCH.read_only_warned\n"
         "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

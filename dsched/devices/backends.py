@@ -274,6 +274,7 @@ class CuPyBackend(Backend):
 
 class TorchBackend(Backend):
     name = "torch"
+    read_only_warned = False  # torch gave (and from_host silenced) its once-per-process read-only array warning
 
     def owns(self, x):
         torch = sys.modules.get("torch")
@@ -287,7 +288,7 @@ class TorchBackend(Backend):
     def from_host(self, array, like):
         import torch
 
-        if _read_only_warned or array.flags.writeable:
+        if self.read_only_warned or array.flags.writeable:
             return torch.from_numpy(array)
         with warnings.catch_warnings():
             # A read-only array (shared memory mapped read-only) gives a tensor that must not be written;
@@ -295,7 +296,7 @@ class TorchBackend(Backend):
             # (silenced here), it never warns again: later calls skip the filter's cost (a step's every input).
             warnings.simplefilter("ignore", UserWarning)
             tensor = torch.from_numpy(array)
-        _silenced_read_only_warning()
+        TorchBackend.read_only_warned = True
         return tensor
 
     def to_device(self, x, device, keep_grad=False):
@@ -421,14 +422,6 @@ class StreamedBackend(Backend):
 NUMPY, CUPY, TORCH, NEML2, STREAMED = NumPyBackend(), CuPyBackend(), TorchBackend(), NEML2Backend(), StreamedBackend()
 # NEML2 before torch: its wrappers are not tensors, but the order states the intent.
 BACKENDS = (NUMPY, NEML2, TORCH, CUPY, STREAMED)
-
-
-_read_only_warned = False  # torch has given (and dsched silenced) its once-per-process read-only array warning
-
-
-def _silenced_read_only_warning():
-    global _read_only_warned
-    _read_only_warned = True
 
 
 def backend_of(x, strict: bool = True) -> Backend | None:
