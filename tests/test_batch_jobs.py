@@ -128,17 +128,29 @@ def test_the_next_queue_takes_on_the_thread_of_a_stopped_one():
 
 def test_a_stop_while_a_caller_runs_the_last_job_ends_once_that_job_ends():
     # The queue's thread asleep (a solver's queue, no push for a while) while the caller runs the last job itself:
-    # that job's end must wake the thread to leave, or stop() waits for it forever.
-    queue, go = JobQueue(name="test-batch"), threading.Event()
-    queue._solver = True  # the caller runs its own job; the thread only looks
-    job = Job("last", (), (), lambda job: go.wait(10))
-    queue.push(job)
-    helper = threading.Thread(target=queue.help, args=(job,))
-    helper.start()
-    for _ in range(1000):  # the thread, past its looks, asleep until the next push
-        if queue._asleep and queue._running is job:
+    # that job's end must wake the thread to leave, or stop() waits for it forever. The caller must claim the job
+    # within HAND_OFF_SECONDS (2 ms), else the queue's thread runs it: on a loaded machine, tried again.
+    for _ in range(10):
+        queue, go, started = JobQueue(name="test-batch"), threading.Event(), []
+        queue._solver = True  # the caller runs its own job; the thread only looks
+        job = Job("last", (), (), lambda job: (started.append(threading.current_thread()), go.wait(10)))
+        queue.push(job)
+        helper = threading.Thread(target=queue.help, args=(job,))
+        helper.start()
+        for _ in range(1000):  # the thread, past its looks, asleep until the next push
+            if queue._asleep and queue._running is job or started and started[0] is not helper:
+                break
+            threading.Event().wait(0.01)
+        for _ in range(1000):  # claimed: its run starts at once
+            if started:
+                break
+            threading.Event().wait(0.01)
+        if started and started[0] is helper:
             break
-        threading.Event().wait(0.01)
+        go.set()  # the queue's thread took the job: not the case under test
+        queue.stop(timeout=10)
+        helper.join(10)
+    assert started and started[0] is helper, "the caller never claimed its job within the hand-off"
     assert queue._asleep and queue._running is job
     stopping = threading.Thread(target=queue.stop)
     stopping.start()
