@@ -168,8 +168,8 @@ class ReplayPlan:
     def prepare_spare(self, data):
         """Allocate the next replay's outputs now, while this one's chunks run: ``data``'s layout, size and axis,
         in shared memory. A solver's next call takes them (:meth:`take_spare`) instead of allocating its own
-        between its call and its messages, where the workers wait for it."""
-        self.drop_spare()
+        between its call and its messages, where the workers wait for it. The run took the last spare as it
+        began (:meth:`take_spare`), so there is none to replace."""
         self.spare = ReplayData(data.generator, data.layout, data.axis, None)
         self.spare.generator = None  # this call's inputs are not kept past it (the next call's are its own)
 

@@ -49,9 +49,8 @@ def numpy_storage(shape, dtype):
 
 def as_neml2_value(value, variable_type, device, torch):
     """An input as NEML2 takes it on ``device``: typed tensors kept, arrays as float64 tensors, a number in every component."""
-    if type(value) is np.ndarray and device.type == "cpu" and min(value.strides, default=0) >= 0:
-        return variable_type(backends.TORCH.from_host(value, None))  # a solver's usual input, its checks below skipped
-    backend = backends.backend_of(value)
+    # A NumPy array (a solver's usual input) is told by its type, not by asking every backend in turn.
+    backend = backends.NUMPY if type(value) is np.ndarray else backends.backend_of(value)
     if backend is None:
         base = tuple(getattr(variable_type, "BASE_SHAPE", ()))
         return variable_type(torch.full(base, float(value), dtype=torch.float64, device=device))
